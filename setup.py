@@ -1,0 +1,22 @@
+from setuptools import setup
+
+setup(
+    name="tf_sharded",
+    version="0.1.0",
+    description="Sharded embedding tables for TensorFlow 2 distribution strategies",
+    python_requires=">=3.9,<3.13",
+    packages=["tf_sharded", "tf_sharded.strategy"],
+    package_dir={"tf_sharded": "tf_sharded", "tf_sharded.strategy": "strategy"},
+    install_requires=[
+        "tensorflow==2.16.2",
+        "tensorflow-io==0.37.1",
+        "numpy<2",
+        "absl-py",
+        "keras>=3.0,<3.16",
+        "portpicker",
+    ],
+    extras_require={
+        "test": ["pytest", "hypothesis", "ruff", "psutil"],
+    },
+    entry_points={"console_scripts": ["tf-sharded=tf_sharded.__main__:main"]},
+)

@@ -1,0 +1,240 @@
+"""Local clusters: the embedded default for the demo, the tests and notebooks.
+
+Two modes:
+
+* `"inprocess"`: one `tf.distribute.Server` per task inside this process
+  (fast; servers cannot be shut down, so there is at most one such cluster
+  per process and asking again for the same shape returns it);
+* `"process"`: one OS process per task, each with its own `TF_CONFIG`,
+  stopped when the cluster is closed, when this process exits, or when it
+  fails to start.
+
+Worker servers get `inter_op_parallelism_threads >= num_workers + 1`:
+with fewer, coordinator steps can dead-lock on small machines.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+import tensorflow as tf
+
+MODES = ("inprocess", "process")
+_INPROCESS: Optional[LocalCluster] = None
+
+
+def _pick_ports(count: int) -> List[int]:
+    import portpicker
+
+    return [portpicker.pick_unused_port() for _ in range(count)]
+
+
+def _worker_config(num_workers: int) -> tf.compat.v1.ConfigProto:
+    config = tf.compat.v1.ConfigProto()
+    config.inter_op_parallelism_threads = max(num_workers + 1, os.cpu_count() or 1)
+    return config
+
+
+def _wait_for_ports(addresses: List[str], timeout: float, procs=None) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(addresses)
+    while pending:
+        if procs:
+            for p in procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"A cluster task exited with code {p.returncode} before it was ready")
+        host, port = pending[0].rsplit(":", 1)
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                pending.pop(0)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Cluster tasks {pending} did not start within {timeout:.0f}s") from None
+            time.sleep(0.2)
+
+
+class LocalCluster:
+    """A parameter-server cluster on localhost.
+
+    Args:
+      num_workers: worker tasks (>= 1).
+      num_ps: parameter-server tasks (>= 1).
+      mode: "inprocess" or "process".
+      start_timeout: seconds to wait for "process" tasks to listen.
+
+    Example (not executed here: starting servers is for the tests):
+
+        with tfs.cluster.LocalCluster(num_workers=2, num_ps=2) as cluster:
+            strategy = cluster.strategy()
+            with strategy.scope():
+                table = strategy.create_sharded_variable("t", [1000, 16])
+    """
+
+    def __init__(self, num_workers: int = 2, num_ps: int = 2, mode: str = "inprocess", start_timeout: float = 60.0):
+        for arg, value in (("num_workers", num_workers), ("num_ps", num_ps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Argument `{arg}` must be a positive int. Received: {arg}={value!r}")
+        if mode not in MODES:
+            raise ValueError(f"Argument `mode` must be one of {MODES}. Received: mode={mode!r}")
+        self.num_workers = num_workers
+        self.num_ps = num_ps
+        self.mode = mode
+        self.start_timeout = start_timeout
+        self._procs: List[subprocess.Popen] = []
+        self._servers = []
+        self._started = False
+        self._strategies: Dict[object, tf.distribute.experimental.ParameterServerStrategy] = {}
+        self.cluster_dict: Dict[str, List[str]] = {}
+
+    # ------------------------------------------------------------------ life --
+
+    def start(self) -> LocalCluster:
+        """Starts the tasks (idempotent)."""
+        if self._started:
+            return self
+        ports = _pick_ports(self.num_workers + self.num_ps)
+        self.cluster_dict = {
+            "worker": [f"localhost:{p}" for p in ports[: self.num_workers]],
+            "ps": [f"localhost:{p}" for p in ports[self.num_workers :]],
+        }
+        if self.mode == "inprocess":
+            self._start_inprocess()
+        else:
+            self._start_processes()
+        self._started = True
+        return self
+
+    def _start_inprocess(self) -> None:
+        spec = tf.train.ClusterSpec(self.cluster_dict)
+        config = _worker_config(self.num_workers)
+        for i in range(self.num_workers):
+            self._servers.append(
+                tf.distribute.Server(spec, job_name="worker", task_index=i, config=config, protocol="grpc", start=True)
+            )
+        for i in range(self.num_ps):
+            self._servers.append(tf.distribute.Server(spec, job_name="ps", task_index=i, protocol="grpc", start=True))
+
+    def _start_processes(self) -> None:
+        atexit.register(self.stop)
+        try:
+            for job in ("worker", "ps"):
+                for i in range(len(self.cluster_dict[job])):
+                    env = dict(os.environ)
+                    env["TF_CONFIG"] = json.dumps({"cluster": self.cluster_dict, "task": {"type": job, "index": i}})
+                    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+                    self._procs.append(
+                        subprocess.Popen(
+                            [sys.executable, "-m", "tf_sharded.cluster", "--serve", str(self.num_workers)],
+                            env=env,
+                            stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL,
+                            start_new_session=True,
+                        )
+                    )
+            _wait_for_ports(self.cluster_dict["worker"] + self.cluster_dict["ps"], self.start_timeout, self._procs)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stops "process" tasks; in-process servers live as long as the process."""
+        for p in self._procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for p in self._procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        self._procs = []
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def pids(self) -> List[int]:
+        """OS process ids of the tasks ("process" mode)."""
+        return [p.pid for p in self._procs]
+
+    # --------------------------------------------------------------- clients --
+
+    @property
+    def resolver(self) -> tf.distribute.cluster_resolver.SimpleClusterResolver:
+        """A cluster resolver for the coordinator (this process)."""
+        self.start()
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(self.cluster_dict), rpc_layer="grpc"
+        )
+
+    def strategy(self, variable_partitioner=None) -> tf.distribute.experimental.ParameterServerStrategy:
+        """A `ParameterServerStrategy` on this cluster (cached per partitioner)."""
+        key = variable_partitioner
+        if key not in self._strategies:
+            self._strategies[key] = tf.distribute.experimental.ParameterServerStrategy(
+                self.resolver, variable_partitioner=variable_partitioner
+            )
+        return self._strategies[key]
+
+    def coordinator(self, strategy=None) -> tf.distribute.experimental.coordinator.ClusterCoordinator:
+        """The `ClusterCoordinator` of `strategy` (default: `self.strategy()`)."""
+        return tf.distribute.experimental.coordinator.ClusterCoordinator(strategy or self.strategy())
+
+    def __repr__(self):
+        return f"LocalCluster(num_workers={self.num_workers}, num_ps={self.num_ps}, mode={self.mode!r})"
+
+
+def local_cluster(num_workers: int = 2, num_ps: int = 2, mode: str = "inprocess") -> LocalCluster:
+    """Starts (or returns the running) local cluster.
+
+    In-process servers can never be shut down, so this process keeps one
+    in-process cluster: asking again for the same shape returns it, asking for
+    another shape is an error. "process" clusters are new each call.
+    """
+    global _INPROCESS
+    if mode == "inprocess":
+        if _INPROCESS is not None:
+            if (_INPROCESS.num_workers, _INPROCESS.num_ps) != (num_workers, num_ps):
+                raise ValueError(
+                    f"This process already runs an in-process cluster with num_workers="
+                    f"{_INPROCESS.num_workers}, num_ps={_INPROCESS.num_ps}; in-process servers cannot "
+                    f"be stopped. Received: num_workers={num_workers}, num_ps={num_ps}. Use "
+                    "mode='process' for a second cluster."
+                )
+            return _INPROCESS
+        _INPROCESS = LocalCluster(num_workers, num_ps, "inprocess").start()
+        return _INPROCESS
+    return LocalCluster(num_workers, num_ps, mode).start()
+
+
+def _serve(num_workers: int) -> None:
+    """Entry point of a "process" task: serve the task named by TF_CONFIG."""
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    job, index = resolver.task_type, resolver.task_id
+    config = _worker_config(num_workers) if job == "worker" else None
+    server = tf.distribute.Server(
+        resolver.cluster_spec(), job_name=job, task_index=index, config=config, protocol="grpc", start=True
+    )
+    server.join()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 3 and sys.argv[1] == "--serve":
+        _serve(int(sys.argv[2]))
+    else:
+        print("usage: python -m tf_sharded.cluster --serve NUM_WORKERS", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,80 @@
+"""Exception types raised by tf_sharded.
+
+Every error follows one grammar: it names the argument, says what was
+expected and what was received, and, where the user is on a wrong path,
+points at the right one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def describe(value: Any) -> str:
+    """Renders `value` for an error message as `repr (of type T)`."""
+    text = repr(value)
+    if len(text) > 120:
+        text = text[:117] + "..."
+    return f"{text} (of type {type(value).__name__})"
+
+
+class ShardedError(Exception):
+    """Base class of the errors that tf_sharded defines itself."""
+
+
+class UnsupportedStrategyError(ShardedError, TypeError):
+    """Raised when a sharded variable is requested under a strategy we do not serve.
+
+    Attributes:
+      strategy: the strategy that was in scope.
+      supported: names of the strategy types that have a registered hook.
+    """
+
+    def __init__(self, strategy: Any, supported: list[str]):
+        self.strategy = strategy
+        self.supported = list(supported)
+        super().__init__(
+            "`strategy` must be one of the strategies tf_sharded supports: "
+            f"{', '.join(self.supported)}. Received: strategy="
+            f"{type(strategy).__name__}. It looks like you are creating a sharded "
+            "variable under a strategy without a tf_sharded hook; please use one "
+            "of the supported strategies, or create the table outside its scope."
+        )
+
+
+class LayoutMismatchError(ShardedError, ValueError):
+    """Raised when a checkpointed table cannot be restored into a variable.
+
+    Attributes:
+      name: the variable being restored.
+      checkpoint_key: the key of the table in the checkpoint.
+      saved_shape: full logical shape found in the checkpoint.
+      saved_dtype: dtype found in the checkpoint.
+      expected_shape: full logical shape of the restoring variable.
+      expected_dtype: dtype of the restoring variable.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        checkpoint_key: str,
+        saved_shape: Any,
+        saved_dtype: Any,
+        expected_shape: Any,
+        expected_dtype: Any,
+    ):
+        self.name = name
+        self.checkpoint_key = checkpoint_key
+        self.saved_shape = list(saved_shape)
+        self.saved_dtype = saved_dtype
+        self.expected_shape = list(expected_shape)
+        self.expected_dtype = expected_dtype
+        super().__init__(
+            f"Cannot restore checkpoint entry `{checkpoint_key}` into sharded "
+            f"variable '{name}': the checkpoint holds shape {self.saved_shape} "
+            f"dtype {getattr(saved_dtype, 'name', saved_dtype)}, the variable "
+            f"expects shape {self.expected_shape} dtype "
+            f"{getattr(expected_dtype, 'name', expected_dtype)}. Nothing was "
+            "assigned. Create the variable with the checkpoint's full shape and "
+            "dtype (the number of shards and the scheme may differ)."
+        )

@@ -1,0 +1,219 @@
+"""Row lookups on sharded tables: dense ids and multi-hot (sparse / ragged) ids.
+
+A lookup de-duplicates its ids, routes each distinct id to the shard that
+owns it, gathers there, and stitches the rows back in the caller's order.
+Its gradient is assembled by hand: upstream rows are summed per distinct id
+and handed to each shard as an `IndexedSlices` of that shard's local rows,
+so nothing on the backward path is dense or table-sized.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import tensorflow as tf
+
+from tf_sharded.sharded_variable import ShardedVariable
+
+COMBINERS = ("sum", "mean", "sqrtn")
+
+
+def _clip_rows(rows: tf.Tensor, max_norm: float, inner_axes):
+    norms = tf.sqrt(tf.reduce_sum(tf.square(rows), axis=inner_axes, keepdims=True))
+    scale = tf.where(norms > max_norm, max_norm / tf.maximum(norms, 1e-30), tf.ones_like(norms))
+    return rows * scale, norms, scale
+
+
+def _unclip_grad(grad, rows, norms, scale, max_norm, inner_axes):
+    # d/dx [x * m/|x|] = (m/|x|) (g - x (x.g)/|x|^2) where the row was clipped.
+    dot = tf.reduce_sum(grad * rows, axis=inner_axes, keepdims=True)
+    clipped = norms > max_norm
+    projected = scale * (grad - rows * dot / tf.maximum(tf.square(norms), 1e-30))
+    return tf.where(clipped, projected, grad)
+
+
+def _variable_key(v) -> str:
+    return v.name
+
+
+def _lookup_flat(table: ShardedVariable, flat_ids: tf.Tensor, max_norm: Optional[float]) -> tf.Tensor:
+    """Rows for int64 ids of rank 1, with a sparse, per-shard gradient."""
+    uniq, idx = tf.unique(flat_ids, out_idx=tf.int32)
+    num_unique = tf.size(uniq)
+    shard, locals_, positions = table._partition_rows(uniq)
+    shards = table.variables
+    n = len(shards)
+    inner_axes = list(range(1, table.shape.rank))
+
+    @tf.custom_gradient
+    def gather_rows():
+        parts = []
+        for v, local in zip(shards, locals_):
+            with tf.device(v.device):
+                parts.append(tf.gather(v, local))
+        rows = parts[0] if n == 1 else tf.dynamic_stitch(positions, parts)
+        clip = None
+        if max_norm is not None and inner_axes:
+            raw = rows
+            rows, norms, scale = _clip_rows(rows, max_norm, inner_axes)
+            clip = (raw, norms, scale)
+        out = tf.gather(rows, idx)
+
+        def grad(dy, variables=None):
+            g = tf.math.unsorted_segment_sum(dy, idx, num_unique)
+            if clip is not None:
+                g = _unclip_grad(g, clip[0], clip[1], clip[2], max_norm, inner_axes)
+            g_parts = [g] if n == 1 else tf.dynamic_partition(g, shard, n)
+            by_name = {}
+            for v, local, part in zip(shards, locals_, g_parts):
+                by_name[_variable_key(v)] = tf.IndexedSlices(part, local, tf.shape(v, out_type=tf.int64))
+            variables = variables or []
+            return [], [by_name.get(_variable_key(v)) for v in variables]
+
+        return out, grad
+
+    return gather_rows()
+
+
+def embedding_lookup(
+    params: ShardedVariable, ids, max_norm: Optional[float] = None, name: Optional[str] = None
+) -> tf.Tensor:
+    """Looks up rows of a sharded table; the result has shape `ids.shape + row_shape`.
+
+    `tf.nn.embedding_lookup(table, ids)` dispatches here when `table` is a
+    `tfs.ShardedVariable`. Distinct ids are fetched once each from the shard
+    that owns them; the gradient reaches each shard as `tf.IndexedSlices`.
+
+    Args:
+      params: the sharded table.
+      ids: int32 or int64 ids of rank 0 to 3, duplicates allowed, each in
+        `[0, params.shape[0])`.
+      max_norm: if set, rows whose L2 norm exceeds it are scaled down to it.
+      name: optional name scope.
+
+    Returns:
+      A tensor of `params.dtype`.
+
+    Raises:
+      TypeError: `ids` are not integers.
+      ValueError: `ids` have rank above 3.
+      tf.errors.InvalidArgumentError: an id is negative or `>= params.shape[0]`.
+
+    Example:
+
+    >>> import tf_sharded as tfs
+    >>> table = tfs.create_sharded_variable(
+    ...     "lookup_doc", shape=[6, 2], initializer=np.arange(12.).reshape(6, 2),
+    ...     partitions=tfs.PartitionSpec(2, scheme="mod"))
+    >>> tfs.embedding_lookup(table, [[5, 0], [5, 5]]).numpy().tolist()
+    [[[10.0, 11.0], [0.0, 1.0]], [[10.0, 11.0], [10.0, 11.0]]]
+    """
+    if not isinstance(params, ShardedVariable):
+        return tf.nn.embedding_lookup(params, ids, max_norm=max_norm, name=name)
+    if max_norm is not None and (not isinstance(max_norm, (int, float)) or max_norm <= 0):
+        raise ValueError(f"Argument `max_norm` must be a positive number or None. Received: max_norm={max_norm!r}")
+    with tf.name_scope(name or f"{params.name}_lookup"):
+        ids64, flat = params._check(ids)
+        rows = _lookup_flat(params, flat, max_norm)
+        out_shape = tf.concat([tf.shape(ids64), tf.constant(params.shape.as_list()[1:], tf.int32)], 0)
+        out = tf.reshape(rows, out_shape)
+        if ids64.shape.rank is not None:
+            out.set_shape(ids64.shape.concatenate(params.shape[1:]))
+        return out
+
+
+def _components(ids, arg: str):
+    """(values, row_ids, num_rows, structure) of SparseTensor / RaggedTensor ids."""
+    if isinstance(ids, tf.RaggedTensor):
+        if ids.ragged_rank != 1:
+            raise ValueError(f"Argument `{arg}` must be a 2-D RaggedTensor. Received: ragged_rank={ids.ragged_rank}")
+        return ids.values, ids.value_rowids(), ids.nrows(), "ragged"
+    if isinstance(ids, tf.SparseTensor):
+        if ids.shape.rank is not None and ids.shape.rank != 2:
+            raise ValueError(f"Argument `{arg}` must be a 2-D SparseTensor. Received: rank {ids.shape.rank}")
+        return ids.values, ids.indices[:, 0], ids.dense_shape[0], "sparse"
+    raise TypeError(
+        f"Argument `{arg}` must be a tf.SparseTensor or tf.RaggedTensor of shape [batch, None]. "
+        f"Received: {type(ids).__name__}. For dense ids use tfs.embedding_lookup."
+    )
+
+
+def embedding_lookup_sparse(
+    params: ShardedVariable,
+    ids: Union[tf.SparseTensor, tf.RaggedTensor],
+    weights: Union[tf.SparseTensor, tf.RaggedTensor, None] = None,
+    combiner: str = "mean",
+    max_norm: Optional[float] = None,
+    name: Optional[str] = None,
+) -> tf.Tensor:
+    """Combines the rows of each example's multi-hot ids into one vector.
+
+    Args:
+      params: the sharded table.
+      ids: `tf.SparseTensor` or `tf.RaggedTensor` of shape `[batch, None]`.
+      weights: None (all 1) or per-id weights with the same structure.
+      combiner: "sum", "mean" (weighted mean) or "sqrtn" (sum divided by the
+        L2 norm of the weights). Examples without ids get zeros.
+      max_norm: optional row clipping, as in `embedding_lookup`.
+      name: optional name scope.
+
+    Returns:
+      A `[batch] + row_shape` tensor.
+
+    Example:
+
+    >>> import tf_sharded as tfs
+    >>> table = tfs.create_sharded_variable(
+    ...     "sparse_doc", shape=[4, 1], initializer=[[1.], [2.], [3.], [4.]], partitions=2)
+    >>> ids = tf.ragged.constant([[0, 3], [2], []], dtype=tf.int64)
+    >>> tfs.embedding_lookup_sparse(table, ids, combiner="sum").numpy().ravel().tolist()
+    [5.0, 3.0, 0.0]
+    """
+    if combiner not in COMBINERS:
+        raise ValueError(f"Argument `combiner` must be one of {COMBINERS}. Received: combiner={combiner!r}")
+    if not isinstance(params, ShardedVariable):
+        raise TypeError(
+            f"Argument `params` must be a tfs.ShardedVariable. Received: {type(params).__name__}. "
+            "For plain tables use tf.nn.embedding_lookup_sparse."
+        )
+    values, row_ids, num_rows, kind = _components(ids, "ids")
+    with tf.name_scope(name or f"{params.name}_lookup_sparse"):
+        _, flat = params._check(values, arg="ids", max_rank=1)
+        rows = _lookup_flat(params, flat, max_norm)
+        row_ids = tf.cast(row_ids, tf.int32)
+        num_rows = tf.cast(num_rows, tf.int32)
+        if weights is None:
+            w = tf.ones_like(flat, dtype=params.dtype)
+        else:
+            w_values, _, _, w_kind = _components(weights, "weights")
+            if w_kind != kind:
+                raise TypeError(
+                    f"Argument `weights` must have the same structure as `ids` ({kind}). Received: {w_kind}"
+                )
+            w = tf.cast(w_values, params.dtype)
+            tf.debugging.assert_equal(
+                tf.size(w), tf.size(flat), message="Argument `weights` must have one weight per id"
+            )
+        inner_rank = params.shape.rank - 1
+        w_b = tf.reshape(w, tf.concat([tf.shape(w), tf.ones([inner_rank], tf.int32)], 0))
+        total = tf.math.unsorted_segment_sum(rows * w_b, row_ids, num_rows)
+        if combiner == "sum":
+            return total
+        if combiner == "mean":
+            denom = tf.math.unsorted_segment_sum(w, row_ids, num_rows)
+        else:
+            denom = tf.sqrt(tf.math.unsorted_segment_sum(tf.square(w), row_ids, num_rows))
+        denom = tf.reshape(denom, tf.concat([tf.shape(denom), tf.ones([inner_rank], tf.int32)], 0))
+        return tf.math.divide_no_nan(total, denom)
+
+
+@tf.experimental.dispatch_for_api(tf.nn.embedding_lookup, {"params": ShardedVariable})
+def _dispatch_embedding_lookup(params, ids, max_norm=None, name=None):
+    return embedding_lookup(params, ids, max_norm=max_norm, name=name)
+
+
+@tf.experimental.dispatch_for_api(tf.nn.embedding_lookup_sparse, {"params": ShardedVariable})
+def _dispatch_embedding_lookup_sparse(
+    params, sp_ids, sp_weights, combiner=None, max_norm=None, name=None, allow_fast_lookup=False
+):
+    return embedding_lookup_sparse(params, sp_ids, sp_weights, combiner or "mean", max_norm, name)

@@ -1,0 +1,413 @@
+"""`ShardedVariable`: one logical table stored as several `tf.Variable` shards.
+
+Every operation on the training path (row lookup, gradient, scatter) is
+routed shard by shard and runs on the device that holds the shard; only
+`read_value()`, `numpy()` and checkpoint/export paths ever see the whole
+table. Checkpoints store the logical table under one full-shape key as
+contiguous row slices, so any layout can restore any other.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tf_sharded import _compat
+from tf_sharded.errors import LayoutMismatchError
+from tf_sharded.partition import Layout, PartitionSpec
+
+MAX_IDS_RANK = 3
+
+
+def check_ids(ids, num_rows: int, table_name: str, arg: str = "ids", max_rank: Optional[int] = MAX_IDS_RANK):
+    """Validates row ids and returns `(ids_int64, flat_ids_int64)`.
+
+    Static problems (dtype, rank) raise at once; value problems (negative or
+    out-of-range ids) raise `tf.errors.InvalidArgumentError` from an assertion
+    that every use of the ids depends on, eagerly and inside `tf.function`.
+    """
+    if isinstance(ids, (tf.SparseTensor, tf.RaggedTensor)):
+        raise TypeError(
+            f"Argument `{arg}` must be a dense integer tensor. Received: a "
+            f"{type(ids).__name__}. For multi-hot ids use tfs.embedding_lookup_sparse."
+        )
+    if not isinstance(ids, tf.Tensor):
+        array = np.asarray(ids)
+        if array.dtype.kind not in "iu":
+            raise TypeError(
+                f"Argument `{arg}` must hold integers (int32 or int64). Received: {arg} of "
+                f"dtype {array.dtype} for table '{table_name}'"
+            )
+        ids = tf.convert_to_tensor(array.astype(np.int64) if array.dtype.kind == "u" else array)
+    if ids.dtype not in (tf.int32, tf.int64):
+        raise TypeError(
+            f"Argument `{arg}` must be an int32 or int64 tensor. Received: {arg} of dtype "
+            f"{ids.dtype.name} for table '{table_name}'"
+        )
+    rank = ids.shape.rank
+    if max_rank is not None and rank is not None and rank > max_rank:
+        raise ValueError(
+            f"Argument `{arg}` must have rank 0 to {max_rank}. Received: {arg} of rank {rank} "
+            f"(shape {ids.shape.as_list()}) for table '{table_name}'"
+        )
+    ids = tf.cast(ids, tf.int64)
+    flat = tf.reshape(ids, [-1])
+    low = tf.reduce_min(tf.concat([flat, [0]], 0))
+    high = tf.reduce_max(tf.concat([flat, [0]], 0))
+    ok = tf.logical_and(low >= 0, high < num_rows)
+    check = tf.debugging.Assert(
+        ok,
+        [
+            f"Argument `{arg}` must hold row ids in [0, {num_rows}) for table '{table_name}'. Received: smallest id",
+            low,
+            "largest id",
+            high,
+        ],
+        summarize=4,
+    )
+    with tf.control_dependencies([check]):
+        return tf.identity(ids), tf.identity(flat)
+
+
+def _slice_spec(full_shape, start: int, length: int) -> str:
+    dims = " ".join(str(int(d)) for d in full_shape)
+    rest = "".join(":-" for _ in full_shape[1:])
+    return f"{dims} {start},{length}{rest}"
+
+
+class ShardedVariable(_compat.Trackable):
+    """A table split along its rows into shard variables, possibly on many devices.
+
+    Create one with `strategy.create_sharded_variable(...)` or
+    `tfs.create_sharded_variable(...)`; the constructor is for strategy hooks.
+
+    Example:
+
+    >>> import tf_sharded as tfs
+    >>> table = tfs.create_sharded_variable(
+    ...     "doc_table", shape=[10, 2], initializer="ones", partitions=3)
+    >>> table.num_shards, [v.shape[0] for v in table.variables]
+    (3, [4, 3, 3])
+    >>> tf.nn.embedding_lookup(table, [9, 0]).numpy().tolist()
+    [[1.0, 1.0], [1.0, 1.0]]
+    """
+
+    def __init__(
+        self,
+        variables: Sequence[tf.Variable],
+        layout: Layout,
+        name: str,
+        shape,
+        dtype,
+        strategy: Optional[tf.distribute.Strategy] = None,
+    ):
+        self._variables = tuple(variables)
+        self._layout = layout
+        self._name = name
+        self._shape = tf.TensorShape(shape)
+        self._dtype = tf.as_dtype(dtype)
+        self._strategy = strategy
+        for i, v in enumerate(self._variables):
+            expected = [layout.shard_sizes[i]] + self._shape.as_list()[1:]
+            if v.shape.as_list() != expected:
+                raise ValueError(f"Shard {i} of '{name}' must have shape {expected}. Received: {v.shape.as_list()}")
+
+    # -------------------------------------------------------------- metadata --
+
+    @property
+    def variables(self) -> tuple:
+        """The shard variables, in shard order."""
+        return self._variables
+
+    @property
+    def trainable_variables(self) -> tuple:
+        return tuple(v for v in self._variables if v.trainable)
+
+    @property
+    def shape(self) -> tf.TensorShape:
+        """Full logical shape."""
+        return self._shape
+
+    @property
+    def dtype(self) -> tf.DType:
+        return self._dtype
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def partition(self) -> PartitionSpec:
+        """The `PartitionSpec` this table was created with."""
+        return self._layout.spec
+
+    @property
+    def layout(self) -> Layout:
+        """The partition bound to this table's rows."""
+        return self._layout
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._variables)
+
+    @property
+    def trainable(self) -> bool:
+        return self._variables[0].trainable
+
+    @property
+    def devices(self) -> tuple:
+        """Device of each shard."""
+        return tuple(v.device for v in self._variables)
+
+    @property
+    def strategy(self):
+        """The strategy whose hook created this table, if any."""
+        return self._strategy
+
+    def __repr__(self):
+        return (
+            f"<tfs.ShardedVariable '{self._name}' shape={tuple(self._shape.as_list())} "
+            f"dtype={self._dtype.name} partition={self.partition!r}>"
+        )
+
+    def __len__(self):
+        return int(self._shape[0])
+
+    # ----------------------------------------------------- row-level access --
+
+    def _check(self, ids, arg: str = "ids", max_rank: Optional[int] = MAX_IDS_RANK):
+        return check_ids(ids, int(self._shape[0]), self._name, arg, max_rank)
+
+    def _partition_rows(self, rows: tf.Tensor):
+        """Splits int64 logical rows by owning shard.
+
+        Returns `(shard_ids, local_parts, position_parts)`: for each shard the
+        local row ids it must serve and their positions in `rows`.
+        """
+        n = self.num_shards
+        shard, local = self._layout.route(rows)
+        if n == 1:
+            return shard, [local], [tf.range(tf.size(rows, out_type=tf.int32))]
+        shard32 = tf.cast(shard, tf.int32)
+        locals_ = tf.dynamic_partition(local, shard32, n)
+        positions = tf.dynamic_partition(tf.range(tf.size(rows, out_type=tf.int32)), shard32, n)
+        return shard32, locals_, positions
+
+    def _gather_rows(self, rows: tf.Tensor) -> tf.Tensor:
+        """Rows of the table at int64 logical ids (no gradient bookkeeping)."""
+        _, locals_, positions = self._partition_rows(rows)
+        parts = []
+        for v, local in zip(self._variables, locals_):
+            with tf.device(v.device):
+                parts.append(tf.gather(v, local))
+        if len(parts) == 1:
+            return parts[0]
+        return tf.dynamic_stitch(positions, parts)
+
+    def sparse_read(self, ids, name: Optional[str] = None) -> tf.Tensor:
+        """Rows at `ids` (any shape); same as `tfs.embedding_lookup(self, ids)`."""
+        from tf_sharded.lookup import embedding_lookup
+
+        return embedding_lookup(self, ids, name=name)
+
+    def _scatter(self, method: str, sparse_delta: tf.IndexedSlices, use_locking=False, name=None):
+        if not isinstance(sparse_delta, tf.IndexedSlices):
+            raise TypeError(
+                f"Argument `sparse_delta` of {method} must be a tf.IndexedSlices. Received: "
+                f"{type(sparse_delta).__name__}"
+            )
+        _, indices = self._check(sparse_delta.indices, arg="sparse_delta.indices", max_rank=1)
+        values = tf.convert_to_tensor(sparse_delta.values, dtype=self._dtype)
+        inner = self._shape[1:]
+        if values.shape.rank is not None and not values.shape[1:].is_compatible_with(inner):
+            raise ValueError(
+                f"Argument `sparse_delta.values` of {method} must have shape [k] + {inner.as_list()}. "
+                f"Received: values of shape {values.shape.as_list()}"
+            )
+        n_values = tf.shape(values)[0]
+        same = tf.debugging.assert_equal(
+            n_values,
+            tf.size(indices, out_type=tf.int32),
+            message=f"Argument `sparse_delta` of {method}: values and indices must have the same length",
+        )
+        with tf.control_dependencies([same]):
+            shard, locals_, _ = self._partition_rows(indices)
+            # Split the values where they are; each shard receives only its rows.
+            parts = tf.dynamic_partition(values, shard, self.num_shards) if self.num_shards > 1 else [values]
+        for v, local, part in zip(self._variables, locals_, parts):
+            with tf.device(v.device):
+                getattr(v, method)(tf.IndexedSlices(part, local, v.shape), use_locking=use_locking)
+        return self
+
+    def scatter_add(self, sparse_delta, use_locking=False, name=None):
+        """Adds `sparse_delta.values` to the rows `sparse_delta.indices`."""
+        return self._scatter("scatter_add", sparse_delta, use_locking, name)
+
+    def scatter_sub(self, sparse_delta, use_locking=False, name=None):
+        """Subtracts `sparse_delta.values` from the rows `sparse_delta.indices`."""
+        return self._scatter("scatter_sub", sparse_delta, use_locking, name)
+
+    def scatter_update(self, sparse_delta, use_locking=False, name=None):
+        """Overwrites the rows `sparse_delta.indices`."""
+        return self._scatter("scatter_update", sparse_delta, use_locking, name)
+
+    def scatter_max(self, sparse_delta, use_locking=False, name=None):
+        """Element-wise max of the rows `sparse_delta.indices` and the values."""
+        return self._scatter("scatter_max", sparse_delta, use_locking, name)
+
+    def scatter_min(self, sparse_delta, use_locking=False, name=None):
+        """Element-wise min of the rows `sparse_delta.indices` and the values."""
+        return self._scatter("scatter_min", sparse_delta, use_locking, name)
+
+    # ----------------------------------------------------- whole-table access --
+
+    def _check_full(self, value, arg: str = "value") -> tf.Tensor:
+        value = tf.convert_to_tensor(value, dtype_hint=self._dtype)
+        if value.dtype != self._dtype:
+            raise TypeError(f"Argument `{arg}` must have dtype {self._dtype.name}. Received: {value.dtype.name}")
+        if not value.shape.is_compatible_with(self._shape):
+            raise ValueError(
+                f"Argument `{arg}` must have the table's full shape {self._shape.as_list()}. "
+                f"Received: shape {value.shape.as_list()}"
+            )
+        return value
+
+    def _shard_rows_of(self, value: tf.Tensor, i: int) -> tf.Tensor:
+        """The rows of a full-shape `value` that shard `i` holds, in local order."""
+        if self._layout.scheme == "div" or self.num_shards == 1:
+            start = self._layout.offsets[i]
+            return value[start : start + self._layout.shard_sizes[i]]
+        return tf.gather(value, self._layout.logical_rows_tf(i))
+
+    def _assign_full(self, method: str, value, use_locking=False, read_value=True):
+        value = self._check_full(value)
+        for i, v in enumerate(self._variables):
+            with tf.device(v.device):
+                getattr(v, method)(self._shard_rows_of(value, i), use_locking=use_locking)
+        return self.read_value() if read_value else self
+
+    def assign(self, value, use_locking=False, name=None, read_value=False):
+        """Assigns a full-shape value (split to the shards; never concatenated).
+
+        Returns `self` unless `read_value=True` (which materialises the table).
+        """
+        return self._assign_full("assign", value, use_locking, read_value)
+
+    def assign_add(self, delta, use_locking=False, name=None, read_value=False):
+        """Adds a full-shape `delta` shard by shard."""
+        return self._assign_full("assign_add", delta, use_locking, read_value)
+
+    def assign_sub(self, delta, use_locking=False, name=None, read_value=False):
+        """Subtracts a full-shape `delta` shard by shard."""
+        return self._assign_full("assign_sub", delta, use_locking, read_value)
+
+    def read_value(self) -> tf.Tensor:
+        """The whole table in logical row order: an explicit, full materialisation."""
+        parts = [tf.convert_to_tensor(v) for v in self._variables]
+        if len(parts) == 1:
+            return parts[0]
+        stacked = tf.concat(parts, axis=0)
+        if self._layout.scheme == "div":
+            return stacked
+        shard, local = self._layout.route(tf.range(int(self._shape[0]), dtype=tf.int64))
+        offsets = tf.constant(self._layout.offsets[:-1], tf.int64)
+        return tf.gather(stacked, tf.gather(offsets, shard) + local)
+
+    def numpy(self) -> np.ndarray:
+        """The whole table as a NumPy array (eager only)."""
+        if not tf.executing_eagerly():
+            raise RuntimeError("ShardedVariable.numpy() is only available eagerly; use read_value().")
+        return self.read_value().numpy()
+
+    # ------------------------------------------------------------ checkpoints --
+
+    def _checkpoint_chunks(self):
+        """Contiguous logical row ranges saved per shard device: (start, stop, shard)."""
+        if self._layout.scheme == "div" or self.num_shards == 1:
+            return [(o, o + s, i) for i, (o, s) in enumerate(zip(self._layout.offsets, self._layout.shard_sizes))]
+        even = PartitionSpec(self.num_shards).bind(int(self._shape[0]))
+        return [(o, o + s, i) for i, (o, s) in enumerate(zip(even.offsets, even.shard_sizes))]
+
+    def _read_chunk(self, start: int, stop: int, shard: int) -> tf.Tensor:
+        v = self._variables[shard]
+        with tf.device(v.device):
+            if self._layout.scheme == "div" or self.num_shards == 1:
+                return tf.identity(v.read_value())
+            return self._gather_rows(tf.range(start, stop, dtype=tf.int64))
+
+    def _gather_saveables_for_checkpoint(self):
+        # One SaveableObject with one slice per chunk: TensorFlow restores it
+        # only once every slice has been read, so a failed read assigns nothing.
+        return {_compat.VARIABLE_VALUE_KEY: lambda name: _TableSaveable(self, name)}
+
+    def _restore_chunks(self, values) -> list:
+        ops = []
+        for (start, stop, shard), value in zip(self._checkpoint_chunks(), values):
+            if self._layout.scheme == "div" or self.num_shards == 1:
+                v = self._variables[shard]
+                with tf.device(v.device):
+                    ops.append(v.assign(value, read_value=False))
+                continue
+            rows = tf.range(start, stop, dtype=tf.int64)
+            shard_ids, locals_, _ = self._partition_rows(rows)
+            parts = tf.dynamic_partition(value, shard_ids, self.num_shards)
+            for v, local, part in zip(self._variables, locals_, parts):
+                with tf.device(v.device):
+                    ops.append(v.scatter_update(tf.IndexedSlices(part, local, v.shape)))
+        return ops
+
+    def layout_config(self) -> str:
+        """JSON description of this table's layout (for tools and logs)."""
+        return json.dumps(
+            {
+                "name": self._name,
+                "shape": self._shape.as_list(),
+                "dtype": self._dtype.name,
+                "partition": self.partition.to_config(),
+                "devices": list(self.devices),
+            }
+        )
+
+
+class _TableSaveable(_compat.SaveableObject):
+    """Saves a table as contiguous slices of one full-shape checkpoint entry."""
+
+    def __init__(self, table: ShardedVariable, name: str):
+        pending = _compat.pending_restore(table)
+        if pending is not None:
+            key, saved_shape, saved_dtype = pending
+            if saved_shape is not None and (list(saved_shape) != table.shape.as_list() or saved_dtype != table.dtype):
+                raise LayoutMismatchError(table.name, key, saved_shape, saved_dtype, table.shape, table.dtype)
+        specs = []
+        for start, stop, shard in table._checkpoint_chunks():
+            specs.append(
+                _compat.save_spec(
+                    lambda a=start, b=stop, s=shard: table._read_chunk(a, b, s),
+                    _slice_spec(table.shape, start, stop - start),
+                    name,
+                    table.dtype,
+                    table.variables[shard].device,
+                )
+            )
+        self._table = table
+        super().__init__(table, specs, name)
+
+    def restore(self, restored_tensors, restored_shapes):
+        ops = self._table._restore_chunks(restored_tensors)
+        return tf.group(ops) if not tf.executing_eagerly() else tf.no_op()
+
+
+def _refuse_conversion(value, dtype=None, name=None, as_ref=False):
+    raise TypeError(
+        f"Converting ShardedVariable '{value.name}' to a dense Tensor would concatenate the whole "
+        f"table {value.shape.as_list()} on one device, which tf_sharded never does implicitly. "
+        "Use tfs.embedding_lookup(table, ids) (or tf.nn.embedding_lookup) to read rows, "
+        "table.variables for the shards, or table.read_value() if you do mean the whole table."
+    )
+
+
+tf.register_tensor_conversion_function(ShardedVariable, _refuse_conversion)
+_compat.register_dispatchable_type(ShardedVariable)
