@@ -55,6 +55,17 @@ def check_ids(ids, num_rows: int, table_name: str, arg: str = "ids", max_rank: O
         )
     ids = tf.cast(ids, tf.int64)
     flat = tf.reshape(ids, [-1])
+    if tf.executing_eagerly():
+        values = flat.numpy()
+        if values.size and (values.min() < 0 or values.max() >= num_rows):
+            bad = values[(values < 0) | (values >= num_rows)]
+            raise tf.errors.InvalidArgumentError(
+                None,
+                None,
+                f"Argument `{arg}` must hold row ids in [0, {num_rows}) for table '{table_name}'. "
+                f"Received: {bad.size} id(s) outside it, e.g. {bad[:5].tolist()}",
+            )
+        return ids, flat
     low = tf.reduce_min(tf.concat([flat, [0]], 0))
     high = tf.reduce_max(tf.concat([flat, [0]], 0))
     ok = tf.logical_and(low >= 0, high < num_rows)

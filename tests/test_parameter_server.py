@@ -1,0 +1,79 @@
+"""The shared bodies on a local parameter-server cluster (2 ps, 2 workers).
+
+`ParameterServerCoordinatorTest` runs them from the coordinator;
+`ParameterServerWorkerTest` schedules every function on a worker through
+`ClusterCoordinator` (so lookups and updates run worker -> ps).
+"""
+
+import numpy as np
+import tensorflow as tf
+
+import tf_sharded as tfs
+from tests.strategy_bodies import StrategyBodies, table_values, uid
+
+
+def ps_strategy():
+    cluster = tfs.cluster.local_cluster(num_workers=2, num_ps=2)
+    return cluster.strategy()
+
+
+class ParameterServerCoordinatorTest(StrategyBodies, tf.test.TestCase):
+    eager = True
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.strategy = ps_strategy()
+
+    def test_shards_live_round_robin_on_the_ps_tasks(self):
+        table = self.make(table_values(self.rows, self.dim), partitions=3)
+        tasks = [tf.DeviceSpec.from_string(d) for d in table.devices]
+        self.assertEqual({t.job for t in tasks}, {"ps"})
+        self.assertLen({t.task for t in tasks}, 2)
+        self.assertNotEqual(tasks[0].task, tasks[1].task)
+
+    def test_default_shard_count_is_num_ps_or_the_partitioner(self):
+        with self.strategy.scope():
+            table = self.strategy.create_sharded_variable(uid("d"), [10, 2])
+        self.assertEqual(table.num_shards, 2)
+        cluster = tfs.cluster.local_cluster(num_workers=2, num_ps=2)
+        partitioned = cluster.strategy(variable_partitioner=tfs.partitioners.FixedShards(5))
+        with partitioned.scope():
+            table = partitioned.create_sharded_variable(uid("p"), [10, 2])
+            override = partitioned.create_sharded_variable(uid("o"), [10, 2], partitions=3)
+            dense = tf.Variable(tf.zeros([10, 2]))
+        self.assertEqual(table.num_shards, 5)
+        self.assertEqual(override.num_shards, 3)
+        # TF's own partitioner still splits plain variables; ours are not split twice.
+        self.assertIsInstance(dense, tf.__internal__.distribute.ShardedVariable)
+        self.assertTrue(all(v.shape[0] in (2,) for v in table.variables))
+
+    def test_checkpoint_from_ps_restores_on_default_and_back(self):
+        values = table_values(self.rows, self.dim)
+        table = self.make(values, partitions=2, scheme="mod")
+        path = tf.train.Checkpoint(t=table).save(self.get_temp_dir() + "/ps")
+        local = tfs.create_sharded_variable(uid("l"), [self.rows, self.dim], initializer="zeros", partitions=3)
+        tf.train.Checkpoint(t=local).restore(path)
+        self.assertAllEqual(local.numpy(), values)
+        local.assign(values * 2)
+        path2 = tf.train.Checkpoint(t=local).save(self.get_temp_dir() + "/local")
+        back = self.make(np.zeros_like(values), partitions=3, scheme="balanced")
+        tf.train.Checkpoint(t=back).restore(path2)
+        self.assertAllEqual(back.numpy(), values * 2)
+
+
+class ParameterServerWorkerTest(StrategyBodies, tf.test.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.strategy = ps_strategy()
+        cls.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(cls.strategy)
+
+    def execute(self, fn, *args):
+        result = self.coordinator.schedule(fn, args=args)
+        self.coordinator.join()
+        return result.fetch()
+
+
+if __name__ == "__main__":
+    tf.test.main()
