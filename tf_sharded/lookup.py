@@ -18,22 +18,35 @@ from tf_sharded.sharded_variable import ShardedVariable
 COMBINERS = ("sum", "mean", "sqrtn")
 
 
-def _clip_rows(rows: tf.Tensor, max_norm: float, inner_axes):
+def _clip_rows(rows: tf.Tensor, max_norm: float, inner_axes) -> tf.Tensor:
     norms = tf.sqrt(tf.reduce_sum(tf.square(rows), axis=inner_axes, keepdims=True))
-    scale = tf.where(norms > max_norm, max_norm / tf.maximum(norms, 1e-30), tf.ones_like(norms))
-    return rows * scale, norms, scale
+    return rows * tf.where(norms > max_norm, max_norm / tf.maximum(norms, 1e-30), tf.ones_like(norms))
 
 
-def _unclip_grad(grad, rows, norms, scale, max_norm, inner_axes):
-    # d/dx [x * m/|x|] = (m/|x|) (g - x (x.g)/|x|^2) where the row was clipped.
-    dot = tf.reduce_sum(grad * rows, axis=inner_axes, keepdims=True)
-    clipped = norms > max_norm
-    projected = scale * (grad - rows * dot / tf.maximum(tf.square(norms), 1e-30))
-    return tf.where(clipped, projected, grad)
+def _assemble(parts, positions, shard, idx, num_unique):
+    """Rows in caller order from per-shard unique rows, with a dense-per-part gradient.
 
+    TensorFlow's own gradients of `dynamic_stitch` + `gather` would hand each
+    shard's gather an `IndexedSlices` that is then densified (with the familiar
+    "unknown shape" warning). Here the upstream rows are summed per distinct id
+    and split by shard, so each shard's `ResourceGather` gradient receives a
+    dense `[rows_on_shard, dim]` tensor and emits `IndexedSlices` of its local
+    rows. Only tensors cross this boundary: wrapping the variables themselves
+    in `tf.custom_gradient` would read every shard in full.
+    """
+    n = len(parts)
 
-def _variable_key(v) -> str:
-    return v.name
+    @tf.custom_gradient
+    def assemble(*parts):
+        unique_rows = parts[0] if n == 1 else tf.dynamic_stitch(positions, list(parts))
+
+        def grad(dy):
+            summed = tf.math.unsorted_segment_sum(dy, idx, num_unique)
+            return [summed] if n == 1 else tf.dynamic_partition(summed, shard, n)
+
+        return tf.gather(unique_rows, idx), grad
+
+    return assemble(*parts)
 
 
 def _lookup_flat(table: ShardedVariable, flat_ids: tf.Tensor, max_norm: Optional[float]) -> tf.Tensor:
@@ -41,38 +54,15 @@ def _lookup_flat(table: ShardedVariable, flat_ids: tf.Tensor, max_norm: Optional
     uniq, idx = tf.unique(flat_ids, out_idx=tf.int32)
     num_unique = tf.size(uniq)
     shard, locals_, positions = table._partition_rows(uniq)
-    shards = table.variables
-    n = len(shards)
     inner_axes = list(range(1, table.shape.rank))
-
-    @tf.custom_gradient
-    def gather_rows():
-        parts = []
-        for v, local in zip(shards, locals_):
-            with tf.device(v.device):
-                parts.append(tf.gather(v, local))
-        rows = parts[0] if n == 1 else tf.dynamic_stitch(positions, parts)
-        clip = None
-        if max_norm is not None and inner_axes:
-            raw = rows
-            rows, norms, scale = _clip_rows(rows, max_norm, inner_axes)
-            clip = (raw, norms, scale)
-        out = tf.gather(rows, idx)
-
-        def grad(dy, variables=None):
-            g = tf.math.unsorted_segment_sum(dy, idx, num_unique)
-            if clip is not None:
-                g = _unclip_grad(g, clip[0], clip[1], clip[2], max_norm, inner_axes)
-            g_parts = [g] if n == 1 else tf.dynamic_partition(g, shard, n)
-            by_name = {}
-            for v, local, part in zip(shards, locals_, g_parts):
-                by_name[_variable_key(v)] = tf.IndexedSlices(part, local, tf.shape(v, out_type=tf.int64))
-            variables = variables or []
-            return [], [by_name.get(_variable_key(v)) for v in variables]
-
-        return out, grad
-
-    return gather_rows()
+    parts = []
+    for v, local in zip(table.variables, locals_):
+        with tf.device(v.device):
+            rows = tf.gather(v, local)
+            if max_norm is not None and inner_axes:
+                rows = _clip_rows(rows, max_norm, inner_axes)
+            parts.append(rows)
+    return _assemble(parts, positions, shard, idx, num_unique)
 
 
 def embedding_lookup(

@@ -192,7 +192,9 @@ class Layout:
             sizes = _div_sizes(num_rows, n)
         self.shard_sizes = tuple(int(s) for s in sizes)
         self.offsets = tuple(int(o) for o in np.concatenate([[0], np.cumsum(sizes)]))
-        if spec.scheme == "balanced":
+        # With one shard every scheme is the identity layout.
+        self._permuted = spec.scheme == "balanced" and n > 1
+        if self._permuted:
             if num_rows > _MAX_BALANCED_ROWS:
                 raise ValueError(f"scheme='balanced' supports at most 2**40 rows. Received: num_rows={num_rows}")
             self._mult, self._add = _bijection_params(num_rows, spec.seed)
@@ -218,12 +220,12 @@ class Layout:
     # ---------------------------------------------------------------- NumPy --
 
     def _permute_np(self, rows: np.ndarray) -> np.ndarray:
-        if self.scheme != "balanced":
+        if not self._permuted:
             return rows
         return _mulmod_np(rows, self._mult, self.num_rows, self._add)
 
     def _unpermute_np(self, rows: np.ndarray) -> np.ndarray:
-        if self.scheme != "balanced":
+        if not self._permuted:
             return rows
         shifted = (rows - self._add) % self.num_rows
         return _mulmod_np(shifted, self._inv_mult, self.num_rows, 0)
@@ -257,12 +259,12 @@ class Layout:
     # ----------------------------------------------------------- TensorFlow --
 
     def _permute_tf(self, rows: tf.Tensor) -> tf.Tensor:
-        if self.scheme != "balanced":
+        if not self._permuted:
             return rows
         return _mulmod_tf(rows, self._mult, self.num_rows, self._add)
 
     def _unpermute_tf(self, rows: tf.Tensor) -> tf.Tensor:
-        if self.scheme != "balanced":
+        if not self._permuted:
             return rows
         shifted = tf.math.floormod(rows - self._add, self.num_rows)
         return _mulmod_tf(shifted, self._inv_mult, self.num_rows, 0)
