@@ -80,7 +80,8 @@ class BadArgumentTest(tf.test.TestCase):
     def test_initializer_returning_the_wrong_shape(self):
         with self.assertRaisesRegex(
             ValueError,
-            r"Argument `initializer` must return a tensor of the requested shape \[5, 2\]. Received: a tensor of shape \[3, 2\]",
+            r"Argument `initializer` must return a tensor of the requested shape \[5, 2\]. "
+            r"Received: a tensor of shape \[3, 2\]",
         ):
             tfs.create_sharded_variable(
                 uid("b"), [10, 2], initializer=lambda shape, dtype: tf.zeros([3, 2]), partitions=2
@@ -128,7 +129,8 @@ class BadArgumentTest(tf.test.TestCase):
 
         with self.assertRaisesRegex(
             tfs.UnsupportedStrategyError,
-            "must be one of the strategies tf_sharded supports: .*ParameterServerStrategy.* Received: strategy=TPUishStrategy",
+            "must be one of the strategies tf_sharded supports: .*ParameterServerStrategy.* "
+            "Received: strategy=TPUishStrategy",
         ):
             TPUishStrategy().create_sharded_variable(uid("u"), [3, 2])
 

@@ -79,7 +79,7 @@ class PartitionSpecTest(tf.test.TestCase):
         probe = np.array([0, 1, 2, 5_000_000_016, 123_456_789_01 % 5_000_000_017], np.int64)
         shard, local = layout.route(tf.constant(probe))
         self.assertAllEqual(shard, layout.shard_of(probe))
-        back = [layout.logical_rows(int(s), int(l), int(l) + 1)[0] for s, l in zip(shard.numpy(), local.numpy())]
+        back = [layout.logical_rows(int(s), int(r), int(r) + 1)[0] for s, r in zip(shard.numpy(), local.numpy())]
         self.assertAllEqual(back, probe)
 
 
