@@ -70,12 +70,15 @@ class LocalCluster:
       mode: "inprocess" or "process".
       start_timeout: seconds to wait for "process" tasks to listen.
 
-    Example (not executed here: starting servers is for the tests):
+    Example (one OS process per task; `cluster.strategy()` would then give a
+    `ParameterServerStrategy` connected to it):
 
-        with tfs.cluster.LocalCluster(num_workers=2, num_ps=2) as cluster:
-            strategy = cluster.strategy()
-            with strategy.scope():
-                table = strategy.create_sharded_variable("t", [1000, 16])
+    >>> import tf_sharded as tfs
+    >>> with tfs.cluster.LocalCluster(num_workers=1, num_ps=2, mode="process") as cluster:
+    ...     print(len(cluster.pids), sorted(cluster.cluster_dict))
+    3 ['ps', 'worker']
+    >>> cluster.pids
+    []
     """
 
     def __init__(self, num_workers: int = 2, num_ps: int = 2, mode: str = "inprocess", start_timeout: float = 60.0):

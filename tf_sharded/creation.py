@@ -165,7 +165,8 @@ def build_sharded_variable(
                 elif chunked:
                     for start in range(0, rows, chunk_rows):
                         stop = min(rows, start + chunk_rows)
-                        var[start:stop].assign(_shard_value(init, layout, i, full_shape, dtype, start, stop))
+                        chunk = _shard_value(init, layout, i, full_shape, dtype, start, stop)
+                        var.scatter_update(tf.IndexedSlices(chunk, tf.range(start, stop, dtype=tf.int64)))
             shards.append(var)
     return ShardedVariable(shards, layout, request.name, full_shape, dtype, strategy)
 

@@ -1,0 +1,97 @@
+"""Local clusters: one OS process per task, cleaned up on exit and on error."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import tensorflow as tf
+
+import tf_sharded as tfs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, numpy as np, tensorflow as tf, tf_sharded as tfs
+    cluster = tfs.cluster.LocalCluster(num_workers=1, num_ps=2, mode="process").start()
+    print("PIDS", *cluster.pids, flush=True)
+    strategy = cluster.strategy()
+    coordinator = cluster.coordinator(strategy)
+    values = np.arange(20, dtype=np.float32).reshape(10, 2)
+    with strategy.scope():
+        table = strategy.create_sharded_variable("t", [10, 2], initializer=values, scheme="mod")
+
+    @tf.function
+    def step(ids):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tfs.embedding_lookup(table, ids))
+        for v, g in zip(table.variables, tape.gradient(loss, list(table.variables))):
+            v.scatter_sub(g)
+        return loss
+
+    coordinator.schedule(step, args=(tf.constant([1, 1, 8]),))
+    coordinator.join()
+    want = values.copy(); want[1] -= 2; want[8] -= 1
+    assert np.array_equal(table.numpy(), want), table.numpy()
+    print("DEVICES", *sorted(set(table.devices)), flush=True)
+    if sys.argv[1] == "fail":
+        raise RuntimeError("boom")
+    cluster.stop()
+    print("DONE", flush=True)
+    """
+)
+
+
+def run_script(mode):
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT, mode],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+
+
+class ProcessClusterTest(tf.test.TestCase):
+    def check(self, mode):
+        proc = run_script(mode)
+        pids = [int(p) for line in proc.stdout.splitlines() if line.startswith("PIDS") for p in line.split()[1:]]
+        self.assertLen(pids, 3, msg=proc.stdout + proc.stderr[-3000:])
+        self.assertIn(
+            "DEVICES /job:ps/replica:0/task:0/device:CPU:0 /job:ps/replica:0/task:1/device:CPU:0", proc.stdout
+        )
+        for pid in pids:
+            alive = psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            self.assertFalse(alive, msg=f"task {pid} outlived the cluster ({mode})")
+        return proc
+
+    def test_trains_and_stops(self):
+        proc = self.check("ok")
+        self.assertEqual(proc.returncode, 0, msg=proc.stderr[-3000:])
+        self.assertIn("DONE", proc.stdout)
+
+    def test_tasks_are_cleaned_up_when_the_coordinator_fails(self):
+        proc = self.check("fail")
+        self.assertNotEqual(proc.returncode, 0)
+        self.assertIn("boom", proc.stderr)
+
+
+class ClusterArgumentTest(tf.test.TestCase):
+    def test_bad_arguments(self):
+        with self.assertRaisesRegex(ValueError, "Argument `mode` must be one of"):
+            tfs.cluster.LocalCluster(mode="threads")
+        with self.assertRaisesRegex(ValueError, "Argument `num_ps` must be a positive int. Received: num_ps=0"):
+            tfs.cluster.LocalCluster(num_ps=0)
+
+    def test_one_inprocess_cluster_per_process(self):
+        cluster = tfs.cluster.local_cluster(num_workers=2, num_ps=2)
+        self.assertIs(tfs.cluster.local_cluster(num_workers=2, num_ps=2), cluster)
+        with self.assertRaisesRegex(ValueError, "already runs an in-process cluster"):
+            tfs.cluster.local_cluster(num_workers=1, num_ps=3)
+
+
+if __name__ == "__main__":
+    tf.test.main()
