@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 from typing import Any, Callable, List, Optional
 
@@ -220,33 +221,35 @@ def create_sharded_variable(
     >>> bool(np.array_equal(t.numpy(), u.numpy()))
     True
     """
-    return tf.distribute.get_strategy().create_sharded_variable(
-        name, shape, dtype, initializer, partitions, trainable, scheme=scheme, seed=seed, exchange=exchange
+    return _create(
+        tf.distribute.get_strategy(), name, shape, dtype, initializer, partitions, trainable, scheme, seed, exchange
     )
 
 
-def _strategy_method(
-    self,
-    name: str,
-    shape,
-    dtype=tf.float32,
-    initializer: Any = "uniform",
-    partitions: Any = None,
-    trainable: bool = True,
-    *,
-    scheme: Optional[str] = None,
-    seed: Optional[int] = None,
-    exchange: Optional[str] = None,
-) -> ShardedVariable:
+def _create(strategy, name, shape, dtype, initializer, partitions, trainable, scheme, seed, exchange):
     from tf_sharded.strategy import hook_for
 
     request = _validate(name, shape, dtype, partitions, trainable, scheme, seed, exchange, initializer)
-    hook = hook_for(self)
-    return hook(self, request)
+    return hook_for(strategy)(strategy, request)
+
+
+_SIGNATURE = inspect.signature(create_sharded_variable)
+
+
+def _strategy_method(self, *args, **kwargs) -> ShardedVariable:
+    try:
+        bound = _SIGNATURE.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"create_sharded_variable(): {e}. Signature: create_sharded_variable{_SIGNATURE}") from None
+    bound.apply_defaults()
+    return _create(self, **bound.arguments)
 
 
 _strategy_method.__doc__ = create_sharded_variable.__doc__.split("Example:")[0]
 _strategy_method.__name__ = "create_sharded_variable"
+_strategy_method.__signature__ = _SIGNATURE.replace(
+    parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *_SIGNATURE.parameters.values()]
+)
 
 
 def install() -> None:

@@ -230,22 +230,22 @@ class Layout:
         shifted = (rows - self._add) % self.num_rows
         return _mulmod_np(shifted, self._inv_mult, self.num_rows, 0)
 
-    def shard_of(self, rows) -> np.ndarray:
-        """Shard index owning each logical row (NumPy)."""
+    def route_np(self, rows) -> tuple:
+        """Maps logical rows to `(shard, local_row)` int64 arrays (NumPy)."""
         rows = np.asarray(rows, dtype=np.int64)
         if self.scheme == "mod":
-            return rows % self.num_shards
+            return rows % self.num_shards, rows // self.num_shards
         keys = self._permute_np(rows)
-        return np.searchsorted(np.asarray(self.offsets[1:]), keys, side="right").astype(np.int64)
+        shard = np.searchsorted(np.asarray(self.offsets[1:]), keys, side="right").astype(np.int64)
+        return shard, keys - np.asarray(self.offsets, dtype=np.int64)[shard]
+
+    def shard_of(self, rows) -> np.ndarray:
+        """Shard index owning each logical row (NumPy)."""
+        return self.route_np(rows)[0]
 
     def local_of(self, rows) -> np.ndarray:
         """Local row index of each logical row inside its shard (NumPy)."""
-        rows = np.asarray(rows, dtype=np.int64)
-        if self.scheme == "mod":
-            return rows // self.num_shards
-        keys = self._permute_np(rows)
-        shard = np.searchsorted(np.asarray(self.offsets[1:]), keys, side="right")
-        return keys - np.asarray(self.offsets, dtype=np.int64)[shard]
+        return self.route_np(rows)[1]
 
     def logical_rows(self, shard: int, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
         """Logical row ids held by `shard` at local rows `[start, stop)` (NumPy)."""
