@@ -134,6 +134,16 @@ class BadArgumentTest(tf.test.TestCase):
         ):
             TPUishStrategy().create_sharded_variable(uid("u"), [3, 2])
 
+    def test_mirrored_strategy_is_not_served_yet(self):
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+        with strategy.scope():
+            with self.assertRaisesRegex(tfs.UnsupportedStrategyError, "Received: strategy=MirroredStrategy"):
+                strategy.create_sharded_variable(uid("m"), [3, 2])
+
+    def test_strategy_method_signature_errors(self):
+        with self.assertRaisesRegex(TypeError, "create_sharded_variable\\(\\): missing a required argument: 'shape'"):
+            tf.distribute.get_strategy().create_sharded_variable("x")
+
     def test_conversion_to_tensor_is_refused(self):
         t = tfs.create_sharded_variable(uid("c"), [3, 2])
         with self.assertRaisesRegex(TypeError, "would concatenate the whole table"):

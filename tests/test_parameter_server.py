@@ -61,6 +61,27 @@ class ParameterServerCoordinatorTest(StrategyBodies, tf.test.TestCase):
         tf.train.Checkpoint(t=back).restore(path2)
         self.assertAllEqual(back.numpy(), values * 2)
 
+    def test_bad_creation_and_restore_arguments_on_the_cluster(self):
+        with self.strategy.scope():
+            with self.assertRaisesRegex(ValueError, "Argument `scheme` must be one of"):
+                self.strategy.create_sharded_variable(uid("b"), [10, 2], scheme="hash")
+            with self.assertRaisesRegex(ValueError, "Argument `num_shards` must not exceed the number of rows"):
+                self.strategy.create_sharded_variable(uid("b"), [3, 2], partitions=4)
+            with self.assertRaisesRegex(
+                ValueError, "Argument `initializer` must return a tensor of the requested shape"
+            ):
+                self.strategy.create_sharded_variable(
+                    uid("b"), [10, 2], initializer=lambda shape, dtype: tf.zeros([1, 2])
+                )
+            with self.assertRaisesRegex(ValueError, "Argument `exchange` only applies under MirroredStrategy"):
+                self.strategy.create_sharded_variable(uid("b"), [10, 2], exchange="allgather")
+        values = table_values(self.rows, self.dim)
+        path = tf.train.Checkpoint(t=self.make(values)).save(self.get_temp_dir() + "/bad")
+        target = self.make(np.ones((self.rows + 1, self.dim), np.float32), scheme="mod")
+        with self.assertRaises(tfs.LayoutMismatchError):
+            tf.train.Checkpoint(t=target).restore(path)
+        self.assertAllEqual(target.numpy(), np.ones((self.rows + 1, self.dim)))
+
 
 class ParameterServerWorkerTest(StrategyBodies, tf.test.TestCase):
     @classmethod
