@@ -44,4 +44,5 @@ def hook_for(strategy) -> Callable:
 
 
 from tf_sharded.strategy import default as default  # noqa: E402  (registers hooks)
+from tf_sharded.strategy import mirrored as mirrored  # noqa: E402
 from tf_sharded.strategy import parameter_server as parameter_server  # noqa: E402

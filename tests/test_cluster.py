@@ -6,9 +6,12 @@ import sys
 import textwrap
 
 import psutil
+import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
+
+pytestmark = pytest.mark.ps_cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

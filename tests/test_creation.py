@@ -120,6 +120,10 @@ class BadArgumentTest(tf.test.TestCase):
             tfs.create_sharded_variable(uid("b"), [3, 2], exchange="ring")
         with self.assertRaisesRegex(ValueError, "Argument `exchange` only applies under MirroredStrategy"):
             tfs.create_sharded_variable(uid("b"), [3, 2], exchange="dense")
+        with self.assertRaisesRegex(ValueError, "Argument `placement` only applies under MirroredStrategy"):
+            tfs.create_sharded_variable(uid("b"), [3, 2], placement="host")
+        with self.assertRaisesRegex(ValueError, "Argument `placement` must be one of"):
+            tfs.create_sharded_variable(uid("b"), [3, 2], placement="gpu")
         self.assertEqual(tfs.create_sharded_variable(uid("b"), [3, 2], exchange="auto").num_shards, 1)
 
     def test_unsupported_strategy(self):
@@ -133,12 +137,6 @@ class BadArgumentTest(tf.test.TestCase):
             "Received: strategy=TPUishStrategy",
         ):
             TPUishStrategy().create_sharded_variable(uid("u"), [3, 2])
-
-    def test_mirrored_strategy_is_not_served_yet(self):
-        strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
-        with strategy.scope():
-            with self.assertRaisesRegex(tfs.UnsupportedStrategyError, "Received: strategy=MirroredStrategy"):
-                strategy.create_sharded_variable(uid("m"), [3, 2])
 
     def test_strategy_method_signature_errors(self):
         with self.assertRaisesRegex(TypeError, "create_sharded_variable\\(\\): missing a required argument: 'shape'"):

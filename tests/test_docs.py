@@ -17,6 +17,7 @@ MODULES = [
     "tf_sharded.lookup",
     "tf_sharded.creation",
     "tf_sharded.cluster",
+    "tf_sharded.exchange",
 ]
 
 

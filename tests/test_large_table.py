@@ -1,10 +1,13 @@
 """A table larger than 2 GB is created shard by shard on the parameter servers."""
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
 from tf_sharded import initializers
+
+pytestmark = pytest.mark.ps_cluster
 
 ROWS, DIM = 8_500_000, 64  # 2.18 GB of float32: over the 2 GB GraphDef/constant limit
 

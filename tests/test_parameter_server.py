@@ -6,10 +6,13 @@
 """
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
 from tests.strategy_bodies import StrategyBodies, table_values, uid
+
+pytestmark = pytest.mark.ps_cluster
 
 
 def ps_strategy():

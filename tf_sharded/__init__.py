@@ -32,5 +32,6 @@ __all__ = [
     "create_sharded_variable",
     "embedding_lookup",
     "embedding_lookup_sparse",
+    "exchange",
     "partitioners",
 ]

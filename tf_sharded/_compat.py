@@ -83,3 +83,54 @@ def register_dispatchable_type(cls: type) -> type:
     from tensorflow.python.util import dispatch
 
     return dispatch.register_dispatchable_type(cls)
+
+
+_KERAS_ROUTED = []
+
+
+def route_keras_gradient_reduction(reduce_fn: Callable, update_fn: Callable) -> None:
+    """Routes Keras 3 (TF backend) optimizers through tf_sharded for its shards.
+
+    Keras sums replica gradients in `TFOptimizer._all_reduce_sum_gradients`
+    (with `ReplicaContext.all_reduce`) and applies them in
+    `_distributed_tf_update_step` (with `extended.update`, which only takes
+    distributed variables). `reduce_fn(grads_and_vars, fallback)` takes over
+    the first for tf_sharded shards; `update_fn(optimizer, distribution,
+    grads_and_vars, learning_rate, fallback)` the second, for host-placed
+    shards. Everything else is handed back to Keras.
+    """
+    if _KERAS_ROUTED:
+        return
+    from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
+
+    cls = keras_tf_optimizer.TFOptimizer
+    original_reduce = cls._all_reduce_sum_gradients
+    original_update = cls._distributed_tf_update_step
+
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        return reduce_fn(list(grads_and_vars), fallback=lambda pairs: original_reduce(self, pairs))
+
+    def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
+        return update_fn(
+            self,
+            distribution,
+            list(grads_and_vars),
+            learning_rate,
+            fallback=lambda pairs: original_update(self, distribution, pairs, learning_rate),
+        )
+
+    cls._all_reduce_sum_gradients = _all_reduce_sum_gradients
+    cls._distributed_tf_update_step = _distributed_tf_update_step
+    _KERAS_ROUTED.append((original_reduce, original_update))
+
+
+def single_device(device: str) -> Any:
+    """TF's marker that makes a mirrored strategy create a plain variable on `device`."""
+    from tensorflow.python.distribute import numpy_dataset
+
+    return numpy_dataset.SingleDevice(device)
+
+
+def in_multi_worker_mode(strategy) -> bool:
+    """Whether a mirrored strategy spans several workers."""
+    return bool(strategy.extended._in_multi_worker_mode())

@@ -16,6 +16,7 @@ from tf_sharded.partition import PartitionSpec, resolve_spec
 from tf_sharded.sharded_variable import ShardedVariable
 
 EXCHANGES = ("auto", "allgather", "dense")
+PLACEMENTS = ("auto", "device", "host")
 # Shards above this many elements are initialised chunk by chunk, so the
 # temporaries of the random generator never exceed a few hundred MB.
 CHUNK_ELEMENTS = 1 << 22
@@ -34,22 +35,31 @@ class VariableRequest:
     scheme: Optional[str]
     seed: Optional[int]
     exchange: Optional[str]
+    placement: Optional[str] = None
+    ids_per_step: Optional[int] = None
 
     def resolve_spec(self, default_shards: int) -> PartitionSpec:
         return resolve_spec(self.partitions, self.shape, self.dtype, self.scheme, default_shards)
 
     def reject_exchange(self, strategy_name: str) -> None:
-        """Refuses an explicit exchange mode where there is nothing to exchange."""
-        if self.exchange not in (None, "auto"):
-            raise ValueError(
-                f"Argument `exchange` only applies under MirroredStrategy and "
-                f"MultiWorkerMirroredStrategy. Received: exchange={self.exchange!r} under "
-                f"{strategy_name}, where gradients are applied on the shard that owns the row. "
-                "Please drop the argument (or pass exchange='auto')."
-            )
+        """Refuses mirrored-only arguments where there is nothing to exchange or mirror."""
+        for arg, value, neutral in (
+            ("exchange", self.exchange, (None, "auto")),
+            ("placement", self.placement, (None, "auto")),
+            ("ids_per_step", self.ids_per_step, (None,)),
+        ):
+            if value not in neutral:
+                raise ValueError(
+                    f"Argument `{arg}` only applies under MirroredStrategy and "
+                    f"MultiWorkerMirroredStrategy. Received: {arg}={value!r} under "
+                    f"{strategy_name}, where gradients are applied on the shard that owns the row. "
+                    "Please drop the argument."
+                )
 
 
-def _validate(name, shape, dtype, partitions, trainable, scheme, seed, exchange, initializer) -> VariableRequest:
+def _validate(
+    name, shape, dtype, partitions, trainable, scheme, seed, exchange, initializer, placement=None, ids_per_step=None
+) -> VariableRequest:
     if not isinstance(name, str) or not name:
         raise ValueError(f"Argument `name` must be a non-empty string. Received: name={name!r}")
     try:
@@ -70,7 +80,17 @@ def _validate(name, shape, dtype, partitions, trainable, scheme, seed, exchange,
         raise TypeError(f"Argument `seed` must be an int or None. Received: seed={seed!r}")
     if exchange is not None and exchange not in EXCHANGES:
         raise ValueError(f"Argument `exchange` must be one of {EXCHANGES}. Received: exchange={exchange!r}")
-    return VariableRequest(name, dims, dtype, initializer, partitions, trainable, scheme, seed, exchange)
+    if placement is not None and placement not in PLACEMENTS:
+        raise ValueError(f"Argument `placement` must be one of {PLACEMENTS}. Received: placement={placement!r}")
+    if ids_per_step is not None and (
+        isinstance(ids_per_step, bool) or not isinstance(ids_per_step, (int, np.integer)) or ids_per_step < 1
+    ):
+        raise ValueError(
+            f"Argument `ids_per_step` must be a positive int or None. Received: ids_per_step={ids_per_step!r}"
+        )
+    return VariableRequest(
+        name, dims, dtype, initializer, partitions, trainable, scheme, seed, exchange, placement, ids_per_step
+    )
 
 
 def _draw_seed() -> int:
@@ -183,6 +203,8 @@ def create_sharded_variable(
     scheme: Optional[str] = None,
     seed: Optional[int] = None,
     exchange: Optional[str] = None,
+    placement: Optional[str] = None,
+    ids_per_step: Optional[int] = None,
 ) -> ShardedVariable:
     """Creates a `tfs.ShardedVariable` under the current `tf.distribute` strategy.
 
@@ -203,6 +225,10 @@ def create_sharded_variable(
       seed: seed of the initializer (drawn from TF's global seed if None).
       exchange: gradient exchange under mirrored strategies ("auto",
         "allgather", "dense"); an explicit mode elsewhere is an error.
+      placement: mirrored strategies only: "device" (a copy per replica),
+        "host" (one copy per worker in host memory) or "auto" (by size).
+      ids_per_step: mirrored strategies only: declared bound on the distinct
+        ids one replica looks up per step (feeds the "auto" cost model).
 
     Returns:
       A `tfs.ShardedVariable`.
@@ -222,14 +248,29 @@ def create_sharded_variable(
     True
     """
     return _create(
-        tf.distribute.get_strategy(), name, shape, dtype, initializer, partitions, trainable, scheme, seed, exchange
+        tf.distribute.get_strategy(),
+        name,
+        shape,
+        dtype,
+        initializer,
+        partitions,
+        trainable,
+        scheme,
+        seed,
+        exchange,
+        placement,
+        ids_per_step,
     )
 
 
-def _create(strategy, name, shape, dtype, initializer, partitions, trainable, scheme, seed, exchange):
+def _create(
+    strategy, name, shape, dtype, initializer, partitions, trainable, scheme, seed, exchange, placement, ids_per_step
+):
     from tf_sharded.strategy import hook_for
 
-    request = _validate(name, shape, dtype, partitions, trainable, scheme, seed, exchange, initializer)
+    request = _validate(
+        name, shape, dtype, partitions, trainable, scheme, seed, exchange, initializer, placement, ids_per_step
+    )
     return hook_for(strategy)(strategy, request)
 
 

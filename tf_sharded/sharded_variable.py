@@ -121,6 +121,8 @@ class ShardedVariable(_compat.Trackable):
         self._shape = tf.TensorShape(shape)
         self._dtype = tf.as_dtype(dtype)
         self._strategy = strategy
+        self._exchange = None  # an ExchangePolicy under mirrored strategies
+        self._placement = None
         for i, v in enumerate(self._variables):
             expected = [layout.shard_sizes[i]] + self._shape.as_list()[1:]
             if v.shape.as_list() != expected:
@@ -177,6 +179,16 @@ class ShardedVariable(_compat.Trackable):
     def strategy(self):
         """The strategy whose hook created this table, if any."""
         return self._strategy
+
+    @property
+    def exchange(self):
+        """The `tfs.exchange.ExchangePolicy` of a mirrored table (None elsewhere)."""
+        return self._exchange
+
+    @property
+    def placement(self):
+        """ "device" or "host" for a mirrored table (None elsewhere)."""
+        return self._placement
 
     def __repr__(self):
         return (

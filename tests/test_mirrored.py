@@ -1,0 +1,317 @@
+"""MirroredStrategy on 4 virtual CPUs: mirrored tables and gradient exchange."""
+
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sharded as tfs
+from tests.strategy_bodies import table_values, uid
+
+pytestmark = pytest.mark.mirrored
+
+DEVICES = [f"/cpu:{i}" for i in range(4)]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Restores a mirrored checkpoint on a PS cluster, checks it, saves 3x the values back.
+PS_ROUND_TRIP = """
+import sys, numpy as np, tensorflow as tf, tf_sharded as tfs
+strategy = tfs.cluster.local_cluster(num_workers=1, num_ps=2).strategy()
+with strategy.scope():
+    t = strategy.create_sharded_variable("t", [17, 3], initializer="zeros", partitions=3, scheme="mod")
+tf.train.Checkpoint(t=t).restore(sys.argv[1]).assert_existing_objects_matched()
+want = np.random.RandomState(0).uniform(-1, 1, size=(17, 3)).astype(np.float32)
+assert np.array_equal(t.numpy(), want), t.numpy()
+t.assign(want * 3)
+tf.train.CheckpointManager(tf.train.Checkpoint(t=t), sys.argv[2], 1).save()
+print("PS restored OK")
+"""
+MODES = ("allgather", "dense", "auto")
+PLACEMENTS = ("device", "host")
+
+
+_STRATEGY = []
+
+
+def mirrored():
+    # One instance per process: two MirroredStrategy objects on the same devices
+    # reuse collective instance keys and abort each other's collectives.
+    if not _STRATEGY:
+        _STRATEGY.append(tf.distribute.MirroredStrategy(DEVICES))
+    return _STRATEGY[0]
+
+
+def per_replica(strategy, arrays):
+    """One array per replica (arrays may differ in length; empty ones allowed)."""
+    return strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(arrays[ctx.replica_id_in_sync_group])
+    )
+
+
+def graph_op_types(concrete_fn):
+    graph_def = concrete_fn.graph.as_graph_def()
+    types = {n.op for n in graph_def.node}
+    for fn in graph_def.library.function:
+        types |= {n.op for n in fn.node_def}
+    return types
+
+
+class MirroredTrainingTest(tf.test.TestCase):
+    rows, dim = 40, 3
+    # Per replica: duplicates everywhere, one replica with no ids at all.
+    batches = [
+        [
+            np.array([[1, 1, 1], [1, 1, 1]]),
+            np.array([[2, 3, 4], [39, 39, 0]]),
+            np.zeros([0, 3], np.int64),
+            np.array([[7, 7, 8], [1, 2, 3]]),
+        ],
+        [
+            np.array([[5, 5, 5], [5, 5, 5]]),
+            np.zeros([0, 3], np.int64),
+            np.array([[5, 6, 7], [8, 9, 5]]),
+            np.array([[0, 0, 0], [39, 1, 1]]),
+        ],
+        [np.array([[11, 12, 13], [14, 15, 16]])] * 4,
+    ]
+
+    def test_keras_optimizer_steps_match_single_device_reference(self):
+        strategy = mirrored()
+        values = table_values(self.rows, self.dim)
+        head0 = np.random.RandomState(1).randn(self.dim, 1).astype(np.float32)
+        labels = np.array([[1.0], [0.0]], np.float32)
+        for mode in MODES:
+            for placement in PLACEMENTS:
+                with strategy.scope():
+                    table = strategy.create_sharded_variable(
+                        uid("m"),
+                        [self.rows, self.dim],
+                        initializer=values,
+                        partitions=3,
+                        scheme="mod",
+                        exchange=mode,
+                        placement=placement,
+                    )
+                    head = tf.Variable(head0)
+                    optimizer = keras.optimizers.SGD(0.5)
+                ref_table, ref_head = tf.Variable(values), tf.Variable(head0)
+                ref_optimizer = keras.optimizers.SGD(0.5)
+
+                def loss_fn(emb, w, n_examples):
+                    logits = tf.matmul(tf.reduce_mean(emb, axis=1), w)
+                    per_example = tf.nn.sigmoid_cross_entropy_with_logits(
+                        tf.constant(labels)[: tf.shape(logits)[0]], logits
+                    )
+                    # Global-batch mean: the sum over replicas equals the reference loss.
+                    return tf.reduce_sum(per_example) / n_examples
+
+                @tf.function
+                def step(ids, n_examples):
+                    def replica_fn(ids):
+                        with tf.GradientTape() as tape:
+                            loss = loss_fn(tfs.embedding_lookup(table, ids), head, n_examples)
+                        variables = list(table.variables) + [head]
+                        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+                        return loss
+
+                    return strategy.run(replica_fn, args=(ids,))
+
+                for arrays in self.batches:
+                    n = float(sum(len(a) for a in arrays))
+                    step(per_replica(strategy, arrays), tf.constant(n))
+                    with tf.GradientTape() as tape:
+                        loss = tf.add_n([loss_fn(tf.nn.embedding_lookup(ref_table, a), ref_head, n) for a in arrays])
+                    grads = tape.gradient(loss, [ref_table, ref_head])
+                    ref_optimizer.apply_gradients(zip(grads, [ref_table, ref_head]))
+                msg = f"{mode} {placement}"
+                self.assertAllClose(table.numpy(), ref_table.numpy(), atol=1e-6, msg=msg)
+                self.assertAllClose(head.numpy(), ref_head.numpy(), atol=1e-6, msg=msg)
+                self.assertEqual(table.placement, placement)
+                if placement == "host":
+                    self.assertTrue(all(not hasattr(v, "values") for v in table.variables))
+                    self.assertTrue(all(d.endswith("CPU:0") for d in table.devices))
+                else:
+                    self.assertTrue(all(len(v.values) == 4 for v in table.variables))
+
+
+class ExchangeTest(tf.test.TestCase):
+    def test_allgather_exchanges_deduplicated_rows(self):
+        strategy = mirrored()
+        # 4 replicas, 12 + 3 + 0 + 5 = 20 raw rows, 3 + 3 + 0 + 2 = 8 distinct per replica.
+        per_indices = [
+            np.array([4, 4, 4, 4, 1, 1, 1, 1, 9, 9, 9, 9]),
+            np.array([1, 2, 3]),
+            np.zeros([0], np.int64),
+            np.array([9, 9, 9, 9, 0]),
+        ]
+
+        @tf.function
+        def run(indices):
+            def fn(indices):
+                grad = tf.IndexedSlices(tf.ones([tf.size(indices), 2]), indices, tf.constant([10, 2], tf.int64))
+                merged, gathered = tfs.exchange.allgather_exchange(grad, tf.distribute.get_replica_context())
+                return merged.indices, merged.values, gathered
+
+            return strategy.run(fn, args=(indices,))
+
+        indices, values, gathered = run(per_replica(strategy, per_indices))
+        for r in range(4):
+            self.assertEqual(int(strategy.experimental_local_results(gathered)[r]), 8)
+            got = dict(
+                zip(
+                    strategy.experimental_local_results(indices)[r].numpy().tolist(),
+                    strategy.experimental_local_results(values)[r].numpy()[:, 0].tolist(),
+                )
+            )
+            self.assertEqual(got, {4: 4.0, 1: 5.0, 9: 8.0, 2: 1.0, 3: 1.0, 0: 1.0})
+
+    def step_ops(self, rows, ids_per_replica, exchange, ids_per_step=None):
+        strategy = mirrored()
+        with strategy.scope():
+            table = strategy.create_sharded_variable(
+                uid("g"), [rows, 4], exchange=exchange, ids_per_step=ids_per_step, partitions=1
+            )
+            optimizer = keras.optimizers.SGD(0.1)
+
+        @tf.function
+        def step(ids):
+            def fn(ids):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(tfs.embedding_lookup(table, ids))
+                optimizer.apply_gradients(zip(tape.gradient(loss, list(table.variables)), table.variables))
+                return loss
+
+            return strategy.run(fn, args=(ids,))
+
+        ids = per_replica(strategy, [np.arange(ids_per_replica) % rows] * 4)
+        step(ids)
+        return graph_op_types(step.get_concrete_function(ids))
+
+    def test_each_mode_uses_only_its_collective(self):
+        gather_ops = self.step_ops(1000, 8, "allgather")
+        self.assertIn("CollectiveGatherV2", gather_ops)
+        self.assertNotIn("CollectiveReduceV2", gather_ops)
+        dense_ops = self.step_ops(1000, 8, "dense")
+        self.assertIn("CollectiveReduceV2", dense_ops)
+        self.assertNotIn("CollectiveGatherV2", dense_ops)
+
+    def test_auto_picks_each_side_where_it_should(self):
+        # Few ids on a large table: gather.  Many ids on a small table: dense.
+        self.assertEqual(tfs.exchange.choose(rows=1_000_000, row_bytes=128, replicas=4, distinct_ids=512), "allgather")
+        self.assertEqual(tfs.exchange.choose(rows=1_000, row_bytes=128, replicas=4, distinct_ids=5_000), "dense")
+        self.assertEqual(tfs.exchange.choose(rows=1_000, row_bytes=128, replicas=4, distinct_ids=None), "allgather")
+        # The break-even point: R * u * (b + 8) = 2 * rows * b.
+        self.assertEqual(tfs.exchange.choose(rows=1360, row_bytes=16, replicas=4, distinct_ids=453), "allgather")
+        self.assertEqual(tfs.exchange.choose(rows=1360, row_bytes=16, replicas=4, distinct_ids=454), "dense")
+        sparse_step = self.step_ops(100_000, 16, "auto")
+        self.assertIn("CollectiveGatherV2", sparse_step)
+        self.assertNotIn("CollectiveReduceV2", sparse_step)
+        dense_step = self.step_ops(64, 512, "auto")
+        self.assertIn("CollectiveReduceV2", dense_step)
+        self.assertNotIn("CollectiveGatherV2", dense_step)
+        declared = self.step_ops(64, 4, "auto", ids_per_step=5_000)
+        self.assertIn("CollectiveReduceV2", declared)
+
+    def test_custom_loop_reduction_without_keras(self):
+        strategy = mirrored()
+        with strategy.scope():
+            table = strategy.create_sharded_variable(uid("c"), [10, 2], initializer="zeros", exchange="allgather")
+            bias = tf.Variable([0.0])
+
+        @tf.function
+        def run(ids):
+            def fn(ids):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(tfs.embedding_lookup(table, ids) + 1.0) + tf.reduce_sum(bias)
+                pairs = list(zip(tape.gradient(loss, list(table.variables) + [bias]), list(table.variables) + [bias]))
+                reduced = tfs.exchange.all_reduce_gradients(pairs)
+                return reduced[0][0].indices, reduced[0][0].values, reduced[1][0]
+
+            return strategy.run(fn, args=(ids,))
+
+        indices, values, bias_grad = run(
+            per_replica(strategy, [np.array([1, 1]), np.array([1]), np.array([3]), np.zeros([0], np.int64)])
+        )
+        got = dict(
+            zip(
+                strategy.experimental_local_results(indices)[2].numpy().tolist(),
+                strategy.experimental_local_results(values)[2].numpy()[:, 0].tolist(),
+            )
+        )
+        self.assertEqual(got, {1: 3.0, 3: 1.0})
+        self.assertAllEqual(strategy.experimental_local_results(bias_grad)[0], [4.0])
+
+
+class MirroredCheckpointAndArgumentTest(tf.test.TestCase):
+    def test_checkpoints_cross_strategies(self):
+        strategy = mirrored()
+        values = table_values(17, 3)
+        for placement in PLACEMENTS:
+            with strategy.scope():
+                table = strategy.create_sharded_variable(
+                    uid("ck"), [17, 3], initializer=values, partitions=2, scheme="balanced", placement=placement
+                )
+            path = tf.train.Checkpoint(t=table).save(self.get_temp_dir() + f"/{uid('m')}")
+            local = tfs.create_sharded_variable(uid("l"), [17, 3], initializer="zeros", partitions=3, scheme="mod")
+            tf.train.Checkpoint(t=local).restore(path)
+            self.assertAllEqual(local.numpy(), values)
+            # The parameter-server side runs in its own process (see conftest.py).
+            back_path = self.get_temp_dir() + f"/{uid('ps')}"
+            proc = subprocess.run(
+                [sys.executable, "-c", PS_ROUND_TRIP, path, back_path],
+                capture_output=True,
+                text=True,
+                timeout=240,
+                cwd=ROOT,
+                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+            )
+            self.assertEqual(proc.returncode, 0, msg=proc.stderr[-3000:])
+            self.assertIn("PS restored OK", proc.stdout)
+            with strategy.scope():
+                back = strategy.create_sharded_variable(
+                    uid("b"), [17, 3], initializer="zeros", partitions=1, placement=placement
+                )
+            tf.train.Checkpoint(t=back).restore(tf.train.latest_checkpoint(back_path))
+            self.assertAllEqual(back.numpy(), values * 3)
+            if placement == "device":
+                for component in back.variables[0].values:
+                    self.assertAllEqual(component.numpy(), values * 3)
+
+    def test_same_seed_same_table_as_default_strategy(self):
+        strategy = mirrored()
+        with strategy.scope():
+            a = strategy.create_sharded_variable(uid("s"), [30, 4], partitions=3, scheme="mod", seed=7)
+        b = tfs.create_sharded_variable(uid("s"), [30, 4], seed=7)
+        self.assertAllEqual(a.numpy(), b.numpy())
+
+    def test_bad_arguments(self):
+        strategy = mirrored()
+        with strategy.scope():
+            with self.assertRaisesRegex(ValueError, "Argument `exchange` must be one of"):
+                strategy.create_sharded_variable(uid("x"), [4, 2], exchange="ring")
+            with self.assertRaisesRegex(ValueError, "Argument `placement` must be one of"):
+                strategy.create_sharded_variable(uid("x"), [4, 2], placement="tpu")
+            with self.assertRaisesRegex(ValueError, "Argument `ids_per_step` must be a positive int"):
+                strategy.create_sharded_variable(uid("x"), [4, 2], ids_per_step=0)
+        with self.assertRaisesRegex(ValueError, "Argument `exchange` must be one of"):
+            tfs.strategy.mirrored.set_default_exchange(strategy, "fast")
+        tfs.strategy.mirrored.set_default_exchange(strategy, "dense")
+        try:
+            with strategy.scope():
+                self.assertEqual(strategy.create_sharded_variable(uid("x"), [4, 2]).exchange.mode, "dense")
+        finally:
+            tfs.strategy.mirrored.set_default_exchange(strategy, "auto")
+
+    def test_auto_placement_by_size(self):
+        from tf_sharded.strategy import mirrored as hook
+
+        self.assertEqual(hook.resolve_placement("auto", hook.HOST_PLACEMENT_BYTES + 1), "host")
+        self.assertEqual(hook.resolve_placement(None, 1024), "device")
+
+
+if __name__ == "__main__":
+    tf.test.main()
