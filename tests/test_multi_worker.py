@@ -1,0 +1,93 @@
+"""MultiWorkerMirroredStrategy: 2 worker processes on localhost, one TF_CONFIG each."""
+
+import json
+import os
+import subprocess
+import sys
+
+import portpicker
+import tensorflow as tf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+WORKER = """
+import json, os, sys
+import numpy as np, tensorflow as tf, keras
+import tf_sharded as tfs
+
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+assert strategy.num_replicas_in_sync == 2
+rows, dim = 30, 4
+values = np.random.RandomState(0).uniform(-1, 1, (rows, dim)).astype(np.float32)
+# Global batches: replica r takes row r. Duplicates, and an all-duplicate replica.
+batches = [np.array([[1, 1, 1, 1], [2, 3, 29, 3]]), np.array([[0, 0, 7, 7], [7, 7, 7, 7]]),
+           np.array([[5, 6, 7, 8], [9, 10, 11, 12]])]
+for mode, placement in (("allgather", "device"), ("dense", "device"), ("auto", "host")):
+    with strategy.scope():
+        table = strategy.create_sharded_variable(f"t_{mode}", [rows, dim], initializer=values, partitions=2,
+                                                 scheme="mod", exchange=mode, placement=placement)
+        optimizer = keras.optimizers.SGD(0.25)
+    reference, ref_optimizer = tf.Variable(values), keras.optimizers.SGD(0.25)
+
+    @tf.function
+    def step(ids):
+        def fn(ids):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tfs.embedding_lookup(table, ids) ** 2)
+            optimizer.apply_gradients(zip(tape.gradient(loss, list(table.variables)), table.variables))
+            return loss
+        return strategy.run(fn, args=(ids,))
+
+    for batch in batches:
+        ids = strategy.experimental_distribute_values_from_function(
+            lambda ctx, b=batch: tf.constant(b[ctx.replica_id_in_sync_group][None, :]))
+        step(ids)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.nn.embedding_lookup(reference, batch) ** 2)
+        ref_optimizer.apply_gradients([(tape.gradient(loss, reference), reference)])
+    err = float(np.abs(table.numpy() - reference.numpy()).max())
+    assert err < 1e-5, (mode, err)
+    print(f"worker {os.environ['TASK']} {mode}/{placement} max error {err:.2e}", flush=True)
+print("MWMS OK", flush=True)
+"""
+
+
+class MultiWorkerMirroredTest(tf.test.TestCase):
+    def test_two_workers_match_single_device_reference(self):
+        ports = [portpicker.pick_unused_port() for _ in range(2)]
+        cluster = {"worker": [f"localhost:{p}" for p in ports]}
+        procs = []
+        for i in range(2):
+            env = {
+                **os.environ,
+                "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
+                "TF_CPP_MIN_LOG_LEVEL": "2",
+                "TASK": str(i),
+            }
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", WORKER],
+                    env=env,
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        outputs = []
+        try:
+            for p in procs:
+                out, err = p.communicate(timeout=300)
+                outputs.append((p.returncode, out, err))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        for rc, out, err in outputs:
+            self.assertEqual(rc, 0, msg=out + err[-3000:])
+            self.assertIn("MWMS OK", out)
+            self.assertIn("auto/host", out)
+
+
+if __name__ == "__main__":
+    tf.test.main()
