@@ -5,8 +5,8 @@ setup(
     version="0.1.0",
     description="Sharded embedding tables for TensorFlow 2 distribution strategies",
     python_requires=">=3.9,<3.13",
-    packages=["tf_sharded", "tf_sharded.strategy"],
-    package_dir={"tf_sharded": "tf_sharded", "tf_sharded.strategy": "strategy"},
+    packages=["tf_sharded", "tf_sharded.strategy", "tf_sharded.benchmarks"],
+    package_dir={"tf_sharded": "tf_sharded", "tf_sharded.strategy": "strategy", "tf_sharded.benchmarks": "tf_sharded/benchmarks"},
     install_requires=[
         "tensorflow==2.16.2",
         "tensorflow-io==0.37.1",

@@ -169,6 +169,25 @@ class ExchangeTest(tf.test.TestCase):
             )
             self.assertEqual(got, {4: 4.0, 1: 5.0, 9: 8.0, 2: 1.0, 3: 1.0, 0: 1.0})
 
+    def test_shard_no_replica_touched_does_not_hang(self):
+        # A collective whose every participant sends nothing never completes.
+        strategy = mirrored()
+
+        @tf.function
+        def run(indices):
+            def fn(indices):
+                ctx = tf.distribute.get_replica_context()
+                grad = tf.IndexedSlices(tf.ones([tf.size(indices), 2]), indices, tf.constant([10, 2], tf.int64))
+                gathered, _ = tfs.exchange.allgather_exchange(grad, ctx)
+                adaptive, _ = tfs.exchange.adaptive_exchange(grad, ctx, 10)
+                return tf.size(gathered.indices), tf.reduce_sum(adaptive.values)
+
+            return strategy.run(fn, args=(indices,))
+
+        sizes, totals = run(per_replica(strategy, [np.zeros([0], np.int64)] * 4))
+        self.assertEqual([int(x) for x in strategy.experimental_local_results(sizes)], [0, 0, 0, 0])
+        self.assertEqual([float(x) for x in strategy.experimental_local_results(totals)], [0.0] * 4)
+
     def step_ops(self, rows, ids_per_replica, exchange, ids_per_step=None):
         strategy = mirrored()
         with strategy.scope():
@@ -204,17 +223,59 @@ class ExchangeTest(tf.test.TestCase):
         self.assertEqual(tfs.exchange.choose(rows=1_000_000, row_bytes=128, replicas=4, distinct_ids=512), "allgather")
         self.assertEqual(tfs.exchange.choose(rows=1_000, row_bytes=128, replicas=4, distinct_ids=5_000), "dense")
         self.assertEqual(tfs.exchange.choose(rows=1_000, row_bytes=128, replicas=4, distinct_ids=None), "allgather")
-        # The break-even point: R * u * (b + 8) = 2 * rows * b.
-        self.assertEqual(tfs.exchange.choose(rows=1360, row_bytes=16, replicas=4, distinct_ids=453), "allgather")
-        self.assertEqual(tfs.exchange.choose(rows=1360, row_bytes=16, replicas=4, distinct_ids=454), "dense")
-        sparse_step = self.step_ops(100_000, 16, "auto")
-        self.assertIn("CollectiveGatherV2", sparse_step)
-        self.assertNotIn("CollectiveReduceV2", sparse_step)
-        dense_step = self.step_ops(64, 512, "auto")
-        self.assertIn("CollectiveReduceV2", dense_step)
-        self.assertNotIn("CollectiveGatherV2", dense_step)
+        even = tfs.exchange.break_even_ids(rows=2000, row_bytes=16, replicas=4)
+        self.assertEqual(tfs.exchange.choose(2000, 16, 4, int(even)), "allgather")
+        self.assertEqual(tfs.exchange.choose(2000, 16, 4, int(even) + 1), "dense")
+        # Per step, from the observed distinct counts (the largest replica's decides for all).
+        strategy = mirrored()
+
+        @tf.function
+        def decide(indices):
+            def fn(indices):
+                grad = tf.IndexedSlices(tf.ones([tf.size(indices), 4]), indices, tf.constant([2000, 4], tf.int64))
+                merged, gathered = tfs.exchange.adaptive_exchange(grad, tf.distribute.get_replica_context(), 2000)
+                return gathered, tf.size(merged.indices), tf.reduce_sum(merged.values)
+
+            return strategy.run(fn, args=(indices,))
+
+        few = [np.arange(10), np.arange(5, 15), np.zeros([0], np.int64), np.array([1999])]
+        many = [np.arange(int(even) + 50), np.arange(3), np.arange(7), np.zeros([0], np.int64)]
+        for arrays, want_gather, want_rows in ((few, True, 16), (many, False, 2000)):
+            gathered, rows, total = decide(per_replica(strategy, arrays))
+            for r in range(4):
+                self.assertEqual(bool(strategy.experimental_local_results(gathered)[r]), want_gather)
+                self.assertEqual(int(strategy.experimental_local_results(rows)[r]), want_rows)
+                self.assertEqual(float(strategy.experimental_local_results(total)[r]), 4.0 * sum(map(len, arrays)))
         declared = self.step_ops(64, 4, "auto", ids_per_step=5_000)
         self.assertIn("CollectiveReduceV2", declared)
+        self.assertNotIn("CollectiveGatherV2", declared)
+
+    def test_auto_switching_between_steps_stays_exact(self):
+        strategy = mirrored()
+        values = table_values(2000, 4)
+        with strategy.scope():
+            table = strategy.create_sharded_variable(uid("sw"), [2000, 4], initializer=values, exchange="auto")
+            optimizer = keras.optimizers.SGD(0.1)
+        reference, ref_optimizer = tf.Variable(values), keras.optimizers.SGD(0.1)
+
+        @tf.function
+        def step(ids):
+            def fn(ids):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(tfs.embedding_lookup(table, ids) ** 2)
+                optimizer.apply_gradients(zip(tape.gradient(loss, list(table.variables)), table.variables))
+                return loss
+
+            return strategy.run(fn, args=(ids,))
+
+        rng = np.random.RandomState(0)
+        for size in (8, 600, 8, 1500):  # below and above the break-even (~105 distinct ids)
+            arrays = [rng.randint(0, 2000, size=size) for _ in range(4)]
+            step(per_replica(strategy, arrays))
+            with tf.GradientTape() as tape:
+                loss = tf.add_n([tf.reduce_sum(tf.nn.embedding_lookup(reference, a) ** 2) for a in arrays])
+            ref_optimizer.apply_gradients([(tape.gradient(loss, reference), reference)])
+            self.assertAllClose(table.numpy(), reference.numpy(), atol=1e-5, msg=str(size))
 
     def test_custom_loop_reduction_without_keras(self):
         strategy = mirrored()

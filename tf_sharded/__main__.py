@@ -9,6 +9,8 @@ USAGE = """usage: python -m tf_sharded COMMAND
 commands:
   demo    train a sharded table on a local parameter-server cluster, save it,
           and restore it into another layout
+  bench exchange [--quick] [--out DIR]
+          mirrored gradient exchange sweep (allgather / dense / auto vs TF)
 """
 
 
@@ -22,6 +24,10 @@ def main(argv=None) -> int:
 
         demo.main()
         return 0
+    if argv[0] == "bench" and len(argv) > 1 and argv[1] == "exchange":
+        from tf_sharded.benchmarks import exchange
+
+        return exchange.main(argv[2:])
     print(f"unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

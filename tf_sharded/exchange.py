@@ -4,28 +4,37 @@ Under `MirroredStrategy` / `MultiWorkerMirroredStrategy` every replica holds
 (or reads) the whole table and computes a sparse gradient for the rows its
 batch touched. TensorFlow sums such gradients by all-gathering every
 replica's indices and values with every duplicate kept. Here each table
-chooses:
+chooses, per shard:
 
-* `"allgather"`: each replica merges its duplicate rows (unique + segment
-  sum), the merged slices are all-gathered, merged again, and applied once;
+* `"allgather"`: each replica's slices hold each row once (the lookup already
+  de-duplicates; several lookups of one table in a step are merged first);
+  indices travel bit-cast inside the value rows, so one collective gather
+  moves both; the gathered slices are merged again (unique + segment sum) and
+  applied once;
 * `"dense"`: the gradient is densified to its shard's shape and all-reduced;
-* `"auto"`: the cheaper of the two by the cost model below, decided when the
-  step is traced (collectives cannot sit under `tf.cond` in a replica
-  function, so the choice cannot change inside a traced step). Every replica
-  traces with the same static shapes and declared sizes, so all reach the same
-  decision.
+* `"auto"`: every step, the replicas all-gather their distinct-row counts (one
+  scalar each), evaluate the cost model below on the largest, and all take the
+  same branch. Collectives cannot sit under `tf.cond` in a replica function,
+  so both collectives run every step and the branch not taken carries only a
+  one-row marker payload.
 
-Cost model (bytes each replica receives per step, one shard of `rows` rows of
-`row_bytes` bytes, `R` replicas, at most `u` distinct ids per replica):
+Cost model, per shard and step, in bytes-equivalent one replica handles
+(`R` replicas, `u` the largest distinct-row count of any replica, `b` bytes
+per row, `k = MERGE_FACTOR`):
 
-    allgather = (R - 1) * u * (row_bytes + 8)      # gathered rows + int64 ids
-    dense     = 2 * (R - 1) / R * rows * row_bytes  # ring all-reduce
+    allgather = u * (b + 8) * ((R - 1) + k * R)   # receive, then merge + apply
+    dense     = 2 * (R - 1) / R * rows * b        # ring all-reduce
 
-`auto` picks allgather when `allgather <= dense`. `u` is the table's declared
-`ids_per_step` if given, else the number of ids the step looks up in the table
-(known statically from the batch shape; an upper bound on distinct ids),
-capped at the shard's rows; with neither, allgather (its cost is bounded by
-the ids, never by the table).
+`k` is what merging and applying one gathered row costs relative to
+receiving it. On a single host, where a collective is a memory copy, it
+dominates; `python -m tf_sharded bench exchange` measures the break-even and
+the default (4) comes from that sweep on a 2-core CPU machine. On a real
+network the transfer term dominates and a smaller `k` fits better. A declared
+`ids_per_step` fixes the choice at trace time instead.
+
+Every collective payload carries one marker row (index -1), removed after
+the gather: a collective whose every participant sends nothing never
+completes, and a shard that no replica touched in a step is common.
 """
 
 from __future__ import annotations
@@ -38,29 +47,34 @@ import tensorflow as tf
 
 EXCHANGES = ("auto", "allgather", "dense")
 ID_BYTES = 8
+MERGE_FACTOR = 4.0
 
-_TRACED_IDS = {}
+_TRACED = {}
 _LOCK = threading.Lock()
 
 
-def cost_bytes(mode: str, rows: int, row_bytes: int, replicas: int, distinct_ids: int) -> float:
-    """Bytes one replica receives per step for one shard under `mode`.
+def cost_bytes(
+    mode: str, rows: int, row_bytes: int, replicas: int, distinct_ids: int, merge_factor: float = MERGE_FACTOR
+) -> float:
+    """Bytes-equivalent one replica handles per step for one shard under `mode`.
 
     Example:
 
-    >>> cost_bytes("allgather", rows=1_000_000, row_bytes=128, replicas=4, distinct_ids=1000)
-    408000
+    >>> cost_bytes("allgather", rows=1_000_000, row_bytes=128, replicas=4, distinct_ids=1000, merge_factor=0)
+    408000.0
     >>> cost_bytes("dense", rows=1_000_000, row_bytes=128, replicas=4, distinct_ids=1000)
     192000000.0
     """
     if mode == "allgather":
-        return (replicas - 1) * distinct_ids * (row_bytes + ID_BYTES)
+        return float(distinct_ids * (row_bytes + ID_BYTES) * ((replicas - 1) + merge_factor * replicas))
     if mode == "dense":
         return 2.0 * (replicas - 1) / replicas * rows * row_bytes
     raise ValueError(f"Argument `mode` must be 'allgather' or 'dense'. Received: mode={mode!r}")
 
 
-def choose(rows: int, row_bytes: int, replicas: int, distinct_ids: Optional[int]) -> str:
+def choose(
+    rows: int, row_bytes: int, replicas: int, distinct_ids: Optional[int], merge_factor: float = MERGE_FACTOR
+) -> str:
     """The cheaper exchange for one shard; allgather when `distinct_ids` is unknown.
 
     Example:
@@ -73,8 +87,20 @@ def choose(rows: int, row_bytes: int, replicas: int, distinct_ids: Optional[int]
     if distinct_ids is None:
         return "allgather"
     u = min(int(distinct_ids), int(rows))
-    gather = cost_bytes("allgather", rows, row_bytes, replicas, u)
+    gather = cost_bytes("allgather", rows, row_bytes, replicas, u, merge_factor)
     return "allgather" if gather <= cost_bytes("dense", rows, row_bytes, replicas, u) else "dense"
+
+
+def break_even_ids(rows: int, row_bytes: int, replicas: int, merge_factor: float = MERGE_FACTOR) -> float:
+    """Distinct ids per replica above which "auto" densifies.
+
+    Example:
+
+    >>> round(break_even_ids(rows=1_000_000, row_bytes=128, replicas=4))
+    74303
+    """
+    per_id = (row_bytes + ID_BYTES) * ((replicas - 1) + merge_factor * replicas)
+    return cost_bytes("dense", rows, row_bytes, replicas, 0) / per_id
 
 
 class ExchangePolicy:
@@ -83,7 +109,8 @@ class ExchangePolicy:
     Args:
       mode: "auto", "allgather" or "dense".
       ids_per_step: optional declared bound on the distinct ids one replica
-        looks up in this table per step (used by "auto").
+        looks up in this table per step; "auto" then decides once, at trace
+        time, instead of every step.
     """
 
     def __init__(self, mode: str = "auto", ids_per_step: Optional[int] = None):
@@ -106,25 +133,136 @@ def _trace_key():
     return (id(tf.compat.v1.get_default_graph()), threading.get_ident())
 
 
-def note_lookup(table, num_ids: Optional[int]) -> None:
-    """Records how many ids this replica's step looks up in `table` (static count)."""
+def note_lookup(table) -> None:
+    """Counts the lookups of `table` in the step this replica is tracing."""
     if getattr(table, "_exchange", None) is None:
         return
     key = (id(table),) + _trace_key()
     with _LOCK:
-        if tf.executing_eagerly():
-            _TRACED_IDS[key] = num_ids
-        elif key in _TRACED_IDS:
-            prev = _TRACED_IDS[key]
-            _TRACED_IDS[key] = None if prev is None or num_ids is None else prev + num_ids
-        else:
-            _TRACED_IDS[key] = num_ids
+        _TRACED[key] = 1 if tf.executing_eagerly() else _TRACED.get(key, 0) + 1
 
 
-def traced_ids(table) -> Optional[int]:
-    """Static number of ids looked up in `table` by the step being traced, if known."""
+def single_lookup(table) -> bool:
+    """Whether the traced step looked `table` up exactly once.
+
+    Then each shard's gradient already holds every row once (the lookup
+    de-duplicates) and the merge before the gather can be skipped. Eagerly the
+    count restarts at every lookup, so this may wrongly be True there; the
+    merge after the gather keeps the result exact either way.
+    """
     with _LOCK:
-        return _TRACED_IDS.get((id(table),) + _trace_key())
+        return _TRACED.get((id(table),) + _trace_key(), 0) == 1
+
+
+def mark(variable, table, shard: int) -> None:
+    """Tags a shard variable so that gradient reduction routes it through its table's exchange."""
+    variable._tfs_exchange = (weakref.ref(table), shard)
+
+
+def owner(variable) -> Optional[Tuple[object, int]]:
+    """`(table, shard)` of a tagged shard variable, else None."""
+    tag = getattr(variable, "_tfs_exchange", None)
+    if tag is None:
+        return None
+    table = tag[0]()
+    return None if table is None else (table, tag[1])
+
+
+def _merge(indices: tf.Tensor, values: tf.Tensor):
+    unique, position = tf.unique(indices, out_idx=tf.int32)
+    return unique, tf.math.unsorted_segment_sum(values, position, tf.size(unique))
+
+
+def _pack(indices: tf.Tensor, values: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+    """Rows `[index words | value]` plus a leading marker row (index -1); and the word width."""
+    flat = tf.reshape(values, [tf.shape(values)[0], -1])
+    indices = tf.concat([[-1], indices], 0)
+    flat = tf.concat([tf.zeros([1, tf.shape(flat)[1]], flat.dtype), flat], 0)
+    words = tf.bitcast(indices, values.dtype)
+    words = tf.reshape(words, [tf.shape(indices)[0], -1])
+    return tf.concat([words, flat], axis=1), tf.shape(words)[1]
+
+
+def _unpack(gathered: tf.Tensor, width, inner_shape) -> Tuple[tf.Tensor, tf.Tensor]:
+    indices = tf.reshape(tf.bitcast(tf.reshape(gathered[:, :width], [-1, width]), tf.int64), [-1])
+    values = tf.reshape(gathered[:, width:], tf.concat([[-1], inner_shape], 0))
+    real = indices >= 0
+    return tf.boolean_mask(indices, real), tf.boolean_mask(values, real)
+
+
+def _local_slices(grad: tf.IndexedSlices, premerged: bool):
+    indices, values = tf.cast(grad.indices, tf.int64), grad.values
+    return (indices, values) if premerged else _merge(indices, values)
+
+
+def allgather_exchange(grad: tf.IndexedSlices, ctx, premerged: bool = False) -> Tuple[tf.IndexedSlices, tf.Tensor]:
+    """De-duplicated all-gather; returns the summed slices and the number of rows gathered.
+
+    `premerged=True` skips the local merge when the indices are known unique.
+    """
+    indices, values = _local_slices(grad, premerged)
+    packed, width = _pack(indices, values)
+    all_indices, all_values = _unpack(ctx.all_gather(packed, axis=0), width, tf.shape(values)[1:])
+    merged_indices, merged_values = _merge(all_indices, all_values)
+    return tf.IndexedSlices(merged_values, merged_indices, grad.dense_shape), tf.size(all_indices)
+
+
+def dense_exchange(grad, ctx, rows: int) -> tf.Tensor:
+    """Densify to the shard's shape, then all-reduce."""
+    if isinstance(grad, tf.IndexedSlices):
+        grad = tf.math.unsorted_segment_sum(grad.values, tf.cast(grad.indices, tf.int32), rows)
+    return ctx.all_reduce(tf.distribute.ReduceOp.SUM, grad)
+
+
+def adaptive_exchange(
+    grad: tf.IndexedSlices, ctx, rows: int, premerged: bool = False, merge_factor: float = MERGE_FACTOR
+) -> Tuple[tf.IndexedSlices, tf.Tensor]:
+    """The "auto" exchange decided per step; returns the summed slices and whether it gathered."""
+    replicas = ctx.num_replicas_in_sync
+    indices, values = _local_slices(grad, premerged)
+    inner = tf.shape(values)[1:]
+    row_bytes = values.dtype.size * max(1, values.shape[1:].num_elements() or 1)
+    counts = ctx.all_gather(tf.reshape(tf.size(indices), [1]), axis=0)
+    u = tf.cast(tf.reduce_max(counts), tf.float64)
+    gather_cost = u * float((row_bytes + ID_BYTES) * ((replicas - 1) + merge_factor * replicas))
+    use_gather = gather_cost <= cost_bytes("dense", rows, row_bytes, replicas, 0)
+
+    packed, width = _pack(indices, values)
+    payload = tf.cond(use_gather, lambda: packed, lambda: packed[:1])
+    gathered = ctx.all_gather(payload, axis=0)
+    dense_in = tf.cond(
+        use_gather,
+        lambda: tf.zeros(tf.concat([[1], inner], 0), values.dtype),
+        lambda: tf.math.unsorted_segment_sum(values, tf.cast(indices, tf.int32), rows),
+    )
+    reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, dense_in)
+
+    def sparse_result():
+        all_indices, all_values = _unpack(gathered, width, inner)
+        return _merge(all_indices, all_values)
+
+    def dense_result():
+        return tf.range(rows, dtype=tf.int64), reduced
+
+    out_indices, out_values = tf.cond(use_gather, sparse_result, dense_result)
+    return tf.IndexedSlices(out_values, out_indices, grad.dense_shape), use_gather
+
+
+def exchange_gradient(grad, table, shard: int, ctx=None):
+    """Sums one shard's gradient across replicas with the table's exchange (replica context)."""
+    ctx = ctx or tf.distribute.get_replica_context()
+    policy = table._exchange
+    rows = table.layout.shard_sizes[shard]
+    mode = policy.mode
+    if mode == "auto" and policy.ids_per_step is not None:
+        row_bytes = table.dtype.size * max(1, table.shape[1:].num_elements() or 1)
+        mode = choose(rows, row_bytes, ctx.num_replicas_in_sync, policy.ids_per_step)
+    if mode == "dense" or not isinstance(grad, tf.IndexedSlices):
+        return dense_exchange(grad, ctx, rows)
+    premerged = single_lookup(table)
+    if mode == "allgather":
+        return allgather_exchange(grad, ctx, premerged)[0]
+    return adaptive_exchange(grad, ctx, rows, premerged)[0]
 
 
 def apply_updates(optimizer, distribution, grads_and_vars, learning_rate, fallback) -> None:
@@ -144,89 +282,6 @@ def apply_updates(optimizer, distribution, grads_and_vars, learning_rate, fallba
         local = distribution.experimental_local_results(g)[0]
         with tf.device(v.device):
             optimizer.update_step(local, v, learning_rate)
-
-
-def mark(variable, table, shard: int) -> None:
-    """Tags a shard variable so that gradient reduction routes it through its table's exchange."""
-    variable._tfs_exchange = (weakref.ref(table), shard)
-
-
-def owner(variable) -> Optional[Tuple[object, int]]:
-    """`(table, shard)` of a tagged shard variable, else None."""
-    tag = getattr(variable, "_tfs_exchange", None)
-    if tag is None and hasattr(variable, "value") and not callable(variable.value):
-        tag = getattr(variable.value, "_tfs_exchange", None)
-    if tag is None:
-        return None
-    table = tag[0]()
-    return None if table is None else (table, tag[1])
-
-
-def _merge(indices: tf.Tensor, values: tf.Tensor):
-    unique, position = tf.unique(indices, out_idx=tf.int32)
-    return unique, tf.math.unsorted_segment_sum(values, position, tf.size(unique))
-
-
-def allgather_exchange(grad: tf.IndexedSlices, ctx) -> Tuple[tf.IndexedSlices, tf.Tensor]:
-    """De-duplicated all-gather; returns the summed slices and the number of rows gathered."""
-    indices, values = _merge(tf.cast(grad.indices, tf.int64), grad.values)
-    all_indices = ctx.all_gather(indices, axis=0)
-    all_values = ctx.all_gather(values, axis=0)
-    merged_indices, merged_values = _merge(all_indices, all_values)
-    return tf.IndexedSlices(merged_values, merged_indices, grad.dense_shape), tf.size(all_indices)
-
-
-def dense_exchange(grad, ctx, rows: int) -> tf.Tensor:
-    """Densify to the shard's shape, then all-reduce."""
-    if isinstance(grad, tf.IndexedSlices):
-        grad = tf.math.unsorted_segment_sum(grad.values, tf.cast(grad.indices, tf.int32), rows)
-    return ctx.all_reduce(tf.distribute.ReduceOp.SUM, grad)
-
-
-def resolve_mode(table, shard: int, replicas: int, ids: Optional[int] = None) -> str:
-    """The exchange used for `shard` of `table` given a bound on distinct ids per replica."""
-    policy = table._exchange
-    if policy.mode != "auto":
-        return policy.mode
-    rows = table.layout.shard_sizes[shard]
-    row_bytes = table.dtype.size * max(1, table.shape[1:].num_elements() or 1)
-    if policy.ids_per_step is not None:
-        ids = policy.ids_per_step
-    return choose(rows, row_bytes, replicas, ids)
-
-
-def _agree_on_ids(ctx, tables) -> dict:
-    """Largest static id count per table over the replicas, identical on all of them.
-
-    A replica's own count can differ (e.g. one replica's batch is statically
-    empty); deciding on it alone would send replicas down different
-    collectives. `merge_call` runs at trace time only: no op is added.
-    """
-    local = tuple(-1 if traced_ids(t) is None else traced_ids(t) for t in tables)
-
-    def merge(strategy, counts):
-        per_replica = strategy.experimental_local_results(counts)
-        agreed = []
-        for i in range(len(tables)):
-            values = [c[i] for c in per_replica]
-            agreed.append(None if min(values) < 0 else max(values))
-        return tuple(agreed)
-
-    agreed = ctx.merge_call(merge, args=(local,))
-    return {id(t): n for t, n in zip(tables, agreed)}
-
-
-def exchange_gradient(grad, table, shard: int, ctx=None, ids: Optional[int] = None):
-    """Sums one shard's gradient across replicas with the table's exchange (replica context).
-
-    `ids` is the agreed bound on distinct ids per replica for "auto" tables
-    (`all_reduce_gradients` computes it); it must be the same on every replica.
-    """
-    ctx = ctx or tf.distribute.get_replica_context()
-    mode = resolve_mode(table, shard, ctx.num_replicas_in_sync, ids)
-    if mode == "dense" or not isinstance(grad, tf.IndexedSlices):
-        return dense_exchange(grad, ctx, table.layout.shard_sizes[shard])
-    return allgather_exchange(grad, ctx)[0]
 
 
 def all_reduce_gradients(
@@ -272,12 +327,7 @@ def all_reduce_gradients(
         reduced_rest = [(None if g is None else next(summed), v) for g, v in rest]
     for (i, _), pair in zip(others, reduced_rest):
         result[i] = pair
-    auto = []
-    for _, (table, _) in ours:
-        if table._exchange.mode == "auto" and table._exchange.ids_per_step is None and table not in auto:
-            auto.append(table)
-    agreed = _agree_on_ids(ctx, auto) if auto else {}
     for i, (table, shard) in ours:
         g, v = pairs[i]
-        result[i] = (exchange_gradient(g, table, shard, ctx, agreed.get(id(table))), v)
+        result[i] = (exchange_gradient(g, table, shard, ctx), v)
     return result

@@ -1,0 +1,1 @@
+"""Benchmarks: every performance figure the project quotes comes from here."""

@@ -1,0 +1,190 @@
+"""B2: mirrored gradient exchange, swept over the fraction of rows touched per step.
+
+One process, 4 replicas (virtual CPUs unless the machine has more devices), a
+`rows x dim` table. For each density and id distribution the same steps run
+with tf_sharded's `allgather`, `dense` and `auto` exchanges and with TF's
+default path (Keras 3 `keras.layers.Embedding` + Keras SGD, whose
+`IndexedSlices` are all-gathered with every duplicate kept). All four run in
+the same process run; step times are medians, reported with their ratio to
+TF's default.
+
+Bytes are those one replica receives per step, from the measured distinct
+ids: allgather `R * max_distinct * (row_bytes + 8)` (padded to the largest
+replica, as TF's collective gather does), dense
+`2 (R - 1) / R * rows * row_bytes`, TF default `R * ids * (row_bytes + 8)`.
+`auto_chose` is what the cost model picks for the measured distinct count
+("auto" decides every step from the same count, so this is what it ran).
+
+    python -m tf_sharded bench exchange [--quick] [--out bench_results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+REPLICAS = 4
+
+
+def _configure_devices() -> list:
+    import tensorflow as tf
+
+    cpus = tf.config.list_physical_devices("CPU")
+    try:
+        tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * REPLICAS)
+    except RuntimeError:
+        pass  # already initialised (e.g. under the test runner, which configures the same)
+    return [f"/cpu:{i}" for i in range(REPLICAS)]
+
+
+def _ids(rng, distribution: str, rows: int, count: int):
+    import numpy as np
+
+    if distribution == "uniform":
+        return rng.integers(0, rows, size=count, dtype=np.int64)
+    # Power law (alpha ~ 1.05, like click logs), scattered over the table.
+    raw = np.minimum(rng.zipf(1.05, size=count) - 1, rows - 1)
+    return (raw * 2654435761) % rows
+
+
+def run(quick: bool = False, out_dir: str = "bench_results", strategy=None) -> dict:
+    """Runs the sweep; returns (and writes) the results."""
+    devices = _configure_devices()
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import tf_sharded as tfs
+
+    rows, dim = (100_000, 16) if quick else (1_000_000, 32)
+    densities = [1e-4, 1e-2] if quick else [1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 0.5]
+    distributions = ["power_law"] if quick else ["power_law", "uniform"]
+    steps, warmup = (2, 1) if quick else (9, 2)
+    strategy = strategy or tf.distribute.MirroredStrategy(devices)
+    replicas = strategy.num_replicas_in_sync
+    row_bytes = dim * 4
+    rng = np.random.default_rng(0)
+    results = []
+
+    def make_step(model_vars, lookup, optimizer):
+        @tf.function
+        def step(ids):
+            def fn(ids):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(lookup(ids) ** 2) * 1e-3
+                optimizer.apply_gradients(zip(tape.gradient(loss, model_vars()), model_vars()))
+                return loss
+
+            return strategy.run(fn, args=(ids,))
+
+        return step
+
+    def timed(named_steps, batches):
+        """Median step time per name; the steps run interleaved so drift hits all alike."""
+        for step in named_steps.values():
+            for b in batches[:warmup]:
+                step(b)
+        times = {name: [] for name in named_steps}
+        for b in batches[warmup:]:
+            for name, step in named_steps.items():
+                t0 = time.perf_counter()
+                out = step(b)
+                strategy.experimental_local_results(out)[0].numpy()
+                times[name].append(time.perf_counter() - t0)
+        return {name: statistics.median(t) for name, t in times.items()}
+
+    with strategy.scope():
+        tables = {
+            mode: strategy.create_sharded_variable(
+                f"bench_{mode}", [rows, dim], initializer="uniform", exchange=mode, placement="device", seed=1
+            )
+            for mode in ("allgather", "dense", "auto")
+        }
+        optimizers = {mode: keras.optimizers.SGD(0.1) for mode in tables}
+        embedding = keras.layers.Embedding(rows, dim)
+        embedding.build((None,))
+        keras_optimizer = keras.optimizers.SGD(0.1)
+
+    for distribution in distributions:
+        for density in densities:
+            per_replica = max(1, int(round(density * rows / replicas)))
+            batches = []
+            distinct = []
+            for _ in range(warmup + steps):
+                arrays = [_ids(rng, distribution, rows, per_replica) for _ in range(replicas)]
+                distinct.append(max(len(np.unique(a)) for a in arrays))
+                batches.append(
+                    strategy.experimental_distribute_values_from_function(
+                        lambda ctx, a=arrays: tf.constant(a[ctx.replica_id_in_sync_group])
+                    )
+                )
+            max_distinct = int(np.mean(distinct))
+            row = {
+                "distribution": distribution,
+                "density": density,
+                "ids_per_replica": per_replica,
+                "max_distinct_per_replica": max_distinct,
+            }
+            named = {
+                f"{mode}_s": make_step(
+                    lambda t=table: list(t.variables), lambda i, t=table: tfs.embedding_lookup(t, i), optimizers[mode]
+                )
+                for mode, table in tables.items()
+            }
+            named["tf_default_s"] = make_step(lambda: embedding.trainable_variables, embedding, keras_optimizer)
+            row.update(timed(named, batches))
+            row["auto_chose"] = tfs.exchange.choose(rows, row_bytes, replicas, max_distinct)
+            row["bytes_allgather"] = replicas * max_distinct * (row_bytes + 8)
+            row["bytes_dense"] = int(2 * (replicas - 1) / replicas * rows * row_bytes)
+            row["bytes_tf_default"] = replicas * per_replica * (row_bytes + 8)
+            best = min(row["allgather_s"], row["dense_s"])
+            row["auto_vs_best"] = row["auto_s"] / best
+            row["tf_default_vs_auto"] = row["tf_default_s"] / row["auto_s"]
+            results.append(row)
+            print(_format_row(row), flush=True)
+
+    report = {
+        "benchmark": "exchange",
+        "rows": rows,
+        "dim": dim,
+        "replicas": replicas,
+        "quick": quick,
+        "steps": steps,
+        "results": results,
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "exchange.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {path}")
+    return report
+
+
+HEADER = (
+    f"{'ids':>10} {'density':>8} {'ids/rep':>8} {'distinct':>8} | {'allgather':>9} {'dense':>9} {'auto':>9} "
+    f"{'tf':>9} | {'auto/best':>9} {'tf/auto':>8} {'chose':>9} | {'MB gather':>9} {'MB dense':>9} {'MB tf':>9}"
+)
+
+
+def _format_row(r: dict) -> str:
+    mb = 1 / (1 << 20)
+    return (
+        f"{r['distribution']:>10} {r['density']:>8.0e} {r['ids_per_replica']:>8} {r['max_distinct_per_replica']:>8} | "
+        f"{r['allgather_s'] * 1e3:>7.1f}ms {r['dense_s'] * 1e3:>7.1f}ms {r['auto_s'] * 1e3:>7.1f}ms "
+        f"{r['tf_default_s'] * 1e3:>7.1f}ms | {r['auto_vs_best']:>9.2f} {r['tf_default_vs_auto']:>8.2f} "
+        f"{r['auto_chose']:>9} | {r['bytes_allgather'] * mb:>9.2f} {r['bytes_dense'] * mb:>9.2f} "
+        f"{r['bytes_tf_default'] * mb:>9.2f}"
+    )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tf_sharded bench exchange", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small table, two densities (for tests)")
+    parser.add_argument("--out", default="bench_results", help="directory for exchange.json")
+    args = parser.parse_args(argv)
+    print(HEADER)
+    run(quick=args.quick, out_dir=args.out)
+    return 0
