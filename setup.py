@@ -5,8 +5,9 @@ setup(
     version="0.1.0",
     description="Sharded embedding tables for TensorFlow 2 distribution strategies",
     python_requires=">=3.9,<3.13",
-    packages=["tf_sharded", "tf_sharded.strategy", "tf_sharded.benchmarks"],
-    package_dir={"tf_sharded": "tf_sharded", "tf_sharded.strategy": "strategy", "tf_sharded.benchmarks": "tf_sharded/benchmarks"},
+    packages=["tf_sharded", "tf_sharded.benchmarks", "tf_sharded.strategy"],
+    # The hooks live in strategy/ but install inside the library's namespace.
+    package_dir={"tf_sharded": "tf_sharded", "tf_sharded.strategy": "strategy"},
     install_requires=[
         "tensorflow==2.16.2",
         "tensorflow-io==0.37.1",
