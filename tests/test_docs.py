@@ -18,6 +18,7 @@ MODULES = [
     "tf_sharded.creation",
     "tf_sharded.cluster",
     "tf_sharded.exchange",
+    "tf_sharded.layers",
 ]
 
 

@@ -19,6 +19,16 @@ from tf_sharded.sharded_variable import ShardedVariable
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # Keras is imported on first use of tfs.layers, not by `import tf_sharded`.
+    if name == "layers":
+        import importlib
+
+        return importlib.import_module("tf_sharded.layers")
+    raise AttributeError(f"module 'tf_sharded' has no attribute {name!r}")
+
+
 _install()
 
 __all__ = [

@@ -37,6 +37,9 @@ class VariableRequest:
     exchange: Optional[str]
     placement: Optional[str] = None
     ids_per_step: Optional[int] = None
+    # Not user-facing: `factory(index, initial_value_fn, shape, dtype, trainable)`
+    # returns `(tf_variable, handle)`; Keras layers use it to own their shards.
+    variable_factory: Optional[Callable] = None
 
     def resolve_spec(self, default_shards: int) -> PartitionSpec:
         return resolve_spec(self.partitions, self.shape, self.dtype, self.scheme, default_shards)
@@ -154,7 +157,7 @@ def build_sharded_variable(
     inner = full_shape[1:]
     row_elems = max(1, math.prod(inner))
     chunk_rows = max(1, CHUNK_ELEMENTS // row_elems)
-    shards = []
+    shards, handles = [], []
     with tf.init_scope():
         for i in range(spec.num_shards):
             rows = layout.shard_sizes[i]
@@ -173,13 +176,18 @@ def build_sharded_variable(
                     initial = lambda s=shard_shape: tf.zeros(s, dtype)  # noqa: E731
                 else:
                     initial = lambda i=i, r=rows: _shard_value(init, layout, i, full_shape, dtype, 0, r)  # noqa: E731
-                var = tf.Variable(
-                    initial_value=initial,
-                    trainable=request.trainable,
-                    name=f"{request.name}/part_{i}",
-                    dtype=dtype,
-                    shape=shard_shape,
-                )
+                if request.variable_factory is None:
+                    var = tf.Variable(
+                        initial_value=initial,
+                        trainable=request.trainable,
+                        name=f"{request.name}/part_{i}",
+                        dtype=dtype,
+                        shape=shard_shape,
+                    )
+                    handles.append(var)
+                else:
+                    var, handle = request.variable_factory(i, initial, shard_shape, dtype, request.trainable)
+                    handles.append(handle)
             with tf.device(var.device):
                 if scattered:
                     _fill_scattered(var, init, layout, i, full_shape, dtype)
@@ -189,7 +197,10 @@ def build_sharded_variable(
                         chunk = _shard_value(init, layout, i, full_shape, dtype, start, stop)
                         var.scatter_update(tf.IndexedSlices(chunk, tf.range(start, stop, dtype=tf.int64)))
             shards.append(var)
-    return ShardedVariable(shards, layout, request.name, full_shape, dtype, strategy)
+    table = ShardedVariable(shards, layout, request.name, full_shape, dtype, strategy)
+    if request.variable_factory is not None:
+        table._handles = tuple(handles)
+    return table
 
 
 def create_sharded_variable(
@@ -264,13 +275,26 @@ def create_sharded_variable(
 
 
 def _create(
-    strategy, name, shape, dtype, initializer, partitions, trainable, scheme, seed, exchange, placement, ids_per_step
+    strategy,
+    name,
+    shape,
+    dtype,
+    initializer,
+    partitions,
+    trainable,
+    scheme,
+    seed,
+    exchange,
+    placement,
+    ids_per_step,
+    variable_factory=None,
 ):
     from tf_sharded.strategy import hook_for
 
     request = _validate(
         name, shape, dtype, partitions, trainable, scheme, seed, exchange, initializer, placement, ids_per_step
     )
+    request.variable_factory = variable_factory
     return hook_for(strategy)(strategy, request)
 
 

@@ -1,0 +1,137 @@
+"""tfs.layers.Embedding: Keras 3 models, model.fit under default and Mirrored strategies."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sharded as tfs
+from tests.test_mirrored import mirrored
+
+pytestmark = pytest.mark.mirrored
+
+ROWS, DIM = 50, 4
+
+
+def data(n=64):
+    rng = np.random.RandomState(0)
+    ids = rng.randint(0, ROWS, (n, 3))
+    ids[:8] = 7  # duplicates inside and across replicas' batches
+    return ids, rng.rand(n, 1).astype(np.float32)
+
+
+def build(embedding):
+    inp = keras.Input((3,), dtype="int64")
+    x = keras.layers.GlobalAveragePooling1D()(embedding(inp))
+    model = keras.Model(inp, keras.layers.Dense(1, kernel_initializer="ones")(x))
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    return model
+
+
+def reference_after_fit(table0, epochs=2):
+    """The same model with keras.layers.Embedding on one device."""
+    embedding = keras.layers.Embedding(ROWS, DIM, embeddings_initializer=keras.initializers.Constant(table0))
+    model = build(embedding)
+    ids, y = data()
+    model.fit(ids, y, epochs=epochs, batch_size=16, shuffle=False, verbose=0)
+    return embedding.embeddings.numpy(), model.layers[-1].kernel.numpy()
+
+
+class MirroredFitTest(tf.test.TestCase):
+    def test_fit_matches_single_device_reference_for_each_exchange(self):
+        strategy = mirrored()
+        calls = []
+        original = tfs.exchange.exchange_gradient
+
+        def spy(grad, table, shard, ctx=None):
+            calls.append((table.name, shard))
+            return original(grad, table, shard, ctx)
+
+        tfs.exchange.exchange_gradient = spy
+        try:
+            for mode in ("allgather", "dense", "auto"):
+                calls.clear()
+                with strategy.scope():
+                    layer = tfs.layers.Embedding(ROWS, DIM, partitions=2, scheme="mod", seed=3, exchange=mode)
+                    model = build(layer)
+                table0 = layer.embeddings.numpy()
+                ids, y = data()
+                model.fit(ids, y, epochs=2, batch_size=16, shuffle=False, verbose=0)
+                want_table, want_kernel = reference_after_fit(table0)
+                self.assertAllClose(layer.embeddings.numpy(), want_table, atol=1e-5, msg=mode)
+                self.assertAllClose(model.layers[-1].kernel.numpy(), want_kernel, atol=1e-5, msg=mode)
+                # Keras's gradient aggregation went through the table's exchange, per replica and shard.
+                self.assertEqual({s for _, s in calls}, {0, 1}, msg=mode)
+        finally:
+            tfs.exchange.exchange_gradient = original
+
+
+class DefaultStrategyLayerTest(tf.test.TestCase):
+    def test_fit_matches_keras_embedding(self):
+        layer = tfs.layers.Embedding(ROWS, DIM, partitions=3, scheme="balanced", seed=5)
+        model = build(layer)
+        table0 = layer.embeddings.numpy()
+        ids, y = data()
+        model.fit(ids, y, epochs=2, batch_size=16, shuffle=False, verbose=0)
+        want_table, want_kernel = reference_after_fit(table0)
+        self.assertAllClose(layer.embeddings.numpy(), want_table, atol=1e-5)
+        self.assertAllClose(model.layers[-1].kernel.numpy(), want_kernel, atol=1e-5)
+        self.assertLen(model.trainable_weights, 3 + 2)
+
+    def test_sequential_subclassed_and_config_round_trip(self):
+        layer = tfs.layers.Embedding(
+            ROWS, DIM, partitions=tfs.PartitionSpec(2, "mod"), combiner="sqrtn", embeddings_initializer="normal"
+        )
+        clone = tfs.layers.Embedding.from_config(layer.get_config())
+        self.assertEqual(clone.get_config(), layer.get_config())
+        self.assertEqual(clone.partitions, tfs.PartitionSpec(2, "mod"))
+        seq = keras.Sequential([keras.Input((4,), dtype="int64"), tfs.layers.Embedding(ROWS, DIM, combiner="sum")])
+        self.assertEqual(tuple(seq(np.zeros((2, 4), np.int64)).shape), (2, DIM))
+
+        class Tower(keras.Model):
+            def __init__(self):
+                super().__init__()
+                self.emb = tfs.layers.Embedding(ROWS, DIM, combiner="mean", partitions=2)
+                self.out = keras.layers.Dense(1)
+
+            def call(self, ids):
+                return self.out(self.emb(ids))
+
+        tower = Tower()
+        self.assertEqual(tuple(tower(tf.ragged.constant([[1, 2], [3]], dtype=tf.int64)).shape), (2, 1))
+        self.assertLen(tower.trainable_weights, 4)
+
+    def test_multi_hot_inputs_agree(self):
+        layer = tfs.layers.Embedding(ROWS, DIM, combiner="mean", mask_zero=True, partitions=2, seed=1)
+        ragged = tf.ragged.constant([[3, 4, 4], [9], [1, 2]], dtype=tf.int64)
+        padded = np.array([[3, 4, 4], [9, 0, 0], [1, 2, -1]])
+        self.assertAllClose(layer(ragged), layer(padded))
+        self.assertAllClose(layer(ragged.to_sparse()), layer(padded))
+        table = layer.embeddings.numpy()
+        self.assertAllClose(layer(ragged)[0], table[[3, 4, 4]].mean(axis=0), atol=1e-6)
+
+    def test_mask_zero_single_hot(self):
+        layer = tfs.layers.Embedding(ROWS, DIM, mask_zero=True)
+        self.assertAllEqual(layer.compute_mask(tf.constant([[0, 3]])), [[False, True]])
+
+    def test_bad_input(self):
+        layer = tfs.layers.Embedding(ROWS, DIM)
+        with self.assertRaisesRegex(ValueError, "received multi-hot input .* has combiner=None"):
+            layer(tf.ragged.constant([[1, 2]], dtype=tf.int64))
+        with self.assertRaisesRegex(TypeError, "Argument `ids` must be an int32 or int64 tensor"):
+            layer(tf.constant([[1.0]]))
+        bag = tfs.layers.Embedding(ROWS, DIM, combiner="sum")
+        with self.assertRaisesRegex(ValueError, "needs multi-hot ids of shape \\[batch, ids\\]"):
+            bag(tf.constant([1, 2]))
+        with self.assertRaisesRegex(ValueError, "Argument `combiner` must be None or one of"):
+            tfs.layers.Embedding(ROWS, DIM, combiner="max")
+        with self.assertRaisesRegex(ValueError, "Argument `input_dim` must be a positive int"):
+            tfs.layers.Embedding(0, DIM)
+        with self.assertRaisesRegex(ValueError, "Argument `embeddings_constraint` is not supported"):
+            tfs.layers.Embedding(ROWS, DIM, embeddings_constraint="non_neg")
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "must hold row ids in \\[0, 50\\)"):
+            layer(tf.constant([[50]]))
+
+
+if __name__ == "__main__":
+    tf.test.main()
