@@ -27,6 +27,8 @@ ROW_KEYS = {
     "bytes_tf_default",
     "auto_vs_best",
     "tf_default_vs_auto",
+    "floor_s",
+    "tf_default_vs_floor",
 }
 
 

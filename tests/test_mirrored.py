@@ -246,6 +246,14 @@ class ExchangeTest(tf.test.TestCase):
                 self.assertEqual(bool(strategy.experimental_local_results(gathered)[r]), want_gather)
                 self.assertEqual(int(strategy.experimental_local_results(rows)[r]), want_rows)
                 self.assertEqual(float(strategy.experimental_local_results(total)[r]), 4.0 * sum(map(len, arrays)))
+        # A static batch already below the break-even: decided when traced, no runtime decision.
+        small = self.step_ops(100_000, 16, "auto")
+        self.assertIn("CollectiveGatherV2", small)
+        self.assertNotIn("CollectiveReduceV2", small)
+        # A batch that could cross it: both collectives, the step decides.
+        large = self.step_ops(64, 512, "auto")
+        self.assertIn("CollectiveGatherV2", large)
+        self.assertIn("CollectiveReduceV2", large)
         declared = self.step_ops(64, 4, "auto", ids_per_step=5_000)
         self.assertIn("CollectiveReduceV2", declared)
         self.assertNotIn("CollectiveGatherV2", declared)

@@ -12,11 +12,13 @@ chooses, per shard:
   moves both; the gathered slices are merged again (unique + segment sum) and
   applied once;
 * `"dense"`: the gradient is densified to its shard's shape and all-reduced;
-* `"auto"`: every step, the replicas all-gather their distinct-row counts (one
-  scalar each), evaluate the cost model below on the largest, and all take the
-  same branch. Collectives cannot sit under `tf.cond` in a replica function,
-  so both collectives run every step and the branch not taken carries only a
-  one-row marker payload.
+* `"auto"`: if even the number of ids the step looks up (its static batch
+  shape, agreed across replicas) is below the break-even, all-gather is chosen
+  when the step is traced and costs nothing extra. Otherwise, every step, the
+  replicas all-gather their distinct-row counts (one scalar each), evaluate the
+  cost model below on the largest, and all take the same branch. Collectives
+  cannot sit under `tf.cond` in a replica function, so both collectives run
+  every step and the branch not taken carries only a one-row marker payload.
 
 Cost model, per shard and step, in bytes-equivalent one replica handles
 (`R` replicas, `u` the largest distinct-row count of any replica, `b` bytes
@@ -133,13 +135,23 @@ def _trace_key():
     return (id(tf.compat.v1.get_default_graph()), threading.get_ident())
 
 
-def note_lookup(table) -> None:
-    """Counts the lookups of `table` in the step this replica is tracing."""
+def note_lookup(table, num_ids: Optional[int] = None) -> None:
+    """Counts the lookups of `table` (and their static number of ids) in the step being traced."""
     if getattr(table, "_exchange", None) is None:
         return
     key = (id(table),) + _trace_key()
     with _LOCK:
-        _TRACED[key] = 1 if tf.executing_eagerly() else _TRACED.get(key, 0) + 1
+        if tf.executing_eagerly() or key not in _TRACED:
+            _TRACED[key] = (1, num_ids)
+        else:
+            lookups, ids = _TRACED[key]
+            _TRACED[key] = (lookups + 1, None if ids is None or num_ids is None else ids + num_ids)
+
+
+def traced_ids(table) -> Optional[int]:
+    """Static number of ids the traced step looks up in `table` (an upper bound on distinct ids)."""
+    with _LOCK:
+        return _TRACED.get((id(table),) + _trace_key(), (0, None))[1]
 
 
 def single_lookup(table) -> bool:
@@ -151,7 +163,7 @@ def single_lookup(table) -> bool:
     merge after the gather keeps the result exact either way.
     """
     with _LOCK:
-        return _TRACED.get((id(table),) + _trace_key(), 0) == 1
+        return _TRACED.get((id(table),) + _trace_key(), (0, None))[0] == 1
 
 
 def mark(variable, table, shard: int) -> None:
@@ -248,15 +260,24 @@ def adaptive_exchange(
     return tf.IndexedSlices(out_values, out_indices, grad.dense_shape), use_gather
 
 
-def exchange_gradient(grad, table, shard: int, ctx=None):
-    """Sums one shard's gradient across replicas with the table's exchange (replica context)."""
+def exchange_gradient(grad, table, shard: int, ctx=None, static_ids: Optional[int] = None):
+    """Sums one shard's gradient across replicas with the table's exchange (replica context).
+
+    `static_ids`: for "auto", a bound on any replica's distinct ids that every
+    replica agrees on (`all_reduce_gradients` derives it from the traced batch
+    shapes). When even the bound is below the break-even, all-gather is chosen
+    at trace time and the per-step decision (two small collectives) is skipped.
+    """
     ctx = ctx or tf.distribute.get_replica_context()
     policy = table._exchange
     rows = table.layout.shard_sizes[shard]
     mode = policy.mode
+    row_bytes = table.dtype.size * max(1, table.shape[1:].num_elements() or 1)
     if mode == "auto" and policy.ids_per_step is not None:
-        row_bytes = table.dtype.size * max(1, table.shape[1:].num_elements() or 1)
         mode = choose(rows, row_bytes, ctx.num_replicas_in_sync, policy.ids_per_step)
+    elif mode == "auto" and static_ids is not None:
+        if choose(rows, row_bytes, ctx.num_replicas_in_sync, static_ids) == "allgather":
+            mode = "allgather"
     if mode == "dense" or not isinstance(grad, tf.IndexedSlices):
         return dense_exchange(grad, ctx, rows)
     premerged = single_lookup(table)
@@ -327,7 +348,37 @@ def all_reduce_gradients(
         reduced_rest = [(None if g is None else next(summed), v) for g, v in rest]
     for (i, _), pair in zip(others, reduced_rest):
         result[i] = pair
+    auto = []
+    for _, (table, _) in ours:
+        if table._exchange.mode == "auto" and table._exchange.ids_per_step is None and table not in auto:
+            auto.append(table)
+    bounds = _agree_on_bounds(ctx, auto) if auto else {}
     for i, (table, shard) in ours:
         g, v = pairs[i]
-        result[i] = (exchange_gradient(g, table, shard, ctx), v)
+        result[i] = (exchange_gradient(g, table, shard, ctx, bounds.get(id(table))), v)
     return result
+
+
+def _agree_on_bounds(ctx, tables) -> dict:
+    """Largest static id count per table over this worker's replicas, the same on all of them.
+
+    Replicas can trace different static shapes (one replica's batch may be
+    statically empty); deciding on their own would send them down different
+    collectives. `merge_call` here runs at trace time only and adds no op.
+    Across workers, per-replica batch shapes are equal in a normal input
+    pipeline; `ids_per_step` removes any doubt.
+    """
+    local = tuple(-1 if traced_ids(t) is None else traced_ids(t) for t in tables)
+
+    def merge(strategy, counts):
+        per_replica = strategy.experimental_local_results(counts)
+        agreed = []
+        for i in range(len(tables)):
+            values = [c[i] for c in per_replica]
+            agreed.append(None if min(values) < 0 else max(values))
+        return tuple(agreed)
+
+    if tf.executing_eagerly():
+        return {}
+    agreed = ctx.merge_call(merge, args=(local,))
+    return {id(t): n for t, n in zip(tables, agreed)}

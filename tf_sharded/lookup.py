@@ -52,7 +52,7 @@ def _assemble(parts, positions, shard, idx, num_unique):
 
 def _lookup_flat(table: ShardedVariable, flat_ids: tf.Tensor, max_norm: Optional[float]) -> tf.Tensor:
     """Rows for int64 ids of rank 1, with a sparse, per-shard gradient."""
-    exchange.note_lookup(table)
+    exchange.note_lookup(table, flat_ids.shape[0])
     uniq, idx = tf.unique(flat_ids, out_idx=tf.int32)
     num_unique = tf.size(uniq)
     shard, locals_, positions = table._partition_rows(uniq)

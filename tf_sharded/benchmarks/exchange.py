@@ -14,6 +14,9 @@ replica, as TF's collective gather does), dense
 `2 (R - 1) / R * rows * row_bytes`, TF default `R * ids * (row_bytes + 8)`.
 `auto_chose` is what the cost model picks for the measured distinct count
 ("auto" decides every step from the same count, so this is what it ran).
+`floor` is the same step with the lookup only (no gradient, exchange or
+update): no exchange can make a training step cheaper than that, so
+`tf_default / floor` bounds any speed-up over TF's default on this machine.
 
     python -m tf_sharded bench exchange [--quick] [--out bench_results]
 """
@@ -69,13 +72,14 @@ def run(quick: bool = False, out_dir: str = "bench_results", strategy=None) -> d
     rng = np.random.default_rng(0)
     results = []
 
-    def make_step(model_vars, lookup, optimizer):
+    def make_step(model_vars, lookup, optimizer, train=True):
         @tf.function
         def step(ids):
             def fn(ids):
                 with tf.GradientTape() as tape:
                     loss = tf.reduce_sum(lookup(ids) ** 2) * 1e-3
-                optimizer.apply_gradients(zip(tape.gradient(loss, model_vars()), model_vars()))
+                if train:
+                    optimizer.apply_gradients(zip(tape.gradient(loss, model_vars()), model_vars()))
                 return loss
 
             return strategy.run(fn, args=(ids,))
@@ -135,6 +139,10 @@ def run(quick: bool = False, out_dir: str = "bench_results", strategy=None) -> d
                 for mode, table in tables.items()
             }
             named["tf_default_s"] = make_step(lambda: embedding.trainable_variables, embedding, keras_optimizer)
+            # The floor: the same step with the lookup only (no gradient, no exchange, no update).
+            named["floor_s"] = make_step(
+                lambda: [], lambda i, t=tables["allgather"]: tfs.embedding_lookup(t, i), None, train=False
+            )
             row.update(timed(named, batches))
             row["auto_chose"] = tfs.exchange.choose(rows, row_bytes, replicas, max_distinct)
             row["bytes_allgather"] = replicas * max_distinct * (row_bytes + 8)
@@ -143,6 +151,7 @@ def run(quick: bool = False, out_dir: str = "bench_results", strategy=None) -> d
             best = min(row["allgather_s"], row["dense_s"])
             row["auto_vs_best"] = row["auto_s"] / best
             row["tf_default_vs_auto"] = row["tf_default_s"] / row["auto_s"]
+            row["tf_default_vs_floor"] = row["tf_default_s"] / row["floor_s"]
             results.append(row)
             print(_format_row(row), flush=True)
 
@@ -165,7 +174,8 @@ def run(quick: bool = False, out_dir: str = "bench_results", strategy=None) -> d
 
 HEADER = (
     f"{'ids':>10} {'density':>8} {'ids/rep':>8} {'distinct':>8} | {'allgather':>9} {'dense':>9} {'auto':>9} "
-    f"{'tf':>9} | {'auto/best':>9} {'tf/auto':>8} {'chose':>9} | {'MB gather':>9} {'MB dense':>9} {'MB tf':>9}"
+    f"{'tf':>9} {'floor':>9} | {'auto/best':>9} {'tf/auto':>8} {'tf/floor':>8} {'chose':>9} | "
+    f"{'MB gather':>9} {'MB dense':>9} {'MB tf':>9}"
 )
 
 
@@ -174,7 +184,8 @@ def _format_row(r: dict) -> str:
     return (
         f"{r['distribution']:>10} {r['density']:>8.0e} {r['ids_per_replica']:>8} {r['max_distinct_per_replica']:>8} | "
         f"{r['allgather_s'] * 1e3:>7.1f}ms {r['dense_s'] * 1e3:>7.1f}ms {r['auto_s'] * 1e3:>7.1f}ms "
-        f"{r['tf_default_s'] * 1e3:>7.1f}ms | {r['auto_vs_best']:>9.2f} {r['tf_default_vs_auto']:>8.2f} "
+        f"{r['tf_default_s'] * 1e3:>7.1f}ms {r['floor_s'] * 1e3:>7.1f}ms | {r['auto_vs_best']:>9.2f} "
+        f"{r['tf_default_vs_auto']:>8.2f} {r['tf_default_vs_floor']:>8.2f} "
         f"{r['auto_chose']:>9} | {r['bytes_allgather'] * mb:>9.2f} {r['bytes_dense'] * mb:>9.2f} "
         f"{r['bytes_tf_default'] * mb:>9.2f}"
     )
