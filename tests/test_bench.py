@@ -5,13 +5,12 @@ Speed is not checked here: figures come from the benchmark command itself.
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
 
 import tensorflow as tf
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.subprocs import run_python
+
 ROW_KEYS = {
     "distribution",
     "density",
@@ -35,14 +34,7 @@ ROW_KEYS = {
 class ExchangeBenchmarkTest(tf.test.TestCase):
     def test_quick_run_writes_json(self):
         out = tempfile.mkdtemp()
-        proc = subprocess.run(
-            [sys.executable, "-m", "tf_sharded", "bench", "exchange", "--quick", "--out", out],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=ROOT,
-            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-        )
+        proc = run_python(["-m", "tf_sharded", "bench", "exchange", "--quick", "--out", out])
         self.assertEqual(proc.returncode, 0, msg=proc.stderr[-3000:])
         with open(os.path.join(out, "exchange.json")) as f:
             report = json.load(f)

@@ -1,8 +1,5 @@
 """Local clusters: one OS process per task, cleaned up on exit and on error."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import psutil
@@ -10,10 +7,10 @@ import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
+from tests.subprocs import run_python
 
 pytestmark = pytest.mark.ps_cluster
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = textwrap.dedent(
     """
@@ -48,14 +45,7 @@ SCRIPT = textwrap.dedent(
 
 
 def run_script(mode):
-    return subprocess.run(
-        [sys.executable, "-c", SCRIPT, mode],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=ROOT,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-    )
+    return run_python(["-c", SCRIPT, mode], timeout=240)
 
 
 class ProcessClusterTest(tf.test.TestCase):

@@ -1,9 +1,5 @@
 """MirroredStrategy on 4 virtual CPUs: mirrored tables and gradient exchange."""
 
-import os
-import subprocess
-import sys
-
 import keras
 import numpy as np
 import pytest
@@ -11,11 +7,11 @@ import tensorflow as tf
 
 import tf_sharded as tfs
 from tests.strategy_bodies import table_values, uid
+from tests.subprocs import run_python
 
 pytestmark = pytest.mark.mirrored
 
 DEVICES = [f"/cpu:{i}" for i in range(4)]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Restores a mirrored checkpoint on a PS cluster, checks it, saves 3x the values back.
 PS_ROUND_TRIP = """
@@ -330,14 +326,7 @@ class MirroredCheckpointAndArgumentTest(tf.test.TestCase):
             self.assertAllEqual(local.numpy(), values)
             # The parameter-server side runs in its own process (see conftest.py).
             back_path = self.get_temp_dir() + f"/{uid('ps')}"
-            proc = subprocess.run(
-                [sys.executable, "-c", PS_ROUND_TRIP, path, back_path],
-                capture_output=True,
-                text=True,
-                timeout=240,
-                cwd=ROOT,
-                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-            )
+            proc = run_python(["-c", PS_ROUND_TRIP, path, back_path], timeout=240)
             self.assertEqual(proc.returncode, 0, msg=proc.stderr[-3000:])
             self.assertIn("PS restored OK", proc.stdout)
             with strategy.scope():

@@ -61,7 +61,7 @@ class VariableRequest:
 
 
 def _validate(
-    name, shape, dtype, partitions, trainable, scheme, seed, exchange, initializer, placement=None, ids_per_step=None
+    name, shape, dtype, initializer, partitions, trainable, scheme, seed, exchange, placement=None, ids_per_step=None
 ) -> VariableRequest:
     if not isinstance(name, str) or not name:
         raise ValueError(f"Argument `name` must be a non-empty string. Received: name={name!r}")
@@ -258,42 +258,27 @@ def create_sharded_variable(
     >>> bool(np.array_equal(t.numpy(), u.numpy()))
     True
     """
-    return _create(
-        tf.distribute.get_strategy(),
-        name,
-        shape,
-        dtype,
-        initializer,
-        partitions,
-        trainable,
-        scheme,
-        seed,
-        exchange,
-        placement,
-        ids_per_step,
+    arguments = dict(
+        name=name,
+        shape=shape,
+        dtype=dtype,
+        initializer=initializer,
+        partitions=partitions,
+        trainable=trainable,
+        scheme=scheme,
+        seed=seed,
+        exchange=exchange,
+        placement=placement,
+        ids_per_step=ids_per_step,
     )
+    return _create(tf.distribute.get_strategy(), arguments)
 
 
-def _create(
-    strategy,
-    name,
-    shape,
-    dtype,
-    initializer,
-    partitions,
-    trainable,
-    scheme,
-    seed,
-    exchange,
-    placement,
-    ids_per_step,
-    variable_factory=None,
-):
+def _create(strategy, arguments: dict, variable_factory: Optional[Callable] = None) -> ShardedVariable:
+    """Validates `create_sharded_variable`'s arguments and calls the strategy's hook."""
     from tf_sharded.strategy import hook_for
 
-    request = _validate(
-        name, shape, dtype, partitions, trainable, scheme, seed, exchange, initializer, placement, ids_per_step
-    )
+    request = _validate(**arguments)
     request.variable_factory = variable_factory
     return hook_for(strategy)(strategy, request)
 
@@ -307,7 +292,7 @@ def _strategy_method(self, *args, **kwargs) -> ShardedVariable:
     except TypeError as e:
         raise TypeError(f"create_sharded_variable(): {e}. Signature: create_sharded_variable{_SIGNATURE}") from None
     bound.apply_defaults()
-    return _create(self, **bound.arguments)
+    return _create(self, dict(bound.arguments))
 
 
 _strategy_method.__doc__ = create_sharded_variable.__doc__.split("Example:")[0]

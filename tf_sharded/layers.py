@@ -122,21 +122,19 @@ class Embedding(keras.layers.Layer):
             )
             return weight.value, weight
 
-        self.embeddings = creation._create(
-            tf.distribute.get_strategy(),
-            self.name,
-            [self.input_dim, self.output_dim],
-            self.variable_dtype,
-            initializer,
-            self.partitions,
-            self.trainable,
-            self.scheme,
-            self.seed,
-            self.exchange,
-            self.placement,
-            None,
-            variable_factory=factory,
+        arguments = dict(
+            name=self.name,
+            shape=[self.input_dim, self.output_dim],
+            dtype=self.variable_dtype,
+            initializer=initializer,
+            partitions=self.partitions,
+            trainable=self.trainable,
+            scheme=self.scheme,
+            seed=self.seed,
+            exchange=self.exchange,
+            placement=self.placement,
         )
+        self.embeddings = creation._create(tf.distribute.get_strategy(), arguments, variable_factory=factory)
         self.built = True
 
     def call(self, inputs):
