@@ -38,7 +38,7 @@ class VariableRequest:
     placement: Optional[str] = None
     ids_per_step: Optional[int] = None
     # Not user-facing: `factory(index, initial_value_fn, shape, dtype, trainable)`
-    # returns `(tf_variable, handle)`; Keras layers use it to own their shards.
+    # returns the shard's tf.Variable; Keras layers use it to own their shards.
     variable_factory: Optional[Callable] = None
 
     def resolve_spec(self, default_shards: int) -> PartitionSpec:
@@ -157,7 +157,7 @@ def build_sharded_variable(
     inner = full_shape[1:]
     row_elems = max(1, math.prod(inner))
     chunk_rows = max(1, CHUNK_ELEMENTS // row_elems)
-    shards, handles = [], []
+    shards = []
     with tf.init_scope():
         for i in range(spec.num_shards):
             rows = layout.shard_sizes[i]
@@ -184,10 +184,8 @@ def build_sharded_variable(
                         dtype=dtype,
                         shape=shard_shape,
                     )
-                    handles.append(var)
                 else:
-                    var, handle = request.variable_factory(i, initial, shard_shape, dtype, request.trainable)
-                    handles.append(handle)
+                    var = request.variable_factory(i, initial, shard_shape, dtype, request.trainable)
             with tf.device(var.device):
                 if scattered:
                     _fill_scattered(var, init, layout, i, full_shape, dtype)
@@ -197,10 +195,7 @@ def build_sharded_variable(
                         chunk = _shard_value(init, layout, i, full_shape, dtype, start, stop)
                         var.scatter_update(tf.IndexedSlices(chunk, tf.range(start, stop, dtype=tf.int64)))
             shards.append(var)
-    table = ShardedVariable(shards, layout, request.name, full_shape, dtype, strategy)
-    if request.variable_factory is not None:
-        table._handles = tuple(handles)
-    return table
+    return ShardedVariable(shards, layout, request.name, full_shape, dtype, strategy)
 
 
 def create_sharded_variable(

@@ -120,7 +120,7 @@ class Embedding(keras.layers.Layer):
                 trainable=trainable,
                 name=f"embeddings_part_{index}",
             )
-            return weight.value, weight
+            return weight.value
 
         arguments = dict(
             name=self.name,

@@ -121,7 +121,6 @@ class ShardedVariable(_compat.Trackable):
         self._shape = tf.TensorShape(shape)
         self._dtype = tf.as_dtype(dtype)
         self._strategy = strategy
-        self._handles = self._variables  # what owns each shard (Keras variables for layers)
         self._exchange = None  # an ExchangePolicy under mirrored strategies
         self._placement = None
         for i, v in enumerate(self._variables):
