@@ -35,6 +35,22 @@ def bound(fn, **kwargs):
     return wrapper
 
 
+def squared_norm_step(strategy, table, optimizer):
+    """A `tf.function` training `table` on `sum(rows ** 2)` with a Keras optimizer, per replica."""
+
+    @tf.function
+    def step(ids):
+        def fn(ids):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tfs.embedding_lookup(table, ids) ** 2)
+            optimizer.apply_gradients(zip(tape.gradient(loss, list(table.variables)), table.variables))
+            return loss
+
+        return strategy.run(fn, args=(ids,))
+
+    return step
+
+
 def table_values(rows: int, dim: int, seed: int = 0) -> np.ndarray:
     return np.random.RandomState(seed).uniform(-1, 1, size=(rows, dim)).astype(np.float32)
 

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
-from tests.strategy_bodies import table_values, uid
+from tests.strategy_bodies import squared_norm_step, table_values, uid
 from tests.subprocs import run_python
 
 pytestmark = pytest.mark.mirrored
@@ -261,17 +261,7 @@ class ExchangeTest(tf.test.TestCase):
             table = strategy.create_sharded_variable(uid("sw"), [2000, 4], initializer=values, exchange="auto")
             optimizer = keras.optimizers.SGD(0.1)
         reference, ref_optimizer = tf.Variable(values), keras.optimizers.SGD(0.1)
-
-        @tf.function
-        def step(ids):
-            def fn(ids):
-                with tf.GradientTape() as tape:
-                    loss = tf.reduce_sum(tfs.embedding_lookup(table, ids) ** 2)
-                optimizer.apply_gradients(zip(tape.gradient(loss, list(table.variables)), table.variables))
-                return loss
-
-            return strategy.run(fn, args=(ids,))
-
+        step = squared_norm_step(strategy, table, optimizer)
         rng = np.random.RandomState(0)
         for size in (8, 600, 8, 1500):  # below and above the break-even (~105 distinct ids)
             arrays = [rng.randint(0, 2000, size=size) for _ in range(4)]

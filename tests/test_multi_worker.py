@@ -14,6 +14,7 @@ WORKER = """
 import json, os, sys
 import numpy as np, tensorflow as tf, keras
 import tf_sharded as tfs
+from tests.strategy_bodies import squared_norm_step
 
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
 assert strategy.num_replicas_in_sync == 2
@@ -28,15 +29,7 @@ for mode, placement in (("allgather", "device"), ("dense", "device"), ("auto", "
                                                  scheme="mod", exchange=mode, placement=placement)
         optimizer = keras.optimizers.SGD(0.25)
     reference, ref_optimizer = tf.Variable(values), keras.optimizers.SGD(0.25)
-
-    @tf.function
-    def step(ids):
-        def fn(ids):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(tfs.embedding_lookup(table, ids) ** 2)
-            optimizer.apply_gradients(zip(tape.gradient(loss, list(table.variables)), table.variables))
-            return loss
-        return strategy.run(fn, args=(ids,))
+    step = squared_norm_step(strategy, table, optimizer)
 
     for batch in batches:
         ids = strategy.experimental_distribute_values_from_function(
