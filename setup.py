@@ -13,11 +13,11 @@ setup(
         "tensorflow-io==0.37.1",
         "numpy<2",
         "absl-py",
-        "keras>=3.0,<3.16",
-        "portpicker",
+        "keras==3.15.1",  # tf_sharded routes Keras optimizer internals; see _compat.py
+        "portpicker==1.6.0",
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "ruff", "psutil"],
+        "test": ["pytest==9.2.0", "hypothesis==6.170.15", "ruff==0.17.5", "psutil==7.2.2"],
     },
     entry_points={"console_scripts": ["tf-sharded=tf_sharded.__main__:main"]},
 )

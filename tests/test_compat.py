@@ -7,8 +7,16 @@ from tf_sharded import _compat
 
 
 class CompatTest(tf.test.TestCase):
-    def test_tensorflow_version_is_the_pinned_one(self):
+    def test_tensorflow_and_keras_versions_are_the_pinned_ones(self):
+        import keras
+
         self.assertEqual(tf.__version__, "2.16.2")
+        # _compat routes TFOptimizer._all_reduce_sum_gradients / _distributed_tf_update_step.
+        self.assertEqual(keras.__version__, "3.15.1")
+        from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
+
+        for name in ("_all_reduce_sum_gradients", "_distributed_tf_update_step", "update_step"):
+            self.assertTrue(hasattr(keras_tf_optimizer.TFOptimizer, name), name)
 
     def test_trackable_and_saveable_classes(self):
         self.assertIs(_compat.Trackable, tf.__internal__.tracking.Trackable)
