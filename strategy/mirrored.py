@@ -24,7 +24,6 @@ import tensorflow as tf
 from tf_sharded import _compat, creation, exchange
 from tf_sharded.strategy import register
 
-PLACEMENTS = ("auto", "device", "host")
 HOST_PLACEMENT_BYTES = 256 << 20
 
 
@@ -35,8 +34,7 @@ def host_device(strategy) -> str:
 
 
 def resolve_placement(placement, table_bytes: int) -> str:
-    if placement not in (None,) + PLACEMENTS:
-        raise ValueError(f"Argument `placement` must be one of {PLACEMENTS}. Received: placement={placement!r}")
+    """Resolves a validated `placement` argument; None and "auto" choose by table size."""
     if placement in (None, "auto"):
         return "host" if table_bytes > HOST_PLACEMENT_BYTES else "device"
     return placement
@@ -53,15 +51,8 @@ def create(strategy, request: creation.VariableRequest):
     if request.seed is None and _compat.in_multi_worker_mode(strategy):
         # Every worker initialises its own copy: the seed must not be drawn per worker.
         request.seed = zlib.crc32(request.name.encode())
-    anchor = _compat.single_device(host_device(strategy)) if placement == "host" else None
-
-    def placement_scope(i):
-        def creator(next_creator, **kwargs):
-            if anchor is not None:
-                kwargs["colocate_with"] = anchor
-            return next_creator(**kwargs)
-
-        return tf.variable_creator_scope(creator)
+    host = _compat.single_device(host_device(strategy)) if placement == "host" else None
+    placement_scope = (lambda i: creation.colocate_scope(host)) if host is not None else None
 
     with strategy.scope():
         table = creation.build_sharded_variable(

@@ -8,7 +8,6 @@ splitting a shard a second time.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import tensorflow as tf
@@ -52,14 +51,7 @@ def create(strategy, request: creation.VariableRequest):
     devices = [ps_device((start + i) % num_ps) for i in range(spec.num_shards)]
     _PLACED[strategy] = start + spec.num_shards
 
-    @contextlib.contextmanager
-    def placement(i):
-        def creator(next_creator, **kwargs):
-            kwargs["colocate_with"] = _Anchor(devices[i])
-            return next_creator(**kwargs)
-
-        with tf.variable_creator_scope(creator):
-            yield
-
     with strategy.scope():
-        return creation.build_sharded_variable(request, spec, devices, strategy, placement=placement)
+        return creation.build_sharded_variable(
+            request, spec, devices, strategy, placement=lambda i: creation.colocate_scope(_Anchor(devices[i]))
+        )

@@ -27,6 +27,8 @@ from typing import Dict, List, Optional
 
 import tensorflow as tf
 
+from tf_sharded.errors import positive_int
+
 MODES = ("inprocess", "process")
 _INPROCESS: Optional[LocalCluster] = None
 
@@ -82,9 +84,8 @@ class LocalCluster:
     """
 
     def __init__(self, num_workers: int = 2, num_ps: int = 2, mode: str = "inprocess", start_timeout: float = 60.0):
-        for arg, value in (("num_workers", num_workers), ("num_ps", num_ps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Argument `{arg}` must be a positive int. Received: {arg}={value!r}")
+        positive_int("num_workers", num_workers)
+        positive_int("num_ps", num_ps)
         if mode not in MODES:
             raise ValueError(f"Argument `mode` must be one of {MODES}. Received: mode={mode!r}")
         self.num_workers = num_workers

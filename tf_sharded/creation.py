@@ -12,10 +12,10 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sharded import initializers
+from tf_sharded.exchange import ExchangePolicy
 from tf_sharded.partition import PartitionSpec, resolve_spec
 from tf_sharded.sharded_variable import ShardedVariable
 
-EXCHANGES = ("auto", "allgather", "dense")
 PLACEMENTS = ("auto", "device", "host")
 # Shards above this many elements are initialised chunk by chunk, so the
 # temporaries of the random generator never exceed a few hundred MB.
@@ -81,19 +81,27 @@ def _validate(
         raise ValueError(f"Argument `scheme` must be one of ('div', 'mod', 'balanced'). Received: scheme={scheme!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
         raise TypeError(f"Argument `seed` must be an int or None. Received: seed={seed!r}")
-    if exchange is not None and exchange not in EXCHANGES:
-        raise ValueError(f"Argument `exchange` must be one of {EXCHANGES}. Received: exchange={exchange!r}")
     if placement is not None and placement not in PLACEMENTS:
         raise ValueError(f"Argument `placement` must be one of {PLACEMENTS}. Received: placement={placement!r}")
-    if ids_per_step is not None and (
-        isinstance(ids_per_step, bool) or not isinstance(ids_per_step, (int, np.integer)) or ids_per_step < 1
-    ):
-        raise ValueError(
-            f"Argument `ids_per_step` must be a positive int or None. Received: ids_per_step={ids_per_step!r}"
-        )
+    ExchangePolicy(exchange or "auto", ids_per_step)  # validates both
     return VariableRequest(
         name, dims, dtype, initializer, partitions, trainable, scheme, seed, exchange, placement, ids_per_step
     )
+
+
+def colocate_scope(anchor):
+    """A variable-creator scope that hands the strategy's creator `colocate_with=anchor`.
+
+    Strategies place (and never partition) colocated variables: the PS
+    strategy puts them on `anchor.device`, mirrored strategies on
+    `anchor._devices`, or on one device for TF's `SingleDevice` marker.
+    """
+
+    def creator(next_creator, **kwargs):
+        kwargs["colocate_with"] = anchor
+        return next_creator(**kwargs)
+
+    return tf.variable_creator_scope(creator)
 
 
 def _draw_seed() -> int:

@@ -10,12 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 
-def describe(value: Any) -> str:
-    """Renders `value` for an error message as `repr (of type T)`."""
-    text = repr(value)
-    if len(text) > 120:
-        text = text[:117] + "..."
-    return f"{text} (of type {type(value).__name__})"
+def positive_int(name: str, value: Any) -> int:
+    """Returns `value` if it is a positive int, else raises naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"Argument `{name}` must be a positive int. Received: {name}={value!r} (of type {type(value).__name__})"
+        )
+    return value
 
 
 class ShardedError(Exception):

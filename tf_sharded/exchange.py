@@ -41,6 +41,7 @@ completes, and a shard that no replica touched in a step is common.
 
 from __future__ import annotations
 
+import numbers
 import threading
 import weakref
 from typing import Callable, List, Optional, Tuple
@@ -51,7 +52,9 @@ EXCHANGES = ("auto", "allgather", "dense")
 ID_BYTES = 8
 MERGE_FACTOR = 4.0
 
-_TRACED = {}
+# Per graph being traced (weakly, so finished traces are dropped):
+# {(table id, thread id): (lookups, static ids)}.
+_TRACED = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
@@ -119,7 +122,7 @@ class ExchangePolicy:
         if mode not in EXCHANGES:
             raise ValueError(f"Argument `exchange` must be one of {EXCHANGES}. Received: exchange={mode!r}")
         if ids_per_step is not None and (
-            isinstance(ids_per_step, bool) or not isinstance(ids_per_step, int) or ids_per_step < 1
+            isinstance(ids_per_step, bool) or not isinstance(ids_per_step, numbers.Integral) or ids_per_step < 1
         ):
             raise ValueError(
                 f"Argument `ids_per_step` must be a positive int or None. Received: ids_per_step={ids_per_step!r}"
@@ -131,27 +134,31 @@ class ExchangePolicy:
         return f"ExchangePolicy(mode={self.mode!r}, ids_per_step={self.ids_per_step})"
 
 
-def _trace_key():
-    return (id(tf.compat.v1.get_default_graph()), threading.get_ident())
+def _traced_here() -> dict:
+    graph = tf.compat.v1.get_default_graph()
+    if graph not in _TRACED:
+        _TRACED[graph] = {}
+    return _TRACED[graph]
 
 
 def note_lookup(table, num_ids: Optional[int] = None) -> None:
     """Counts the lookups of `table` (and their static number of ids) in the step being traced."""
     if getattr(table, "_exchange", None) is None:
         return
-    key = (id(table),) + _trace_key()
+    key = (id(table), threading.get_ident())
     with _LOCK:
-        if tf.executing_eagerly() or key not in _TRACED:
-            _TRACED[key] = (1, num_ids)
+        traced = _traced_here()
+        if tf.executing_eagerly() or key not in traced:
+            traced[key] = (1, num_ids)
         else:
-            lookups, ids = _TRACED[key]
-            _TRACED[key] = (lookups + 1, None if ids is None or num_ids is None else ids + num_ids)
+            lookups, ids = traced[key]
+            traced[key] = (lookups + 1, None if ids is None or num_ids is None else ids + num_ids)
 
 
 def traced_ids(table) -> Optional[int]:
     """Static number of ids the traced step looks up in `table` (an upper bound on distinct ids)."""
     with _LOCK:
-        return _TRACED.get((id(table),) + _trace_key(), (0, None))[1]
+        return _traced_here().get((id(table), threading.get_ident()), (0, None))[1]
 
 
 def single_lookup(table) -> bool:
@@ -163,7 +170,7 @@ def single_lookup(table) -> bool:
     merge after the gather keeps the result exact either way.
     """
     with _LOCK:
-        return _TRACED.get((id(table),) + _trace_key(), (0, None))[0] == 1
+        return _traced_here().get((id(table), threading.get_ident()), (0, None))[0] == 1
 
 
 def mark(variable, table, shard: int) -> None:

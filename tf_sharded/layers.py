@@ -16,17 +16,10 @@ import keras
 import tensorflow as tf
 
 from tf_sharded import creation
+from tf_sharded.errors import positive_int
 from tf_sharded.lookup import COMBINERS, embedding_lookup, embedding_lookup_sparse
 from tf_sharded.partition import PartitionSpec
 from tf_sharded.sharded_variable import ShardedVariable
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"Argument `{name}` must be a positive int. Received: {name}={value!r} (of type {type(value).__name__})"
-        )
-    return value
 
 
 @keras.saving.register_keras_serializable(package="tf_sharded")
@@ -81,8 +74,8 @@ class Embedding(keras.layers.Layer):
     ):
         kwargs.pop("input_length", None)  # accepted by Keras 2; meaningless here too
         super().__init__(**kwargs)
-        self.input_dim = _positive_int("input_dim", input_dim)
-        self.output_dim = _positive_int("output_dim", output_dim)
+        self.input_dim = positive_int("input_dim", input_dim)
+        self.output_dim = positive_int("output_dim", output_dim)
         if combiner is not None and combiner not in COMBINERS:
             raise ValueError(f"Argument `combiner` must be None or one of {COMBINERS}. Received: combiner={combiner!r}")
         if embeddings_constraint is not None:

@@ -14,15 +14,9 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tf_sharded.errors import positive_int
+
 _TFPartitioner = tf.distribute.experimental.partitioners.Partitioner
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"Argument `{name}` must be a positive int. Received: {name}={value!r} (of type {type(value).__name__})"
-        )
-    return value
 
 
 def _row_bytes(shape: tf.TensorShape, dtype: tf.DType, bytes_per_string: int) -> int:
@@ -45,7 +39,7 @@ class FixedShards(_TFPartitioner):
     """
 
     def __init__(self, num_shards: int):
-        self.num_shards = _positive_int("num_shards", num_shards)
+        self.num_shards = positive_int("num_shards", num_shards)
 
     def __call__(self, shape, dtype, axis=0):
         return _as_result(tf.TensorShape(shape), self.num_shards)
@@ -69,9 +63,9 @@ class MinSize(_TFPartitioner):
     """
 
     def __init__(self, min_shard_bytes: int = 256 << 10, max_shards: int = 1, bytes_per_string: int = 16):
-        self.min_shard_bytes = _positive_int("min_shard_bytes", min_shard_bytes)
-        self.max_shards = _positive_int("max_shards", max_shards)
-        self.bytes_per_string = _positive_int("bytes_per_string", bytes_per_string)
+        self.min_shard_bytes = positive_int("min_shard_bytes", min_shard_bytes)
+        self.max_shards = positive_int("max_shards", max_shards)
+        self.bytes_per_string = positive_int("bytes_per_string", bytes_per_string)
 
     def __call__(self, shape, dtype, axis=0):
         shape = tf.TensorShape(shape)
@@ -97,9 +91,9 @@ class MaxSize(_TFPartitioner):
     """
 
     def __init__(self, max_shard_bytes: int, max_shards: Optional[int] = None, bytes_per_string: int = 16):
-        self.max_shard_bytes = _positive_int("max_shard_bytes", max_shard_bytes)
-        self.max_shards = None if max_shards is None else _positive_int("max_shards", max_shards)
-        self.bytes_per_string = _positive_int("bytes_per_string", bytes_per_string)
+        self.max_shard_bytes = positive_int("max_shard_bytes", max_shard_bytes)
+        self.max_shards = None if max_shards is None else positive_int("max_shards", max_shards)
+        self.bytes_per_string = positive_int("bytes_per_string", bytes_per_string)
 
     def __call__(self, shape, dtype, axis=0):
         shape = tf.TensorShape(shape)

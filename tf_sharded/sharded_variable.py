@@ -9,7 +9,6 @@ contiguous row slices, so any layout can restore any other.
 
 from __future__ import annotations
 
-import json
 from typing import Optional, Sequence
 
 import numpy as np
@@ -134,10 +133,6 @@ class ShardedVariable(_compat.Trackable):
     def variables(self) -> tuple:
         """The shard variables, in shard order."""
         return self._variables
-
-    @property
-    def trainable_variables(self) -> tuple:
-        return tuple(v for v in self._variables if v.trainable)
 
     @property
     def shape(self) -> tf.TensorShape:
@@ -381,18 +376,6 @@ class ShardedVariable(_compat.Trackable):
                 with tf.device(v.device):
                     ops.append(v.scatter_update(tf.IndexedSlices(part, local, v.shape)))
         return ops
-
-    def layout_config(self) -> str:
-        """JSON description of this table's layout (for tools and logs)."""
-        return json.dumps(
-            {
-                "name": self._name,
-                "shape": self._shape.as_list(),
-                "dtype": self._dtype.name,
-                "partition": self.partition.to_config(),
-                "devices": list(self.devices),
-            }
-        )
 
 
 class _TableSaveable(_compat.SaveableObject):
