@@ -28,13 +28,18 @@ def cases(draw):
     return values, ids, draw(layouts(rows)), draw(layouts(rows))
 
 
+def table_and_reference(values, spec):
+    """The sharded table under test and a plain single-device variable with the same values."""
+    table = tfs.create_sharded_variable(uid("h"), list(values.shape), initializer=values, partitions=spec)
+    return table, tf.Variable(values)
+
+
 class PropertyTest(tf.test.TestCase):
     @SETTINGS
     @given(cases())
     def test_lookup_equals_plain_table(self, case):
         values, ids, spec, _ = case
-        table = tfs.create_sharded_variable(uid("h"), list(values.shape), initializer=values, partitions=spec)
-        reference = tf.Variable(values)
+        table, reference = table_and_reference(values, spec)
         self.assertAllEqual(tfs.embedding_lookup(table, ids), tf.nn.embedding_lookup(reference, ids))
         self.assertAllEqual(table.numpy(), values)
 
@@ -42,8 +47,7 @@ class PropertyTest(tf.test.TestCase):
     @given(cases())
     def test_scatter_add_and_gradient_equal_plain_table(self, case):
         values, ids, spec, _ = case
-        table = tfs.create_sharded_variable(uid("h"), list(values.shape), initializer=values, partitions=spec)
-        reference = tf.Variable(values)
+        table, reference = table_and_reference(values, spec)
         deltas = np.random.RandomState(len(ids)).randn(len(ids), values.shape[1]).astype(np.float32)
         table.scatter_add(tf.IndexedSlices(deltas, ids))
         reference.scatter_add(tf.IndexedSlices(deltas, ids))
