@@ -34,8 +34,8 @@ the default (4) comes from that sweep on a 2-core CPU machine. On a real
 network the transfer term dominates and a smaller `k` fits better. A declared
 `ids_per_step` fixes the choice at trace time instead.
 
-Every collective payload carries one marker row (index -1), removed after
-the gather: a collective whose every participant sends nothing never
+Every collective payload carries one marker row (index -1, zero values),
+dropped by the merge after the gather: a collective whose every participant sends nothing never
 completes, and a shard that no replica touched in a step is common.
 """
 
@@ -202,11 +202,16 @@ def _pack(indices: tf.Tensor, values: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
     return tf.concat([words, flat], axis=1), tf.shape(words)[1]
 
 
-def _unpack(gathered: tf.Tensor, width, inner_shape) -> Tuple[tf.Tensor, tf.Tensor]:
+def _merge_gathered(gathered: tf.Tensor, width, inner_shape) -> Tuple[tf.Tensor, tf.Tensor]:
+    """Sums gathered `_pack` rows per index; the marker rows drop out without a mask.
+
+    The first gathered row is the first replica's marker, and `tf.unique`
+    keeps first-occurrence order, so every marker lands in merged row 0.
+    """
     indices = tf.reshape(tf.bitcast(tf.reshape(gathered[:, :width], [-1, width]), tf.int64), [-1])
     values = tf.reshape(gathered[:, width:], tf.concat([[-1], inner_shape], 0))
-    real = indices >= 0
-    return tf.boolean_mask(indices, real), tf.boolean_mask(values, real)
+    unique, summed = _merge(indices, values)
+    return unique[1:], summed[1:]
 
 
 def _local_slices(grad: tf.IndexedSlices, premerged: bool):
@@ -221,9 +226,10 @@ def allgather_exchange(grad: tf.IndexedSlices, ctx, premerged: bool = False) -> 
     """
     indices, values = _local_slices(grad, premerged)
     packed, width = _pack(indices, values)
-    all_indices, all_values = _unpack(ctx.all_gather(packed, axis=0), width, tf.shape(values)[1:])
-    merged_indices, merged_values = _merge(all_indices, all_values)
-    return tf.IndexedSlices(merged_values, merged_indices, grad.dense_shape), tf.size(all_indices)
+    gathered = ctx.all_gather(packed, axis=0)
+    merged_indices, merged_values = _merge_gathered(gathered, width, tf.shape(values)[1:])
+    rows_gathered = tf.shape(gathered)[0] - ctx.num_replicas_in_sync  # one marker row each
+    return tf.IndexedSlices(merged_values, merged_indices, grad.dense_shape), rows_gathered
 
 
 def dense_exchange(grad, ctx, rows: int) -> tf.Tensor:
@@ -257,8 +263,7 @@ def adaptive_exchange(
     reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, dense_in)
 
     def sparse_result():
-        all_indices, all_values = _unpack(gathered, width, inner)
-        return _merge(all_indices, all_values)
+        return _merge_gathered(gathered, width, inner)
 
     def dense_result():
         return tf.range(rows, dtype=tf.int64), reduced
