@@ -60,8 +60,6 @@ def create(strategy, request: creation.VariableRequest):
         )
     table._exchange = policy
     table._placement = placement
-    for i, v in enumerate(table.variables):
-        exchange.mark(v, table, i)
     _compat.route_keras_gradient_reduction(exchange.all_reduce_gradients, exchange.apply_updates)
     return table
 

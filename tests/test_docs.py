@@ -19,6 +19,9 @@ MODULES = [
     "tf_sharded.cluster",
     "tf_sharded.exchange",
     "tf_sharded.layers",
+    "tf_sharded.optimizers",
+    "tf_sharded.training",
+    "tf_sharded.serving",
 ]
 
 

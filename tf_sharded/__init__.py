@@ -19,13 +19,20 @@ from tf_sharded.sharded_variable import ShardedVariable
 
 __version__ = "0.1.0"
 
+_KERAS_MODULES = ("layers", "optimizers", "training", "serving")
+_KERAS_FUNCTIONS = {"fit": "training", "export": "serving"}
+
 
 def __getattr__(name):
-    # Keras is imported on first use of tfs.layers, not by `import tf_sharded`.
-    if name == "layers":
+    # Keras is imported on first use of these, not by `import tf_sharded`.
+    if name in _KERAS_MODULES:
         import importlib
 
-        return importlib.import_module("tf_sharded.layers")
+        return importlib.import_module(f"tf_sharded.{name}")
+    if name in _KERAS_FUNCTIONS:
+        import importlib
+
+        return getattr(importlib.import_module(f"tf_sharded.{_KERAS_FUNCTIONS[name]}"), name)
     raise AttributeError(f"module 'tf_sharded' has no attribute {name!r}")
 
 
@@ -43,5 +50,9 @@ __all__ = [
     "embedding_lookup",
     "embedding_lookup_sparse",
     "exchange",
+    "export",
+    "fit",
+    "layers",
+    "optimizers",
     "partitioners",
 ]

@@ -203,7 +203,36 @@ def build_sharded_variable(
                         chunk = _shard_value(init, layout, i, full_shape, dtype, start, stop)
                         var.scatter_update(tf.IndexedSlices(chunk, tf.range(start, stop, dtype=tf.int64)))
             shards.append(var)
-    return ShardedVariable(shards, layout, request.name, full_shape, dtype, strategy)
+    table = ShardedVariable(shards, layout, request.name, full_shape, dtype, strategy)
+    # Kept so that optimizer slots can be built beside each shard (`build_like`).
+    table._shard_devices = list(devices)
+    table._shard_placement = placement
+    return table
+
+
+def build_like(table: ShardedVariable, name: str, fill: float) -> ShardedVariable:
+    """A non-trainable table of `fill` with `table`'s layout, shard `i` placed beside shard `i`.
+
+    Optimizer slots are made this way: same partition, same devices (the
+    ps task, the mirrored devices or the worker's host), and checkpointed
+    like any table, so they restore into another layout with it.
+    """
+    request = VariableRequest(
+        name=name,
+        shape=table.shape.as_list(),
+        dtype=table.dtype,
+        initializer=lambda shape, dtype: tf.fill(shape, tf.constant(fill, dtype)),
+        partitions=table.partition,
+        trainable=False,
+        scheme=None,
+        seed=0,
+        exchange=None,
+    )
+    strategy = table.strategy or tf.distribute.get_strategy()
+    placement = getattr(table, "_shard_placement", None)
+    devices = getattr(table, "_shard_devices", [None] * table.num_shards)
+    with strategy.scope():
+        return build_sharded_variable(request, table.partition, devices, strategy, placement)
 
 
 def create_sharded_variable(

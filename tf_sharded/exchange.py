@@ -48,6 +48,8 @@ from typing import Callable, List, Optional, Tuple
 
 import tensorflow as tf
 
+from tf_sharded.sharded_variable import shard_owner
+
 EXCHANGES = ("auto", "allgather", "dense")
 ID_BYTES = 8
 MERGE_FACTOR = 4.0
@@ -173,18 +175,10 @@ def single_lookup(table) -> bool:
         return _traced_here().get((id(table), threading.get_ident()), (0, None))[0] == 1
 
 
-def mark(variable, table, shard: int) -> None:
-    """Tags a shard variable so that gradient reduction routes it through its table's exchange."""
-    variable._tfs_exchange = (weakref.ref(table), shard)
-
-
 def owner(variable) -> Optional[Tuple[object, int]]:
-    """`(table, shard)` of a tagged shard variable, else None."""
-    tag = getattr(variable, "_tfs_exchange", None)
-    if tag is None:
-        return None
-    table = tag[0]()
-    return None if table is None else (table, tag[1])
+    """`(table, shard)` of a shard of a mirrored table (one with an exchange policy), else None."""
+    tag = shard_owner(variable)
+    return tag if tag is not None and tag[0]._exchange is not None else None
 
 
 def _merge(indices: tf.Tensor, values: tf.Tensor):

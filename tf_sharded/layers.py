@@ -159,6 +159,13 @@ class Embedding(keras.layers.Layer):
             self.add_loss(self.embeddings_regularizer(rows))
         return out
 
+    def save_own_variables(self, store):
+        # The logical table, whatever the layout: a .keras file loads into any other.
+        store["embeddings"] = self.embeddings.numpy()
+
+    def load_own_variables(self, store):
+        _load_table(self.embeddings, store, "embeddings", self.name)
+
     def compute_mask(self, inputs, mask=None):
         if not self.supports_masking:
             return None
@@ -201,6 +208,19 @@ class Embedding(keras.layers.Layer):
         if isinstance(initializer, dict):
             config["embeddings_initializer"] = keras.initializers.deserialize(initializer)
         return cls(**config)
+
+
+def _load_table(table: ShardedVariable, store, key: str, layer: str) -> None:
+    if key not in store:
+        raise ValueError(f"Layer '{layer}': the saved file has no '{key}' entry. Received keys: {list(store.keys())}")
+    value = store[key]
+    shape = list(value.shape)
+    if shape != table.shape.as_list():
+        raise ValueError(
+            f"Layer '{layer}': saved '{key}' has shape {shape}, the layer's table has shape "
+            f"{table.shape.as_list()}. Received a file saved from another model configuration."
+        )
+    table.assign(value[...])
 
 
 def _is_tfs_name(name: str) -> bool:

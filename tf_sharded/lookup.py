@@ -18,6 +18,9 @@ from tf_sharded.sharded_variable import ShardedVariable
 
 COMBINERS = ("sum", "mean", "sqrtn")
 
+# id(table) -> one plain variable holding the whole table, while `tfs.export` traces a model.
+EXPORT_SUBSTITUTES: dict = {}
+
 
 def _clip_rows(rows: tf.Tensor, max_norm: float, inner_axes) -> tf.Tensor:
     norms = tf.sqrt(tf.reduce_sum(tf.square(rows), axis=inner_axes, keepdims=True))
@@ -52,6 +55,11 @@ def _assemble(parts, positions, shard, idx, num_unique):
 
 def _lookup_flat(table: ShardedVariable, flat_ids: tf.Tensor, max_norm: Optional[float]) -> tf.Tensor:
     """Rows for int64 ids of rank 1, with a sparse, per-shard gradient."""
+    plain = EXPORT_SUBSTITUTES.get(id(table))
+    if plain is not None:
+        rows = tf.gather(plain, flat_ids)
+        inner_axes = list(range(1, table.shape.rank))
+        return _clip_rows(rows, max_norm, inner_axes) if max_norm is not None and inner_axes else rows
     exchange.note_lookup(table, flat_ids.shape[0])
     uniq, idx = tf.unique(flat_ids, out_idx=tf.int32)
     num_unique = tf.size(uniq)

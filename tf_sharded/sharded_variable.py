@@ -9,7 +9,8 @@ contiguous row slices, so any layout can restore any other.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import weakref
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -88,6 +89,25 @@ def _slice_spec(full_shape, start: int, length: int) -> str:
     return f"{dims} {start},{length}{rest}"
 
 
+def shard_owner(variable) -> Optional[Tuple[ShardedVariable, int]]:
+    """`(table, shard index)` if `variable` is a shard of a `ShardedVariable`, else None.
+
+    Accepts the shard itself, a Keras variable wrapping it, or one replica's
+    component of a mirrored shard.
+    """
+    for candidate in (variable, getattr(variable, "_value", None)):
+        if candidate is None:
+            continue
+        container = getattr(candidate, "_distributed_container", None)
+        if callable(container) and not hasattr(candidate, "_tfs_shard_of"):
+            candidate = container()
+        tag = getattr(candidate, "_tfs_shard_of", None)
+        if tag is not None:
+            table = tag[0]()
+            return None if table is None else (table, tag[1])
+    return None
+
+
 class ShardedVariable(_compat.Trackable):
     """A table split along its rows into shard variables, possibly on many devices.
 
@@ -126,6 +146,8 @@ class ShardedVariable(_compat.Trackable):
             expected = [layout.shard_sizes[i]] + self._shape.as_list()[1:]
             if v.shape.as_list() != expected:
                 raise ValueError(f"Shard {i} of '{name}' must have shape {expected}. Received: {v.shape.as_list()}")
+        for i, v in enumerate(self._variables):
+            v._tfs_shard_of = (weakref.ref(self), i)
 
     # -------------------------------------------------------------- metadata --
 

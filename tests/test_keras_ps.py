@@ -1,0 +1,158 @@
+"""Keras 3 under ParameterServerStrategy: tfs.fit, sparse optimizers, graph check, checkpoints across clusters."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sharded as tfs
+from tests.subprocs import run_python
+from tests.test_graph import ROW_OPS
+from tests.test_parameter_server import ps_strategy
+from tests.test_serving import serve_elsewhere
+
+pytestmark = pytest.mark.ps_cluster
+
+ROWS, DIM = 60, 4
+IDS = np.array([[1, 1, 7], [59, 3, 3], [7, 20, 1], [0, 0, 0]])
+LABELS = np.array([[1.0], [0.0], [1.0], [0.5]], np.float32)
+
+# Rebuilds the model on a 3-ps process cluster, restores, prints the logical table and slot checksums.
+RESTORE_ON_3_PS = """
+import sys, numpy as np, keras, tensorflow as tf, tf_sharded as tfs
+from tests.test_keras_ps import make_model
+with tfs.cluster.LocalCluster(num_workers=1, num_ps=3, mode="process") as cluster:
+    strategy = cluster.strategy()
+    with strategy.scope():
+        model = make_model(partitions=None)
+        model.optimizer.build(model.trainable_variables)
+    emb = model.get_layer("emb").embeddings
+    assert emb.num_shards == 3, emb
+    tf.train.Checkpoint(model=model, optimizer=model.optimizer).restore(sys.argv[1]).assert_existing_objects_matched()
+    np.save(sys.argv[2] + "/table.npy", emb.numpy())
+    np.save(sys.argv[2] + "/momentum.npy", model.optimizer.table_slot(emb, "momentum").numpy())
+    print("devices", sorted({v.device for v in model.optimizer.table_slot(emb, "momentum").variables}))
+"""
+
+
+def make_model(partitions=3, table0=None):
+    inp = keras.Input((3,), dtype="int64", name="ids")
+    init = keras.initializers.Constant(table0) if table0 is not None else "uniform"
+    x = tfs.layers.Embedding(
+        ROWS, DIM, combiner="mean", partitions=partitions, seed=5, name="emb", embeddings_initializer=init
+    )(inp)
+    out = keras.layers.Dense(1, kernel_initializer="ones", name="dense")(x)
+    model = keras.Model(inp, out)
+    model.compile(optimizer=tfs.optimizers.SGD(0.3, momentum=0.5), loss="mse", metrics=["mae"])
+    return model
+
+
+def dataset_fn(input_context=None):
+    # One fixed batch: whichever worker runs a step, the sequence of updates is the same.
+    return tf.data.Dataset.from_tensors((IDS, LABELS)).repeat()
+
+
+def handles_of(variables):
+    return {id(v.handle) for v in variables}
+
+
+class KerasParameterServerTest(tf.test.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.strategy = ps_strategy()
+
+    def test_fit_matches_single_device_keras_and_checkpoints_restore_elsewhere(self):
+        with self.strategy.scope():
+            model = make_model()
+        emb = model.get_layer("emb").embeddings
+        self.assertEqual({tf.DeviceSpec.from_string(d).job for d in emb.devices}, {"ps"})
+        table0 = emb.numpy()
+        ckpt_dir = os.path.join(self.get_temp_dir(), "fit")
+        steps = 6
+        history = tfs.fit(
+            model, dataset_fn, epochs=2, steps_per_epoch=steps // 2, checkpoint_dir=ckpt_dir, verbose=0, log_every=1
+        )
+        losses = history.history["loss"]
+        self.assertLess(losses[-1], losses[0])
+        slots = model.optimizer.table_slot(emb, "momentum")
+        self.assertEqual(slots.devices, emb.devices)  # each slot shard beside its shard
+
+        # The same model with keras.layers.Embedding and Keras SGD on one device.
+        ref_inp = keras.Input((3,), dtype="int64")
+        ref_emb = keras.layers.Embedding(ROWS, DIM, embeddings_initializer=keras.initializers.Constant(table0))
+        ref_out = keras.layers.Dense(1, kernel_initializer="ones")(
+            keras.layers.GlobalAveragePooling1D()(ref_emb(ref_inp))
+        )
+        reference = keras.Model(ref_inp, ref_out)
+        reference.compile(optimizer=keras.optimizers.SGD(0.3, momentum=0.5), loss="mse")
+        reference.fit(IDS, LABELS, batch_size=len(IDS), epochs=steps, shuffle=False, verbose=0)
+        self.assertAllClose(emb.numpy(), ref_emb.embeddings.numpy(), atol=1e-5)
+        self.assertAllClose(model.get_layer("dense").kernel.numpy(), reference.layers[-1].kernel.numpy(), atol=1e-5)
+        self.assertEqual(int(model.optimizer.iterations.numpy()), steps)
+
+        latest = tf.train.latest_checkpoint(ckpt_dir)
+        self.assertTrue(latest.endswith(f"ckpt-{steps}"), latest)
+        momentum = slots.numpy()
+        self.assertGreater(np.abs(momentum).sum(), 0)
+
+        # Single device (default strategy), one shard: table and optimizer state.
+        local = make_model(partitions=1)
+        local.optimizer.build(local.trainable_variables)
+        tf.train.Checkpoint(model=local, optimizer=local.optimizer).restore(latest).assert_existing_objects_matched()
+        local_emb = local.get_layer("emb").embeddings
+        self.assertAllEqual(local_emb.numpy(), emb.numpy())
+        self.assertAllEqual(local.optimizer.table_slot(local_emb, "momentum").numpy(), momentum)
+
+        # Three parameter servers, in another process.
+        out_dir = self.get_temp_dir()
+        proc = run_python(["-c", RESTORE_ON_3_PS, latest, out_dir], timeout=300)
+        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+        self.assertIn("task:2", proc.stdout)
+        self.assertAllEqual(np.load(out_dir + "/table.npy"), emb.numpy())
+        self.assertAllEqual(np.load(out_dir + "/momentum.npy"), momentum)
+
+        # Exported from the cluster, served by a process without tf_sharded.
+        exported = tfs.export(model, os.path.join(self.get_temp_dir(), "export"))
+        served = serve_elsewhere(self, exported, {"ids": IDS.astype(np.int64)})
+        self.assertAllClose(served, model(tf.constant(IDS)).numpy(), atol=1e-6)
+
+        # A rerun resumes from the checkpoint: nothing left to do for the same epochs.
+        again = tfs.fit(model, dataset_fn, epochs=2, steps_per_epoch=steps // 2, checkpoint_dir=ckpt_dir, verbose=0)
+        self.assertEqual(again.history, {})
+        self.assertEqual(int(model.optimizer.iterations.numpy()), steps)
+
+    def test_training_step_reads_only_rows_of_tables_and_slots(self):
+        with self.strategy.scope():
+            model = make_model()
+            model.optimizer.build(model.trainable_variables)
+        emb = model.get_layer("emb").embeddings
+        watched = list(emb.variables) + list(model.optimizer.table_slot(emb, "momentum").variables)
+        step = tfs.training.train_function(model, self.strategy)
+        concrete = step.get_concrete_function(
+            (tf.TensorSpec([None, 3], tf.int64), tf.TensorSpec([None, 1], tf.float32))
+        )
+        graph = concrete.graph
+        handles = {internal.ref() for external, internal in graph.captures if id(external) in handles_of(watched)}
+        self.assertLen(handles, len(watched))
+        problems = []
+        pending = [graph]
+        while pending:
+            g = pending.pop()
+            for op in g.get_operations():
+                for t in op.inputs:
+                    if t.ref() in handles and op.type not in ROW_OPS:
+                        problems.append(f"{op.type} {op.name}")
+        self.assertEqual(problems, [])
+
+    def test_fit_argument_errors(self):
+        with self.strategy.scope():
+            model = make_model()
+        with self.assertRaisesRegex(ValueError, "`steps_per_epoch` is required"):
+            tfs.fit(model, dataset_fn)
+        with self.assertRaisesRegex(ValueError, "Argument `dataset`"):
+            tfs.fit(model, [1, 2], steps_per_epoch=1)
+        with self.assertRaisesRegex(ValueError, "compiled keras.Model"):
+            tfs.fit(keras.Sequential([keras.layers.Dense(1)]), dataset_fn, steps_per_epoch=1)

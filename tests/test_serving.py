@@ -1,0 +1,115 @@
+"""tfs.export (served where tf_sharded cannot be imported) and .keras / weights files across layouts."""
+
+import os
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tf_sharded as tfs
+from tests.subprocs import run_python
+
+# Serves an export in a process where importing tf_sharded fails.
+SERVE_WITHOUT_TF_SHARDED = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "tf_sharded" or name.startswith("tf_sharded."):
+            raise ImportError("tf_sharded is not installed on this machine")
+sys.meta_path.insert(0, Block())
+import numpy as np, tensorflow as tf
+try:
+    import tf_sharded
+except ImportError:
+    pass
+else:
+    raise SystemExit("tf_sharded was importable")
+served = tf.saved_model.load(sys.argv[1]).signatures["serving_default"]
+out = served(**{k: tf.constant(np.load(sys.argv[2] + "/" + k + ".npy")) for k in sys.argv[4].split(",")})
+np.save(sys.argv[3], out["output_0"].numpy())
+print("served", sorted(sys.modules.get("tf_sharded", {}) and ["tf_sharded"]))
+"""
+
+ROWS, DIM = 40, 4
+
+
+def model_with(partitions=2, scheme="mod"):
+    ids = keras.Input((3,), dtype="int64", name="ids")
+    dense = keras.Input((2,), name="features")
+    emb = tfs.layers.Embedding(ROWS, DIM, combiner="mean", partitions=partitions, scheme=scheme, seed=1, name="emb")
+    x = keras.layers.Concatenate()([emb(ids), dense])
+    out = keras.layers.Dense(1, name="out")(keras.layers.Dense(8, activation="relu")(x))
+    model = keras.Model({"ids": ids, "features": dense}, out)
+    model.compile(optimizer=tfs.optimizers.Adagrad(0.1), loss="mse")
+    return model
+
+
+def data(n=32):
+    rng = np.random.RandomState(0)
+    return {"ids": rng.randint(0, ROWS, (n, 3)), "features": rng.rand(n, 2).astype(np.float32)}, rng.rand(n, 1)
+
+
+def serve_elsewhere(test, path, inputs):
+    folder = test.get_temp_dir()
+    for k, v in inputs.items():
+        np.save(os.path.join(folder, k + ".npy"), v)
+    out = os.path.join(folder, "served.npy")
+    proc = run_python(["-c", SERVE_WITHOUT_TF_SHARDED, path, folder, out, ",".join(inputs)], timeout=180)
+    test.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    return np.load(out)
+
+
+class ExportTest(tf.test.TestCase):
+    def test_export_serves_in_a_process_without_tf_sharded(self):
+        model = model_with()
+        x, y = data()
+        model.fit(x, y, epochs=2, verbose=0)
+        path = tfs.export(model, os.path.join(self.get_temp_dir(), "export"))
+        probe = {"ids": x["ids"][:5].astype(np.int64), "features": x["features"][:5]}
+        self.assertAllClose(serve_elsewhere(self, path, probe), model.predict(probe, verbose=0), atol=1e-6)
+
+    def test_export_refuses_a_strategy_scope_and_a_model_without_inputs(self):
+        model = model_with()
+        with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+            with self.assertRaisesRegex(RuntimeError, "outside `strategy.scope\\(\\)`"):
+                tfs.export(model, self.get_temp_dir())
+
+        class Sub(keras.Model):
+            def call(self, x):
+                return x
+
+        with self.assertRaisesRegex(ValueError, "`input_signature` is required"):
+            tfs.export(Sub(), self.get_temp_dir())
+
+
+class KerasFileTest(tf.test.TestCase):
+    def test_keras_file_round_trip_with_optimizer_state(self):
+        model = model_with()
+        x, y = data()
+        model.fit(x, y, epochs=2, verbose=0)
+        path = os.path.join(self.get_temp_dir(), "m.keras")
+        model.save(path)
+        loaded = keras.models.load_model(path)
+        emb, emb2 = model.get_layer("emb").embeddings, loaded.get_layer("emb").embeddings
+        self.assertIsInstance(loaded.get_layer("emb"), tfs.layers.Embedding)
+        self.assertEqual(emb2.partition, emb.partition)
+        self.assertAllEqual(emb2.numpy(), emb.numpy())
+        self.assertAllEqual(
+            loaded.optimizer.table_slot(emb2, "accumulator").numpy(),
+            model.optimizer.table_slot(emb, "accumulator").numpy(),
+        )
+        self.assertAllClose(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+    def test_weights_file_loads_into_another_layout(self):
+        model = model_with(partitions=2, scheme="mod")
+        path = os.path.join(self.get_temp_dir(), "w.weights.h5")
+        model.save_weights(path)
+        for partitions, scheme in ((3, "balanced"), (1, "div")):
+            other = model_with(partitions=partitions, scheme=scheme)
+            other.load_weights(path)
+            self.assertEqual(other.get_layer("emb").embeddings.num_shards, partitions)
+            self.assertAllEqual(other.get_layer("emb").embeddings.numpy(), model.get_layer("emb").embeddings.numpy())
+        smaller = tfs.layers.Embedding(ROWS - 1, DIM)
+        smaller.build()
+        with self.assertRaisesRegex(ValueError, "saved 'embeddings' has shape \\[40, 4\\]"):
+            smaller.load_own_variables({"embeddings": np.zeros((ROWS, DIM), np.float32)})

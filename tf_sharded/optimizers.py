@@ -1,0 +1,308 @@
+"""Sparse-aware Keras 3 optimizers: lazy row updates on the shard that owns the row.
+
+`tfs.optimizers.SGD`, `Adagrad`, `Adam` and `Ftrl` are the Keras 3 optimizers
+of the same names (same arguments, same dense behaviour) with one difference:
+for a shard of a `tfs.ShardedVariable` table,
+
+* the gradient's rows are summed per id, then only those rows of the shard
+  and of its slots are read, updated and written back (scatter), on the
+  shard's own device. Rows a step does not touch, and their slots, stay
+  bit-identical ("lazy" updates; Keras 3's own Adam densifies instead);
+* slots (momentum, accumulators, ...) are themselves `ShardedVariable`s with
+  the table's layout, shard `i` beside shard `i`. They are checkpointed as
+  full-shape entries like any table, so optimizer state restores into
+  another number of shards, scheme or strategy together with its table.
+
+Weight decay reaches a table's touched rows only. `use_ema` and
+`gradient_accumulation_steps` would update whole tables every step and are
+refused for optimizers that see a sharded table.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import keras
+import tensorflow as tf
+
+from tf_sharded import creation
+from tf_sharded.sharded_variable import ShardedVariable, shard_owner
+
+
+def _beside(slot_shard, variable):
+    """The copy of `slot_shard` on `variable`'s device (mirrored slots have one per replica)."""
+    values = getattr(slot_shard, "_values", None)
+    if not values:
+        return slot_shard
+    for component in values:
+        if component.device == variable.device:
+            return component
+    return values[0]
+
+
+def _touched(gradient, dtype) -> Tuple[tf.Tensor, tf.Tensor]:
+    """(distinct local rows, summed gradient rows) of a shard's gradient.
+
+    A dense gradient (a densified exchange) is reduced to its non-zero rows,
+    so that every exchange mode gives the same lazy update.
+    """
+    if isinstance(gradient, tf.IndexedSlices):
+        unique, position = tf.unique(tf.cast(gradient.indices, tf.int64), out_idx=tf.int32)
+        summed = tf.math.unsorted_segment_sum(gradient.values, position, tf.size(unique))
+        return unique, tf.cast(summed, dtype)
+    gradient = tf.convert_to_tensor(gradient)
+    inner = list(range(1, gradient.shape.rank))
+    nonzero = tf.not_equal(gradient, 0)
+    rows = tf.where(tf.reduce_any(nonzero, axis=inner) if inner else nonzero)[:, 0]
+    return rows, tf.cast(tf.gather(gradient, rows), dtype)
+
+
+class _TableSlots:
+    """Mixin placed before a Keras optimizer: sharded slots and lazy row updates for tables.
+
+    Subclasses list their slots in `_table_slot_fills()` and implement
+    `_update_rows(variable, rows, grad, slots, lr)`.
+    """
+
+    def _table_slot_fills(self) -> List[Tuple[str, float]]:
+        return []
+
+    def _update_rows(self, variable, rows, grad, slots: Dict[str, tf.Variable], lr):
+        raise NotImplementedError
+
+    # -------------------------------------------------------------- building --
+
+    def build(self, variables):
+        if self.built:
+            return
+        variables = list(variables)
+        tables: List[ShardedVariable] = []
+        dense = []
+        for v in variables:
+            tag = shard_owner(v)
+            if tag is None:
+                dense.append(v)
+            elif not any(t is tag[0] for t in tables):
+                tables.append(tag[0])
+        if tables and (self.use_ema or self.gradient_accumulation_steps):
+            option = "use_ema" if self.use_ema else "gradient_accumulation_steps"
+            raise ValueError(
+                f"Argument `{option}` of {type(self).__name__} is not supported with sharded tables: it would "
+                f"update every row of table '{tables[0].name}' each step. Received: {option}="
+                f"{getattr(self, option)!r}. Please drop it, or keep the tables in a separate optimizer."
+            )
+        # Keras builds its own slots for the dense variables, indexed by their
+        # position in `dense`; table shards are registered after them (so that
+        # Keras accepts their gradients) and no Keras slot list reaches them.
+        super().build(dense)
+        for v in variables:
+            if shard_owner(v) is not None:
+                self._trainable_variables_indices[self._var_key(v)] = len(self._trainable_variables_indices)
+        # Not tracked: the shards are checkpointed by their table, and slots by name below.
+        object.__setattr__(self, "_tfs_variables", variables)
+        object.__setattr__(self, "_tfs_slots", {})
+        object.__setattr__(self, "_tfs_tables", tables)
+        for k, table in enumerate(tables):
+            slots = {}
+            for slot, fill in self._table_slot_fills():
+                slots[slot] = creation.build_like(table, f"{table.name}/{slot}", fill)
+                # Keyed by the table's position, as Keras keys its own slots.
+                self._track_trackable(slots[slot], name=f"table_slots_{k}_{slot}", overwrite=True)
+            self._tfs_slots[id(table)] = slots
+        self.built = True
+
+    def table_slot(self, table: ShardedVariable, name: str) -> ShardedVariable:
+        """The slot `name` (e.g. "momentum") of `table`, a `ShardedVariable` with the table's layout.
+
+        Raises:
+          ValueError: the optimizer was not built with `table`, or has no such slot.
+        """
+        slots = getattr(self, "_tfs_slots", {}).get(id(table))
+        if slots is None:
+            raise ValueError(f"Argument `table` must be a table this optimizer was built with. Received: {table!r}")
+        if name not in slots:
+            raise ValueError(f"Argument `name` must be one of {sorted(slots)}. Received: name={name!r}")
+        return slots[name]
+
+    def save_own_variables(self, store):
+        super().save_own_variables(store)
+        for k, table in enumerate(getattr(self, "_tfs_tables", [])):
+            for name, slot in self._tfs_slots[id(table)].items():
+                store[f"table_slots_{k}_{name}"] = slot.numpy()
+
+    def load_own_variables(self, store):
+        ours = [key for key in store.keys() if key.startswith("table_slots_")]
+        super().load_own_variables({key: store[key] for key in store.keys() if key not in ours})
+        for k, table in enumerate(getattr(self, "_tfs_tables", [])):
+            for name, slot in self._tfs_slots[id(table)].items():
+                key = f"table_slots_{k}_{name}"
+                if key in ours:
+                    slot.assign(store[key][...])
+
+    def apply(self, grads, trainable_variables=None):
+        if trainable_variables is None and getattr(self, "_tfs_variables", None) is not None:
+            trainable_variables = self._tfs_variables
+        return super().apply(grads, trainable_variables)
+
+    def _apply_weight_decay(self, variables):
+        # A table's decay is applied to its touched rows in `update_step`.
+        return super()._apply_weight_decay([v for v in variables if shard_owner(v) is None])
+
+    # -------------------------------------------------------------- updating --
+
+    def update_step(self, gradient, variable, learning_rate):
+        tag = shard_owner(variable)
+        if tag is None:
+            return super().update_step(gradient, variable, learning_rate)
+        table, shard = tag
+        slots = {name: _beside(t.variables[shard], variable) for name, t in self._tfs_slots[id(table)].items()}
+        lr = tf.cast(learning_rate, variable.dtype)
+        with tf.device(variable.device):
+            rows, grad = _touched(gradient, variable.dtype)
+            if self.weight_decay is not None and self._use_weight_decay(variable):
+                wd = tf.cast(self.weight_decay, variable.dtype)
+                variable.scatter_sub(tf.IndexedSlices(tf.gather(variable, rows) * wd * lr, rows))
+            self._update_rows(variable, rows, grad, slots, lr)
+
+    @staticmethod
+    def _write(variable, rows, values):
+        variable.scatter_update(tf.IndexedSlices(values, rows))
+
+
+@keras.saving.register_keras_serializable(package="tf_sharded")
+class SGD(_TableSlots, keras.optimizers.SGD):
+    """`keras.optimizers.SGD` with lazy, per-shard row updates of sharded tables.
+
+    Without momentum a table's rows are updated with one scatter; with
+    momentum, only touched rows' momentum changes.
+
+    Example:
+
+    >>> import tf_sharded as tfs
+    >>> table = tfs.create_sharded_variable("sgd_doc", [4, 1], initializer="zeros", partitions=2)
+    >>> opt = tfs.optimizers.SGD(learning_rate=0.5)
+    >>> g = tf.IndexedSlices(tf.constant([[1.0], [1.0]]), tf.constant([1, 1], tf.int64), tf.constant([2, 1]))
+    >>> _ = opt.apply_gradients([(g, table.variables[0])])
+    >>> table.numpy().ravel().tolist()
+    [0.0, -1.0, 0.0, 0.0]
+    """
+
+    def _table_slot_fills(self):
+        return [("momentum", 0.0)] if self.momentum != 0 else []
+
+    def _update_rows(self, variable, rows, grad, slots, lr):
+        if self.momentum == 0:
+            variable.scatter_sub(tf.IndexedSlices(grad * lr, rows))
+            return
+        mom = tf.cast(self.momentum, variable.dtype)
+        m = tf.gather(slots["momentum"], rows) * mom - grad * lr
+        self._write(slots["momentum"], rows, m)
+        step = m * mom - grad * lr if self.nesterov else m
+        variable.scatter_add(tf.IndexedSlices(step, rows))
+
+
+@keras.saving.register_keras_serializable(package="tf_sharded")
+class Adagrad(_TableSlots, keras.optimizers.Adagrad):
+    """`keras.optimizers.Adagrad` with lazy, per-shard row updates of sharded tables.
+
+    Example:
+
+    >>> import tf_sharded as tfs
+    >>> table = tfs.create_sharded_variable("adagrad_doc", [3, 1], initializer="zeros")
+    >>> opt = tfs.optimizers.Adagrad(learning_rate=1.0, initial_accumulator_value=0.0, epsilon=0.0)
+    >>> g = tf.IndexedSlices(tf.constant([[2.0]]), tf.constant([2], tf.int64), tf.constant([3, 1]))
+    >>> _ = opt.apply_gradients([(g, table.variables[0])])
+    >>> table.numpy().ravel().tolist(), opt.table_slot(table, "accumulator").numpy().ravel().tolist()
+    ([0.0, 0.0, -1.0], [0.0, 0.0, 4.0])
+    """
+
+    def _table_slot_fills(self):
+        return [("accumulator", float(self.initial_accumulator_value))]
+
+    def _update_rows(self, variable, rows, grad, slots, lr):
+        acc = tf.gather(slots["accumulator"], rows) + tf.square(grad)
+        self._write(slots["accumulator"], rows, acc)
+        variable.scatter_sub(tf.IndexedSlices(lr * grad / tf.sqrt(acc + self.epsilon), rows))
+
+
+@keras.saving.register_keras_serializable(package="tf_sharded")
+class Adam(_TableSlots, keras.optimizers.Adam):
+    """Lazy Adam: `keras.optimizers.Adam`, but a table's untouched rows and moments stay as they are.
+
+    Keras 3's Adam densifies a sparse gradient and decays every row's moments
+    each step; here only the rows a step looks up change (the bias
+    correction still follows the optimizer's step count).
+
+    Example:
+
+    >>> import tf_sharded as tfs
+    >>> table = tfs.create_sharded_variable("adam_doc", [3, 1], initializer="zeros", partitions=3)
+    >>> opt = tfs.optimizers.Adam(learning_rate=0.1)
+    >>> g = tf.IndexedSlices(tf.constant([[1.0]]), tf.constant([0], tf.int64), tf.constant([1, 1]))
+    >>> _ = opt.apply_gradients([(g, v) for v in table.variables[:1]])
+    >>> [round(float(x), 4) for x in table.numpy().ravel()]
+    [-0.1, 0.0, 0.0]
+    """
+
+    def _table_slot_fills(self):
+        fills = [("momentum", 0.0), ("velocity", 0.0)]
+        return fills + ([("velocity_hat", 0.0)] if self.amsgrad else [])
+
+    def _update_rows(self, variable, rows, grad, slots, lr):
+        dtype = variable.dtype
+        step = tf.cast(self.iterations + 1, dtype)
+        beta_1, beta_2 = tf.cast(self.beta_1, dtype), tf.cast(self.beta_2, dtype)
+        alpha = lr * tf.sqrt(1 - tf.pow(beta_2, step)) / (1 - tf.pow(beta_1, step))
+        m = tf.gather(slots["momentum"], rows)
+        v = tf.gather(slots["velocity"], rows)
+        m = m + (grad - m) * (1 - beta_1)
+        v = v + (tf.square(grad) - v) * (1 - beta_2)
+        self._write(slots["momentum"], rows, m)
+        self._write(slots["velocity"], rows, v)
+        if self.amsgrad:
+            v = tf.maximum(tf.gather(slots["velocity_hat"], rows), v)
+            self._write(slots["velocity_hat"], rows, v)
+        variable.scatter_sub(tf.IndexedSlices(m * alpha / (tf.sqrt(v) + self.epsilon), rows))
+
+
+@keras.saving.register_keras_serializable(package="tf_sharded")
+class Ftrl(_TableSlots, keras.optimizers.Ftrl):
+    """`keras.optimizers.Ftrl` with lazy, per-shard row updates of sharded tables.
+
+    Example:
+
+    >>> import tf_sharded as tfs
+    >>> table = tfs.create_sharded_variable("ftrl_doc", [2, 1], initializer="zeros")
+    >>> opt = tfs.optimizers.Ftrl(learning_rate=1.0, initial_accumulator_value=1.0)
+    >>> g = tf.IndexedSlices(tf.constant([[1.0]]), tf.constant([1], tf.int64), tf.constant([2, 1]))
+    >>> _ = opt.apply_gradients([(g, table.variables[0])])
+    >>> [round(float(x), 4) for x in table.numpy().ravel()]
+    [0.0, -0.7071]
+    """
+
+    def _table_slot_fills(self):
+        return [("accumulator", float(self.initial_accumulator_value)), ("linear", 0.0)]
+
+    def _update_rows(self, variable, rows, grad, slots, lr):
+        lr_power = self.learning_rate_power
+        l2 = self.l2_regularization_strength + self.beta / (2.0 * lr)
+        l1 = self.l1_regularization_strength
+        var = tf.gather(variable, rows)
+        accum = tf.gather(slots["accumulator"], rows)
+        linear = tf.gather(slots["linear"], rows)
+        grad_to_use = grad + 2 * self.l2_shrinkage_regularization_strength * var
+        new_accum = accum + tf.square(grad)
+        linear = linear + grad_to_use - (tf.pow(new_accum, -lr_power) - tf.pow(accum, -lr_power)) / lr * var
+        quadratic = tf.pow(new_accum, -lr_power) / lr + 2 * l2
+        new_var = (tf.clip_by_value(linear, -l1, l1) - linear) / quadratic
+        self._write(slots["linear"], rows, linear)
+        self._write(slots["accumulator"], rows, new_accum)
+        self._write(variable, rows, new_var)
+
+
+def get(identifier: Optional[object]):
+    """`tfs.optimizers.get("adam")` -> a tf_sharded optimizer (names as in Keras)."""
+    names = {"sgd": SGD, "adagrad": Adagrad, "adam": Adam, "ftrl": Ftrl}
+    if isinstance(identifier, str) and identifier.lower() in names:
+        return names[identifier.lower()]()
+    raise ValueError(f"Argument `identifier` must be one of {sorted(names)}. Received: {identifier!r}")
