@@ -53,26 +53,73 @@ def _assemble(parts, positions, shard, idx, num_unique):
     return assemble(*parts)
 
 
+def _fetch(requests):
+    """Rows for `(variable, local_ids)` requests, one fused request per device.
+
+    Requests to the same device (the shards of several tables, or several
+    shards of one table, on one parameter server) send their ids in one
+    tensor and get their rows back in one tensor, split again here.
+    """
+    by_device = {}
+    for i, (v, _) in enumerate(requests):
+        by_device.setdefault(v.device, []).append(i)
+    out = [None] * len(requests)
+    for device, members in by_device.items():
+        if len(members) == 1:
+            v, local = requests[members[0]]
+            with tf.device(device):
+                out[members[0]] = tf.gather(v, local)
+            continue
+        sizes = tf.stack([tf.size(requests[i][1]) for i in members])
+        ids = tf.concat([requests[i][1] for i in members], 0)
+        with tf.device(device):
+            parts = tf.split(ids, sizes, num=len(members))
+            rows = [tf.reshape(tf.gather(requests[i][0], part), [-1]) for i, part in zip(members, parts)]
+            widths = [max(1, requests[i][0].shape[1:].num_elements()) for i in members]
+            fused = tf.concat(rows, 0)
+        for i, piece in zip(members, tf.split(fused, sizes * tf.constant(widths, tf.int32), num=len(members))):
+            v = requests[i][0]
+            out[i] = tf.reshape(piece, tf.concat([[-1], tf.constant(v.shape.as_list()[1:], tf.int32)], 0))
+    return out
+
+
+def lookup_many(pairs, max_norm: Optional[float] = None) -> list:
+    """Rows for several `(table, int64 ids of rank 1)` pairs at once, with sparse per-shard gradients.
+
+    Each table's ids are de-duplicated and routed; the requests of all tables
+    are then fused per device (`_fetch`).
+    """
+    plans, requests = [], []
+    for table, flat_ids in pairs:
+        plain = EXPORT_SUBSTITUTES.get(id(table))
+        if plain is not None:
+            plans.append(("plain", table, tf.gather(plain, flat_ids)))
+            continue
+        exchange.note_lookup(table, flat_ids.shape[0])
+        uniq, idx = tf.unique(flat_ids, out_idx=tf.int32)
+        shard, locals_, positions = table._partition_rows(uniq)
+        first = len(requests)
+        requests.extend(zip(table.variables, locals_))
+        plans.append(("sharded", table, (first, positions, shard, idx, tf.size(uniq))))
+    fetched = _fetch(requests)
+    results = []
+    for kind, table, plan in plans:
+        inner_axes = list(range(1, table.shape.rank))
+        clip = (lambda r: _clip_rows(r, max_norm, inner_axes)) if max_norm is not None and inner_axes else None
+        if kind == "plain":
+            results.append(clip(plan) if clip else plan)
+            continue
+        first, positions, shard, idx, num_unique = plan
+        parts = fetched[first : first + table.num_shards]
+        if clip:
+            parts = [clip(p) for p in parts]
+        results.append(_assemble(parts, positions, shard, idx, num_unique))
+    return results
+
+
 def _lookup_flat(table: ShardedVariable, flat_ids: tf.Tensor, max_norm: Optional[float]) -> tf.Tensor:
     """Rows for int64 ids of rank 1, with a sparse, per-shard gradient."""
-    plain = EXPORT_SUBSTITUTES.get(id(table))
-    if plain is not None:
-        rows = tf.gather(plain, flat_ids)
-        inner_axes = list(range(1, table.shape.rank))
-        return _clip_rows(rows, max_norm, inner_axes) if max_norm is not None and inner_axes else rows
-    exchange.note_lookup(table, flat_ids.shape[0])
-    uniq, idx = tf.unique(flat_ids, out_idx=tf.int32)
-    num_unique = tf.size(uniq)
-    shard, locals_, positions = table._partition_rows(uniq)
-    inner_axes = list(range(1, table.shape.rank))
-    parts = []
-    for v, local in zip(table.variables, locals_):
-        with tf.device(v.device):
-            rows = tf.gather(v, local)
-            if max_norm is not None and inner_axes:
-                rows = _clip_rows(rows, max_norm, inner_axes)
-            parts.append(rows)
-    return _assemble(parts, positions, shard, idx, num_unique)
+    return lookup_many([(table, flat_ids)], max_norm)[0]
 
 
 def embedding_lookup(
@@ -194,17 +241,22 @@ def embedding_lookup_sparse(
             tf.debugging.assert_equal(
                 tf.size(w), tf.size(flat), message="Argument `weights` must have one weight per id"
             )
-        inner_rank = params.shape.rank - 1
-        w_b = tf.reshape(w, tf.concat([tf.shape(w), tf.ones([inner_rank], tf.int32)], 0))
-        total = tf.math.unsorted_segment_sum(rows * w_b, row_ids, num_rows)
-        if combiner == "sum":
-            return total
-        if combiner == "mean":
-            denom = tf.math.unsorted_segment_sum(w, row_ids, num_rows)
-        else:
-            denom = tf.sqrt(tf.math.unsorted_segment_sum(tf.square(w), row_ids, num_rows))
-        denom = tf.reshape(denom, tf.concat([tf.shape(denom), tf.ones([inner_rank], tf.int32)], 0))
-        return tf.math.divide_no_nan(total, denom)
+        return combine(rows, row_ids, num_rows, w, combiner)
+
+
+def combine(rows: tf.Tensor, row_ids: tf.Tensor, num_rows, weights: tf.Tensor, combiner: str) -> tf.Tensor:
+    """Weighted sum / mean / sqrtn of `rows` per example (`row_ids` int32); empty examples give zeros."""
+    inner_rank = rows.shape.rank - 1
+    w_b = tf.reshape(weights, tf.concat([tf.shape(weights), tf.ones([inner_rank], tf.int32)], 0))
+    total = tf.math.unsorted_segment_sum(rows * w_b, row_ids, num_rows)
+    if combiner == "sum":
+        return total
+    if combiner == "mean":
+        denom = tf.math.unsorted_segment_sum(weights, row_ids, num_rows)
+    else:
+        denom = tf.sqrt(tf.math.unsorted_segment_sum(tf.square(weights), row_ids, num_rows))
+    denom = tf.reshape(denom, tf.concat([tf.shape(denom), tf.ones([inner_rank], tf.int32)], 0))
+    return tf.math.divide_no_nan(total, denom)
 
 
 @tf.experimental.dispatch_for_api(tf.nn.embedding_lookup, {"params": ShardedVariable})

@@ -1,0 +1,182 @@
+"""tfs.layers.EmbeddingCollection: values, gradients, shared tables, Keras models, saving, errors."""
+
+import os
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tf_sharded as tfs
+
+TABLES = {
+    "user": {"input_dim": 30, "output_dim": 4, "partitions": 3, "scheme": "mod", "seed": 1},
+    "item": {"input_dim": 20, "output_dim": 4, "partitions": 2, "seed": 2},
+    "tag": {"input_dim": 9, "output_dim": 2, "seed": 3},
+}
+FEATURES = {
+    "user_id": "user",
+    "candidate": "item",
+    "history": {"table": "item", "combiner": "mean"},  # shares the item table
+    "tags": {"table": "tag", "combiner": "sum"},
+}
+
+
+def inputs():
+    return {
+        "user_id": tf.constant([3, 3, 29], tf.int64),
+        "candidate": tf.constant([1, 19, 1], tf.int64),
+        "history": tf.ragged.constant([[1, 2, 2], [], [19]], dtype=tf.int64),
+        "tags": tf.constant([[0, 8, -1], [-1, -1, -1], [4, 4, 4]], tf.int64),  # padded, -1 = pad
+    }
+
+
+def reference(values, x):
+    """NumPy outputs from the logical tables."""
+    out = {
+        "user_id": values["user"][x["user_id"].numpy()],
+        "candidate": values["item"][x["candidate"].numpy()],
+    }
+    hist = [values["item"][r].mean(0) if len(r) else np.zeros(4) for r in x["history"].to_list()]
+    out["history"] = np.stack(hist)
+    out["tags"] = np.stack([values["tag"][[i for i in r if i >= 0]].sum(0) for r in x["tags"].numpy()])
+    return out
+
+
+class EmbeddingCollectionTest(tf.test.TestCase):
+    def test_outputs_and_sgd_step_match_plain_tables(self):
+        layer = tfs.layers.EmbeddingCollection(TABLES, FEATURES)
+        x = inputs()
+        out = layer(x)
+        values = {name: t.numpy() for name, t in layer.tables.items()}
+        for feature, want in reference(values, x).items():
+            self.assertAllClose(out[feature], want, atol=1e-6, msg=feature)
+
+        plain = {name: tf.Variable(v) for name, v in values.items()}
+        optimizer = tfs.optimizers.SGD(0.5)
+        variables = layer.trainable_variables
+
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.add_n([tf.reduce_sum(v**2) for v in layer(x).values()])
+            grads = tape.gradient(loss, variables)
+            for g in grads:
+                assert isinstance(g, tf.IndexedSlices), type(g)
+            optimizer.apply_gradients(zip(grads, variables))
+
+        step(x)
+        with tf.GradientTape() as tape:
+            looked = {
+                "user_id": tf.gather(plain["user"], x["user_id"]),
+                "candidate": tf.gather(plain["item"], x["candidate"]),
+                "history": tf.stack(
+                    [
+                        tf.reduce_mean(tf.gather(plain["item"], r), 0) if len(r) else tf.zeros(4)
+                        for r in x["history"].to_list()
+                    ]
+                ),
+                "tags": tf.stack([tf.reduce_sum(tf.gather(plain["tag"], r[r >= 0]), 0) for r in x["tags"].numpy()]),
+            }
+            loss = tf.add_n([tf.reduce_sum(v**2) for v in looked.values()])
+        for name, g in zip(plain, tape.gradient(loss, list(plain.values()))):
+            want = values[name] - 0.5 * tf.convert_to_tensor(g).numpy()
+            self.assertAllClose(layer.tables[name].numpy(), want, atol=1e-6, msg=name)
+
+    def test_one_fused_request_for_all_shards_on_one_device(self):
+        layer = tfs.layers.EmbeddingCollection(TABLES, FEATURES)
+        layer(inputs())
+        graph = tf.function(layer).get_concrete_function(inputs()).graph
+        types = [op.type for op in graph.get_operations()]
+        # 6 shards on this device: 6 row gathers, fed by one split of one concatenated id tensor.
+        self.assertEqual(types.count("ResourceGather"), 6)
+        self.assertEqual(types.count("Unique"), 3)  # one per table, shared features included
+        splits = [op for op in graph.get_operations() if op.type == "SplitV" and op.outputs[0].dtype == tf.int64]
+        self.assertLen(splits, 1)
+        self.assertLen(splits[0].outputs, 6)
+
+    def test_keras_models_fit_config_and_keras_file(self):
+        ids = {
+            "user_id": keras.Input((), dtype="int64", name="user_id"),
+            "candidate": keras.Input((), dtype="int64", name="candidate"),
+            "history": keras.Input((3,), dtype="int64", name="history"),
+            "tags": keras.Input((3,), dtype="int64", name="tags"),
+        }
+        layer = tfs.layers.EmbeddingCollection(TABLES, FEATURES, name="emb")
+        out = layer(ids)
+        x = keras.layers.Concatenate()([out["user_id"], out["candidate"], out["history"], out["tags"]])
+        model = keras.Model(ids, keras.layers.Dense(1)(x))
+        model.compile(optimizer=tfs.optimizers.Adam(0.05), loss="mse")
+        rng = np.random.RandomState(0)
+        data = {
+            "user_id": rng.randint(0, 30, 64),
+            "candidate": rng.randint(0, 20, 64),
+            "history": rng.randint(-1, 20, (64, 3)),
+            "tags": rng.randint(0, 9, (64, 3)),
+        }
+        y = rng.rand(64, 1)
+        losses = model.fit(data, y, epochs=4, batch_size=16, verbose=0).history["loss"]
+        self.assertLess(losses[-1], losses[0])
+
+        clone = tfs.layers.EmbeddingCollection.from_config(layer.get_config())
+        self.assertEqual(clone.get_config()["tables"], layer.get_config()["tables"])
+        path = os.path.join(self.get_temp_dir(), "c.keras")
+        model.save(path)
+        loaded = keras.models.load_model(path)
+        for name, table in layer.tables.items():
+            self.assertAllEqual(loaded.get_layer("emb").tables[name].numpy(), table.numpy())
+        self.assertAllClose(loaded.predict(data, verbose=0), model.predict(data, verbose=0), atol=1e-6)
+
+    def test_bad_config_and_input(self):
+        with self.assertRaisesRegex(ValueError, "must name one of the tables"):
+            tfs.layers.EmbeddingCollection(TABLES, {"f": "nope"})
+        with self.assertRaisesRegex(ValueError, "unknown keys \\['dim'\\]"):
+            tfs.layers.EmbeddingCollection({"t": {"input_dim": 3, "output_dim": 2, "dim": 2}}, {"f": "t"})
+        with self.assertRaisesRegex(ValueError, "combiner'\\]` must be None or one of"):
+            tfs.layers.EmbeddingCollection(TABLES, {"f": {"table": "user", "combiner": "max"}})
+        layer = tfs.layers.EmbeddingCollection(TABLES, FEATURES)
+        x = inputs()
+        del x["tags"]
+        with self.assertRaisesRegex(ValueError, "needs a dict with exactly the features"):
+            layer(x)
+        x = inputs()
+        x["user_id"] = tf.ragged.constant([[1]], dtype=tf.int64)
+        with self.assertRaisesRegex(ValueError, "received multi-hot input .* but has no combiner"):
+            layer(x)
+        x = inputs()
+        x["candidate"] = tf.constant([1.0, 2.0, 3.0])
+        with self.assertRaisesRegex(TypeError, "must be an int32 or int64 tensor"):
+            layer(x)
+
+
+class ShardEmbeddingsTest(tf.test.TestCase):
+    def test_one_line_switch_keeps_weights_and_trains(self):
+        ids = keras.Input((3,), dtype="int64", name="ids")
+        user = keras.Input((), dtype="int64", name="user")
+        items = keras.layers.Embedding(50, 4, mask_zero=True, name="items")(ids)
+        users = keras.layers.Embedding(20, 4, name="users")(user)
+        x = keras.layers.Concatenate()([keras.layers.GlobalAveragePooling1D()(items), users])
+        model = keras.Model({"ids": ids, "user": user}, keras.layers.Dense(1, name="out")(x))
+        model.compile(optimizer="sgd", loss="mse")
+        rng = np.random.RandomState(0)
+        data = {"ids": rng.randint(0, 50, (32, 3)), "user": rng.randint(0, 20, 32)}
+        model.fit(data, rng.rand(32, 1), epochs=1, verbose=0)
+
+        sharded = tfs.layers.shard_embeddings(model, partitions=3, scheme="mod")
+        for name in ("items", "users"):
+            layer = sharded.get_layer(name)
+            self.assertIsInstance(layer, tfs.layers.Embedding)
+            self.assertEqual(layer.embeddings.num_shards, 3)
+            self.assertAllEqual(layer.embeddings.numpy(), model.get_layer(name).embeddings.numpy())
+        self.assertAllEqual(sharded.get_layer("out").kernel.numpy(), model.get_layer("out").kernel.numpy())
+        self.assertAllClose(sharded.predict(data, verbose=0), model.predict(data, verbose=0), atol=1e-6)
+        sharded.compile(optimizer=tfs.optimizers.SGD(0.1), loss="mse")
+        losses = sharded.fit(data, rng.rand(32, 1), epochs=3, verbose=0).history["loss"]
+        self.assertLess(losses[-1], losses[0])
+
+    def test_subclassed_model_is_refused_clearly(self):
+        class Sub(keras.Model):
+            def call(self, x):
+                return x
+
+        with self.assertRaisesRegex(ValueError, "Functional or Sequential"):
+            tfs.layers.shard_embeddings(Sub())
