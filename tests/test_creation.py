@@ -44,6 +44,13 @@ class InitialisationTest(tf.test.TestCase):
         self.assertGreater(a.numpy().max(), 0.8)
         c = tfs.create_sharded_variable(uid("k"), [5, 3], initializer=keras.initializers.Constant(2.5), partitions=2)
         self.assertAllEqual(c.numpy(), np.full([5, 3], 2.5))
+        pretrained = np.arange(15, dtype=np.float32).reshape(5, 3)  # a Constant holding a whole table
+        d = tfs.create_sharded_variable(
+            uid("k"), [5, 3], initializer=keras.initializers.Constant(pretrained), partitions=2, scheme="balanced"
+        )
+        self.assertAllEqual(d.numpy(), pretrained)
+        with self.assertRaisesRegex(ValueError, "keras Constant whose value has shape \\[2, 3\\]"):
+            tfs.create_sharded_variable(uid("k"), [5, 3], initializer=keras.initializers.Constant(pretrained[:2]))
 
     def test_callable_with_partition_offset_is_layout_independent(self):
         def init(shape, dtype, partition_offset):

@@ -156,3 +156,49 @@ class KerasParameterServerTest(tf.test.TestCase):
             tfs.fit(model, [1, 2], steps_per_epoch=1)
         with self.assertRaisesRegex(ValueError, "compiled keras.Model"):
             tfs.fit(keras.Sequential([keras.layers.Dense(1)]), dataset_fn, steps_per_epoch=1)
+
+
+class CollectionOnParameterServersTest(tf.test.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.strategy = ps_strategy()
+
+    def test_one_fused_request_per_ps_and_fit_learns(self):
+        tables = {name: {"input_dim": 40, "output_dim": 4, "partitions": 2, "seed": i} for i, name in enumerate("abc")}
+        features = {"fa": "a", "fb": "b", "fc": {"table": "c", "combiner": "sum"}}
+        with self.strategy.scope():
+            inputs = {
+                "fa": keras.Input((), dtype="int64", name="fa"),
+                "fb": keras.Input((), dtype="int64", name="fb"),
+                "fc": keras.Input((2,), dtype="int64", name="fc"),
+            }
+            layer = tfs.layers.EmbeddingCollection(tables, features, name="coll")
+            out = layer(inputs)
+            x = keras.layers.Concatenate()([out["fa"], out["fb"], out["fc"]])
+            model = keras.Model(inputs, keras.layers.Dense(1)(x))
+            model.compile(optimizer=tfs.optimizers.Adagrad(0.2), loss="mse")
+        shards_on = {}
+        for table in layer.tables.values():
+            for v in table.variables:
+                shards_on[v.device] = shards_on.get(v.device, 0) + 1
+        self.assertLen(shards_on, 2)
+
+        example = {"fa": tf.constant([1, 2]), "fb": tf.constant([3, 3]), "fc": tf.constant([[4, 5], [6, 6]])}
+        graph = tf.function(layer).get_concrete_function(example).graph
+        for device, count in shards_on.items():
+            on_device = [op for op in graph.get_operations() if op.device == device]
+            self.assertEqual(sum(op.type == "ResourceGather" for op in on_device), count)
+            id_splits = [op for op in on_device if op.type == "SplitV" and op.outputs[0].dtype == tf.int64]
+            self.assertLen(id_splits, 1, msg=device)  # one fused id tensor in ...
+            row_concats = [op for op in on_device if op.type == "ConcatV2" and op.outputs[0].dtype == tf.float32]
+            self.assertLen(row_concats, 1, msg=device)  # ... one fused row tensor out
+
+        def dataset_fn(input_context=None):
+            rng = np.random.RandomState(0)
+            x = {"fa": rng.randint(0, 40, 256), "fb": rng.randint(0, 40, 256), "fc": rng.randint(0, 40, (256, 2))}
+            y = (x["fa"] % 2).astype(np.float32)[:, None]
+            return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(32)
+
+        losses = tfs.fit(model, dataset_fn, epochs=3, steps_per_epoch=16, verbose=0).history["loss"]
+        self.assertLess(losses[-1], losses[0])

@@ -20,11 +20,11 @@ def data(n=64):
     return ids, rng.rand(n, 1).astype(np.float32)
 
 
-def build(embedding):
+def build(embedding, optimizer=None):
     inp = keras.Input((3,), dtype="int64")
     x = keras.layers.GlobalAveragePooling1D()(embedding(inp))
     model = keras.Model(inp, keras.layers.Dense(1, kernel_initializer="ones")(x))
-    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.5), loss="mse")
     return model
 
 
@@ -64,6 +64,38 @@ class MirroredFitTest(tf.test.TestCase):
                 self.assertEqual({s for _, s in calls}, {0, 1}, msg=mode)
         finally:
             tfs.exchange.exchange_gradient = original
+
+    def test_sparse_optimizers_under_mirrored_match_one_device(self):
+        strategy = mirrored()
+        ids, y = data()
+        cases = [
+            (tfs.optimizers.Adam, dict(learning_rate=0.05), "allgather", "device"),
+            (tfs.optimizers.Adagrad, dict(learning_rate=0.3), "dense", "device"),
+            (tfs.optimizers.Ftrl, dict(learning_rate=0.3), "auto", "device"),
+            (tfs.optimizers.Adam, dict(learning_rate=0.05), "auto", "host"),
+            (tfs.optimizers.SGD, dict(learning_rate=0.3, momentum=0.9), "allgather", "host"),
+        ]
+        for cls, cfg, mode, placement in cases:
+            with strategy.scope():
+                layer = tfs.layers.Embedding(
+                    ROWS, DIM, partitions=2, scheme="mod", seed=3, exchange=mode, placement=placement
+                )
+                model = build(layer, cls(**cfg))
+            table0 = layer.embeddings.numpy()
+            model.fit(ids, y, epochs=2, batch_size=16, shuffle=False, verbose=0)
+            single = tfs.layers.Embedding(ROWS, DIM, partitions=3, embeddings_initializer=table0)
+            reference = build(single, cls(**cfg))
+            reference.fit(ids, y, epochs=2, batch_size=16, shuffle=False, verbose=0)
+            msg = f"{cls.__name__} {mode}/{placement}"
+            self.assertAllClose(layer.embeddings.numpy(), single.embeddings.numpy(), atol=2e-5, msg=msg)
+            self.assertAllClose(model.layers[-1].kernel.numpy(), reference.layers[-1].kernel.numpy(), atol=2e-5)
+            slot_name = {"Adam": "velocity", "Adagrad": "accumulator", "Ftrl": "linear", "SGD": "momentum"}[
+                cls.__name__
+            ]
+            got_slot = model.optimizer.table_slot(layer.embeddings, slot_name)
+            self.assertEqual(got_slot.devices, layer.embeddings.devices, msg=msg)
+            want_slot = reference.optimizer.table_slot(single.embeddings, slot_name).numpy()
+            self.assertAllClose(got_slot.numpy(), want_slot, atol=2e-5, msg=msg)
 
 
 class DefaultStrategyLayerTest(tf.test.TestCase):

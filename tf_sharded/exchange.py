@@ -260,7 +260,9 @@ def adaptive_exchange(
         return _merge_gathered(gathered, width, inner)
 
     def dense_result():
-        return tf.range(rows, dtype=tf.int64), reduced
+        # Only the rows some replica touched: a lazy optimizer must not see the others.
+        touched = tf.where(tf.reduce_any(tf.not_equal(reduced, 0), axis=tf.range(1, tf.rank(reduced))))[:, 0]
+        return touched, tf.gather(reduced, touched)
 
     out_indices, out_values = tf.cond(use_gather, sparse_result, dense_result)
     return tf.IndexedSlices(out_values, out_indices, grad.dense_shape), use_gather

@@ -206,8 +206,17 @@ def _from_keras(obj: Any, full_shape, seed: int):
         return RowInitializer("truncated_normal", config["mean"], config["stddev"], s)
     if name in ("Zeros", "Ones"):
         return RowInitializer("constant", 1.0 if name == "Ones" else 0.0, 0.0, s)
-    if name == "Constant" and np.ndim(config.get("value", 0)) == 0:
-        return RowInitializer("constant", float(config.get("value", 0.0)), 0.0, s)
+    if name == "Constant":
+        # Keras keeps the value on the object; its config holds a serialized form for arrays.
+        value = np.asarray(getattr(obj, "value", 0.0))
+        if value.ndim == 0:
+            return RowInitializer("constant", float(value), 0.0, s)
+        if list(value.shape) == list(full_shape):
+            return ArrayInitializer(value)
+        raise ValueError(
+            f"Argument `initializer` is a keras Constant whose value has shape {list(value.shape)}; it must be a "
+            f"scalar or have the table's shape {list(full_shape)}."
+        )
     if all(hasattr(obj, a) for a in ("scale", "mode", "distribution")):
         return _variance_scaling(obj.scale, obj.mode, obj.distribution, full_shape, s)
     return None

@@ -98,13 +98,22 @@ def shard_owner(variable) -> Optional[Tuple[ShardedVariable, int]]:
     for candidate in (variable, getattr(variable, "_value", None)):
         if candidate is None:
             continue
-        container = getattr(candidate, "_distributed_container", None)
-        if callable(container) and not hasattr(candidate, "_tfs_shard_of"):
-            candidate = container()
         tag = getattr(candidate, "_tfs_shard_of", None)
+        if tag is None:
+            container = _distributed_container(candidate)
+            tag = getattr(container, "_tfs_shard_of", None) if container is not None else None
         if tag is not None:
             table = tag[0]()
             return None if table is None else (table, tag[1])
+    return None
+
+
+def _distributed_container(component):
+    """The mirrored variable a per-replica component belongs to (TF keeps the link on it or its handle)."""
+    for holder in (component, getattr(component, "_handle", None)):
+        container = getattr(holder, "_distributed_container", None)
+        if callable(container):
+            return container()
     return None
 
 

@@ -1,11 +1,15 @@
-"""`tfs.fit`: Keras 3 training in one call, including under `ParameterServerStrategy`.
+"""`tfs.fit`: Keras 3 training in one call, including where Keras 3's `model.fit` fails.
 
-Keras 3's `model.fit` refuses `ParameterServerStrategy`. Under that strategy
-`tfs.fit` runs the model's own `train_step` on the workers through a
-`ClusterCoordinator`, with a per-worker dataset, a progress bar (loss,
-metrics, samples/s), Keras callbacks and periodic checkpoints that a rerun
-resumes from. Under every other strategy it calls `model.fit` (adding the
-same checkpoints and resume).
+Keras 3's `model.fit` refuses `ParameterServerStrategy`, and under
+`MultiWorkerMirroredStrategy` (TF 2.16 / Keras 3) it fails before the first
+step (its symbolic build all-reduces the first input batch eagerly;
+keras-team/keras#20585). Under those two strategies `tfs.fit` runs the
+model's own `train_step` in its own loop: through a `ClusterCoordinator` on
+per-worker datasets for parameter servers, with `strategy.run` on a
+distributed dataset for multi-worker mirrored. Both show a progress bar
+(loss, metrics, samples/s), call Keras callbacks and write periodic
+checkpoints that a rerun resumes from. Under every other strategy it calls
+`model.fit` (adding the same checkpoints and resume).
 """
 
 from __future__ import annotations
@@ -87,15 +91,17 @@ def fit(
         `tf.data.Dataset`, yielding `(x, y)` or `(x, y, sample_weight)` batches.
       epochs: number of epochs.
       steps_per_epoch: steps per epoch; required under
-        `ParameterServerStrategy` (worker datasets should repeat).
+        `ParameterServerStrategy` (worker datasets should repeat), and under
+        `MultiWorkerMirroredStrategy` unless `dataset` is a finite Dataset.
       callbacks: Keras callbacks.
       checkpoint_dir: if set, the model and optimizer are checkpointed there
         at every epoch end (and every `checkpoint_every` steps), and a rerun
         restores the latest checkpoint and continues from its epoch.
       checkpoint_every: optional step interval between checkpoints.
       verbose: 0 (silent) or 1 (progress bar).
-      log_every: under `ParameterServerStrategy`, steps between progress
-        updates (each update waits for the steps scheduled so far).
+      log_every: under `ParameterServerStrategy` and
+        `MultiWorkerMirroredStrategy`, steps between progress updates (each
+        update waits for the steps launched so far).
 
     Returns:
       The `keras.callbacks.History` of the run.
@@ -133,13 +139,16 @@ def fit(
     if checkpoint_every is not None:
         checkpoint_every = positive_int("checkpoint_every", checkpoint_every)
     strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else model.distribute_strategy
-    if _is_ps(strategy):
+    if _is_ps(strategy) or isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        if steps_per_epoch is None and isinstance(dataset, tf.data.Dataset) and not _is_ps(strategy):
+            steps_per_epoch = int(dataset.cardinality()) if int(dataset.cardinality()) > 0 else None
         if steps_per_epoch is None:
             raise ValueError(
-                "Argument `steps_per_epoch` is required under ParameterServerStrategy (each worker reads its "
-                "own, usually repeated, dataset). Received: steps_per_epoch=None"
+                f"Argument `steps_per_epoch` is required under {type(strategy).__name__} unless the dataset is a "
+                "tf.data.Dataset of known, finite length (parameter-server workers read their own, usually "
+                "repeated, datasets). Received: steps_per_epoch=None"
             )
-        return _fit_ps(
+        return _fit_loop(
             model,
             strategy,
             dataset,
@@ -170,7 +179,7 @@ def fit(
 
 
 def train_function(model: keras.Model, strategy) -> tf.types.experimental.GenericFunction:
-    """The step `tfs.fit` schedules under `ParameterServerStrategy`: the model's `train_step` on one batch.
+    """The step `tfs.fit` runs in its own loop: the model's `train_step` on one batch, in every replica.
 
     Returns the logs (metric results) plus `_samples`, the batch size.
     """
@@ -187,12 +196,61 @@ def train_function(model: keras.Model, strategy) -> tf.types.experimental.Generi
     return step_fn
 
 
-def _fit_ps(
+class _Runner:
+    """How one step is launched and its results collected, per strategy."""
+
+    def __init__(self, strategy, dataset, step_fn):
+        self.strategy = strategy
+        self.ps = _is_ps(strategy)
+        if self.ps:
+            self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+            source = dataset if callable(dataset) else (lambda: dataset)
+            self.per_epoch = False
+            self.distributed = self.coordinator.create_per_worker_dataset(source)
+        else:
+            self.coordinator = None
+            # A finite Dataset is read once per epoch, like model.fit; a dataset function should repeat.
+            self.per_epoch = isinstance(dataset, tf.data.Dataset)
+            if callable(dataset) and not isinstance(dataset, tf.data.Dataset):
+                self.distributed = strategy.distribute_datasets_from_function(dataset)
+            else:
+                self.distributed = strategy.experimental_distribute_dataset(dataset)
+
+        @tf.function
+        def scheduled(iterator):
+            return step_fn(next(iterator))
+
+        self._scheduled = scheduled
+        self.iterator = iter(self.distributed)
+
+    def new_epoch(self):
+        if self.per_epoch:
+            self.iterator = iter(self.distributed)
+
+    def launch(self):
+        if self.ps:
+            return self.coordinator.schedule(self._scheduled, args=(self.iterator,))
+        return self._scheduled(self.iterator)
+
+    def results(self, launched: list) -> list:
+        """Per step: logs as floats and the number of samples over all replicas."""
+        if self.ps:
+            self.coordinator.join()
+            values = [r.fetch() for r in launched]
+        else:
+            values = [tf.nest.map_structure(lambda v: v.numpy(), self._first_replica(r)) for r in launched]
+        replicas = 1 if self.ps else self.strategy.num_replicas_in_sync
+        return [({k: float(v) for k, v in r.items() if k != "_samples"}, int(r["_samples"]) * replicas) for r in values]
+
+    def _first_replica(self, out):
+        return tf.nest.map_structure(lambda v: self.strategy.experimental_local_results(v)[0], out)
+
+
+def _fit_loop(
     model, strategy, dataset, epochs, steps_per_epoch, callbacks, checkpoint_dir, checkpoint_every, verbose, log_every
 ):
-    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
-    # Variables (model, optimizer, metrics) are created on the coordinator, in
-    # scope, before anything is scheduled: a worker function cannot create them.
+    # Variables (model, optimizer, metrics) are created before the first step,
+    # in scope: a worker function cannot create them.
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(_first_batch(dataset))
     with strategy.scope():
         y_pred = model(x, training=False)
@@ -200,16 +258,9 @@ def _fit_ps(
         model.optimizer.build(model.trainable_variables)
     model.reset_metrics()
     checkpoints = _Checkpoints(model, checkpoint_dir)
-    initial_epoch = min(epochs, int(model.optimizer.iterations.numpy()) // steps_per_epoch)
-
-    per_worker = coordinator.create_per_worker_dataset(dataset if callable(dataset) else (lambda: dataset))
-    iterator = iter(per_worker)
-
-    step_fn = train_function(model, strategy)
-
-    @tf.function
-    def train_step(iterator):
-        return step_fn(next(iterator))
+    global_step = int(model.optimizer.iterations.numpy())
+    initial_epoch = min(epochs, global_step // steps_per_epoch)
+    runner = _Runner(strategy, dataset, train_function(model, strategy))
 
     history = keras.callbacks.History()
     callback_list = keras.callbacks.CallbackList(
@@ -223,24 +274,23 @@ def _fit_ps(
     )
     callback_list.on_train_begin()
     logs = {}
-    global_step = int(model.optimizer.iterations.numpy())
     for epoch in range(initial_epoch, epochs):
         model.reset_metrics()
+        runner.new_epoch()
         callback_list.on_epoch_begin(epoch)
-        bar = keras.utils.Progbar(steps_per_epoch, verbose=verbose, stateful_metrics=None) if verbose else None
-        pending, samples, start = [], 0, time.perf_counter()
+        bar = keras.utils.Progbar(steps_per_epoch, verbose=verbose) if verbose else None
+        launched, samples, start = [], 0, time.perf_counter()
         for step in range(steps_per_epoch):
             callback_list.on_train_batch_begin(step)
-            pending.append(coordinator.schedule(train_step, args=(iterator,)))
+            launched.append(runner.launch())
             global_step += 1
             last = step == steps_per_epoch - 1
             due = bool(checkpoint_every) and global_step % checkpoint_every == 0
             if (step + 1) % log_every == 0 or last or due:
-                coordinator.join()
-                results = [r.fetch() for r in pending]
-                pending = []
-                samples += sum(int(r["_samples"]) for r in results)
-                logs = {k: float(v) for k, v in results[-1].items() if k != "_samples"}
+                results = runner.results(launched)
+                launched = []
+                samples += sum(n for _, n in results)
+                logs = results[-1][0]
                 rate = samples / max(time.perf_counter() - start, 1e-9)
                 callback_list.on_train_batch_end(step, logs)
                 if bar is not None and not last:
