@@ -126,6 +126,21 @@ class EmbeddingCollectionTest(tf.test.TestCase):
             self.assertAllEqual(loaded.get_layer("emb").tables[name].numpy(), table.numpy())
         self.assertAllClose(loaded.predict(data, verbose=0), model.predict(data, verbose=0), atol=1e-6)
 
+    def test_subclassed_model(self):
+        class Ranker(keras.Model):
+            def __init__(self):
+                super().__init__()
+                self.emb = tfs.layers.EmbeddingCollection(TABLES, FEATURES)
+                self.out = keras.layers.Dense(1)
+
+            def call(self, x):
+                vectors = self.emb(x)
+                return self.out(tf.concat([vectors[f] for f in sorted(vectors)], axis=1))
+
+        model = Ranker()
+        self.assertEqual(tuple(model(inputs()).shape), (3, 1))
+        self.assertLen(model.trainable_weights, 6 + 2)  # 6 table shards, kernel, bias
+
     def test_bad_config_and_input(self):
         with self.assertRaisesRegex(ValueError, "must name one of the tables"):
             tfs.layers.EmbeddingCollection(TABLES, {"f": "nope"})

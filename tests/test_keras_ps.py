@@ -1,5 +1,7 @@
 """Keras 3 under ParameterServerStrategy: tfs.fit, sparse optimizers, graph check, checkpoints across clusters."""
 
+import contextlib
+import io
 import os
 
 import keras
@@ -200,5 +202,10 @@ class CollectionOnParameterServersTest(tf.test.TestCase):
             y = (x["fa"] % 2).astype(np.float32)[:, None]
             return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(32)
 
-        losses = tfs.fit(model, dataset_fn, epochs=3, steps_per_epoch=16, verbose=0).history["loss"]
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            losses = tfs.fit(model, dataset_fn, epochs=3, steps_per_epoch=16, log_every=4).history["loss"]
         self.assertLess(losses[-1], losses[0])
+        self.assertIn("16/16", printed.getvalue())  # the progress bar, with loss and throughput
+        self.assertIn("loss:", printed.getvalue())
+        self.assertIn("samples/s:", printed.getvalue())

@@ -236,7 +236,9 @@ class ExchangeTest(tf.test.TestCase):
 
         few = [np.arange(10), np.arange(5, 15), np.zeros([0], np.int64), np.array([1999])]
         many = [np.arange(int(even) + 50), np.arange(3), np.arange(7), np.zeros([0], np.int64)]
-        for arrays, want_gather, want_rows in ((few, True, 16), (many, False, 2000)):
+        for arrays, want_gather in ((few, True), (many, False)):
+            # Either way only the rows some replica touched come out (a lazy optimizer must not see others).
+            want_rows = len(np.unique(np.concatenate(arrays)))
             gathered, rows, total = decide(per_replica(strategy, arrays))
             for r in range(4):
                 self.assertEqual(bool(strategy.experimental_local_results(gathered)[r]), want_gather)
