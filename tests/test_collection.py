@@ -195,3 +195,49 @@ class ShardEmbeddingsTest(tf.test.TestCase):
 
         with self.assertRaisesRegex(ValueError, "Functional or Sequential"):
             tfs.layers.shard_embeddings(Sub())
+
+
+class SubclassedSwitchTest(tf.test.TestCase):
+    def test_sharded_embeddings_block_and_weights_both_ways(self):
+        class Tower(keras.Model):
+            def __init__(self):
+                super().__init__()
+                # Keras locates weights in a file by layer name: named as in any model meant to be reloaded.
+                self.items = keras.layers.Embedding(40, 4, mask_zero=True, name="items")
+                self.users = keras.layers.Embedding(input_dim=15, output_dim=4, name="users")
+                self.out = keras.layers.Dense(1, name="out")
+
+            def call(self, x):
+                pooled = keras.ops.mean(self.items(x["ids"]), axis=1)
+                return self.out(keras.ops.concatenate([pooled, self.users(x["user"])], axis=1))
+
+        rng = np.random.RandomState(0)
+        data = {"ids": rng.randint(0, 40, (16, 3)), "user": rng.randint(0, 15, 16)}
+        plain = Tower()
+        plain.compile(optimizer="sgd", loss="mse")
+        plain.fit(data, rng.rand(16, 1), epochs=1, verbose=0)
+        path = os.path.join(self.get_temp_dir(), "tower.weights.h5")
+        plain.save_weights(path)
+
+        with tfs.layers.sharded_embeddings(partitions=3, scheme="mod"):
+            sharded = Tower()
+        self.assertIs(keras.layers.Embedding, tfs.layers._KERAS_EMBEDDING)  # restored after the block
+        self.assertIsInstance(sharded.items, tfs.layers.Embedding)
+        sharded(data)
+        self.assertEqual(sharded.items.embeddings.num_shards, 3)
+        sharded.load_weights(path)
+        self.assertEqual(sharded.users.embeddings.num_shards, 3)
+        self.assertAllEqual(sharded.items.embeddings.numpy(), plain.items.embeddings.numpy())
+        self.assertAllClose(sharded(data), plain(data), atol=1e-6)
+
+        # And back: the sharded model's weights load into the plain model.
+        sharded.users.embeddings.assign(sharded.users.embeddings.numpy() + 1.0)
+        back = os.path.join(self.get_temp_dir(), "back.weights.h5")
+        sharded.save_weights(back)
+        plain.load_weights(back)
+        self.assertAllEqual(plain.users.embeddings.numpy(), sharded.users.embeddings.numpy())
+
+    def test_unsupported_keras_arguments_are_named(self):
+        with tfs.layers.sharded_embeddings():
+            with self.assertRaisesRegex(ValueError, "Argument `lora_rank` of keras.layers.Embedding is not supported"):
+                keras.layers.Embedding(10, 2, lora_rank=4)

@@ -7,6 +7,17 @@ from tf_sharded import _compat
 
 
 class CompatTest(tf.test.TestCase):
+    def test_keras_stateless_scope_is_left_for_table_creation(self):
+        import keras
+
+        with keras.StatelessScope():
+            with _compat.outside_keras_stateless_scope():
+                inside = keras.Variable(1.0)
+            from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+            self.assertTrue(in_stateless_scope())
+        self.assertIsInstance(inside.value, tf.Variable)  # created for real, not deferred
+
     def test_tensorflow_and_keras_versions_are_the_pinned_ones(self):
         import keras
 

@@ -132,6 +132,13 @@ class DefaultStrategyLayerTest(tf.test.TestCase):
         tower = Tower()
         self.assertEqual(tuple(tower(tf.ragged.constant([[1, 2], [3]], dtype=tf.int64)).shape), (2, 1))
         self.assertLen(tower.trainable_weights, 4)
+        # Built inside Keras's StatelessScope (subclassed models build that way): still real variables.
+        self.assertTrue(all(isinstance(v, tf.Variable) for v in tower.emb.embeddings.variables))
+        before = tower.emb.embeddings.numpy()
+        tower.compile(optimizer=tfs.optimizers.SGD(0.5), loss="mse")
+        tower.fit(tf.ragged.constant([[1, 2], [3]], dtype=tf.int64), np.ones((2, 1)), epochs=1, verbose=0)
+        changed = np.abs(tower.emb.embeddings.numpy() - before).sum(axis=1) > 0
+        self.assertEqual(np.nonzero(changed)[0].tolist(), [1, 2, 3])
 
     def test_multi_hot_inputs_agree(self):
         layer = tfs.layers.Embedding(ROWS, DIM, combiner="mean", mask_zero=True, partitions=2, seed=1)

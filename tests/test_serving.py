@@ -111,5 +111,5 @@ class KerasFileTest(tf.test.TestCase):
             self.assertAllEqual(other.get_layer("emb").embeddings.numpy(), model.get_layer("emb").embeddings.numpy())
         smaller = tfs.layers.Embedding(ROWS - 1, DIM)
         smaller.build()
-        with self.assertRaisesRegex(ValueError, "saved 'embeddings' has shape \\[40, 4\\]"):
-            smaller.load_own_variables({"embeddings": np.zeros((ROWS, DIM), np.float32)})
+        with self.assertRaisesRegex(ValueError, "saved '0' has shape \\[40, 4\\]"):
+            smaller.load_own_variables({"0": np.zeros((ROWS, DIM), np.float32)})

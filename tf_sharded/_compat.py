@@ -6,6 +6,7 @@ Everything imported from `tensorflow.python...` lives here, and
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any, Callable, Optional
 
@@ -134,3 +135,22 @@ def single_device(device: str) -> Any:
 def in_multi_worker_mode(strategy) -> bool:
     """Whether a mirrored strategy spans several workers."""
     return bool(strategy.extended._in_multi_worker_mode())
+
+
+@contextlib.contextmanager
+def outside_keras_stateless_scope():
+    """Leaves Keras 3's StatelessScope for the duration of the block.
+
+    Keras builds a subclassed model's layers inside a StatelessScope (while it
+    computes output specs), where a new Keras variable is not created but
+    deferred, and `.value` is only its initial value. Sharded tables must be
+    real variables placed by the strategy hooks, so layers create them outside.
+    """
+    from keras.src.backend.common import global_state
+
+    saved = global_state.get_global_attribute("stateless_scope")
+    global_state.set_global_attribute("stateless_scope", None)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("stateless_scope", saved)

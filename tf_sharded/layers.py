@@ -10,12 +10,15 @@ and never concatenate the table.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 from typing import Any, Optional
 
 import keras
+import numpy as np
 import tensorflow as tf
 
-from tf_sharded import creation
+from tf_sharded import _compat, creation
 from tf_sharded.errors import positive_int
 from tf_sharded.lookup import COMBINERS, _components, combine, embedding_lookup, embedding_lookup_sparse, lookup_many
 from tf_sharded.partition import PartitionSpec
@@ -117,9 +120,10 @@ class Embedding(keras.layers.Layer):
             exchange=self.exchange,
             placement=self.placement,
         )
-        self.embeddings = creation._create(
-            tf.distribute.get_strategy(), arguments, variable_factory=_weight_factory(self, "embeddings")
-        )
+        with _compat.outside_keras_stateless_scope():
+            self.embeddings = creation._create(
+                tf.distribute.get_strategy(), arguments, variable_factory=_weight_factory(self, "embeddings")
+            )
         self.built = True
 
     def call(self, inputs):
@@ -141,11 +145,12 @@ class Embedding(keras.layers.Layer):
         return out
 
     def save_own_variables(self, store):
-        # The logical table, whatever the layout: a .keras file loads into any other.
-        store["embeddings"] = self.embeddings.numpy()
+        # The logical table, whatever the layout, under the key keras.layers.Embedding uses: files load into
+        # any other layout, and weights move between this layer and Keras's in both directions.
+        store["0"] = self.embeddings.numpy()
 
     def load_own_variables(self, store):
-        _load_table(self.embeddings, store, "embeddings", self.name)
+        _load_table(self.embeddings, store, "0", self.name)
 
     def compute_mask(self, inputs, mask=None):
         if not self.supports_masking:
@@ -297,9 +302,10 @@ class EmbeddingCollection(keras.layers.Layer):
                 exchange=config.get("exchange"),
                 placement=config.get("placement"),
             )
-            self.tables[name] = creation._create(
-                tf.distribute.get_strategy(), arguments, variable_factory=_weight_factory(self, name)
-            )
+            with _compat.outside_keras_stateless_scope():
+                self.tables[name] = creation._create(
+                    tf.distribute.get_strategy(), arguments, variable_factory=_weight_factory(self, name)
+                )
         self.built = True
 
     def call(self, inputs):
@@ -398,6 +404,9 @@ def _weight_factory(layer: keras.layers.Layer, prefix: str):
             dtype=dtype,
             trainable=trainable,
             name=f"{prefix}_part_{index}",
+            # Without autocast `.value` is the variable itself even when built inside a call's autocast
+            # scope; lookups gather rows and cast nothing.
+            autocast=False,
         )
         return weight.value
 
@@ -477,39 +486,99 @@ def shard_embeddings(model: keras.Model, **options) -> keras.Model:
     ):
         raise ValueError(
             "Argument `model` must be a Functional or Sequential keras.Model (Keras cannot clone a subclassed "
-            f"model layer by layer). Received: {type(model).__name__}. For a subclassed model, build its "
-            "embeddings with tfs.layers.Embedding directly."
+            f"model layer by layer). Received: {type(model).__name__}. For a subclassed model, build it inside "
+            "`with tfs.layers.sharded_embeddings(...):` and load the old weights into it."
         )
 
     def clone(layer):
-        if type(layer) is not keras.layers.Embedding:
+        if type(layer) is not _KERAS_EMBEDDING:
             return layer.__class__.from_config(layer.get_config())
         config = layer.get_config()
-        if config.get("embeddings_constraint") is not None:
-            raise ValueError(
-                f"Layer '{layer.name}' has an embeddings_constraint, which tfs.layers.Embedding does not support. "
-                f"Received: {config['embeddings_constraint']!r}"
-            )
-        keep = (
-            "name",
-            "dtype",
-            "trainable",
-            "input_dim",
-            "output_dim",
-            "embeddings_initializer",
-            "embeddings_regularizer",
-            "activity_regularizer",
-            "mask_zero",
-        )
-        arguments = {k: config[k] for k in keep if k in config}
-        if isinstance(arguments.get("embeddings_initializer"), dict):
-            arguments["embeddings_initializer"] = keras.initializers.deserialize(arguments["embeddings_initializer"])
-        return Embedding(**arguments, **options)
+        if isinstance(config.get("embeddings_initializer"), dict):
+            config["embeddings_initializer"] = keras.initializers.deserialize(config["embeddings_initializer"])
+        return _from_keras_arguments(config, options)
 
     new = keras.models.clone_model(model, clone_function=clone)
     for old_layer, new_layer in zip(model.layers, new.layers):
-        if isinstance(new_layer, Embedding) and type(old_layer) is keras.layers.Embedding:
+        if isinstance(new_layer, Embedding) and type(old_layer) is _KERAS_EMBEDDING:
             new_layer.embeddings.assign(old_layer.embeddings.numpy())
         elif old_layer.weights:
             new_layer.set_weights(old_layer.get_weights())
     return new
+
+
+_KERAS_EMBEDDING = keras.layers.Embedding
+_KERAS_ONLY = {"lora_rank": None, "lora_alpha": None, "quantization_config": None, "weights": None}
+
+
+def _from_keras_arguments(arguments: dict, options: dict) -> Embedding:
+    """A `tfs.layers.Embedding` from `keras.layers.Embedding`'s arguments (or config) plus tf_sharded options."""
+    arguments = dict(arguments)
+    for key, neutral in _KERAS_ONLY.items():
+        value = arguments.pop(key, neutral)
+        if key == "weights" and value is not None:
+            arguments["embeddings_initializer"] = np.asarray(value[0] if isinstance(value, (list, tuple)) else value)
+        elif value is not neutral and value != neutral:
+            raise ValueError(
+                f"Argument `{key}` of keras.layers.Embedding is not supported by tfs.layers.Embedding. "
+                f"Received: {key}={value!r}"
+            )
+    if arguments.get("embeddings_constraint") is not None:
+        raise ValueError(
+            f"Layer '{arguments.get('name')}' has an embeddings_constraint, which tfs.layers.Embedding does not "
+            f"support. Received: {arguments['embeddings_constraint']!r}"
+        )
+    arguments.pop("embeddings_constraint", None)
+    keep = set(inspect.signature(Embedding.__init__).parameters) | {
+        "name",
+        "dtype",
+        "trainable",
+        "activity_regularizer",
+    }
+    return Embedding(**{k: v for k, v in arguments.items() if k in keep}, **options)
+
+
+@contextlib.contextmanager
+def sharded_embeddings(**options):
+    """Inside this block, `keras.layers.Embedding(...)` builds a `tfs.layers.Embedding`.
+
+    The one-line switch for model code you do not want to edit, subclassed
+    models included: wrap the code that builds the model, then load its old
+    weights (`model.load_weights(...)`); tables are stored under the key
+    `keras.layers.Embedding` uses, so weights move in both directions.
+
+    Args:
+      **options: `tfs.layers.Embedding` arguments for every embedding built
+        in the block (`partitions`, `scheme`, `exchange`, `placement`, ...).
+
+    Example:
+
+    >>> import keras, tf_sharded as tfs
+    >>> with tfs.layers.sharded_embeddings(partitions=2):
+    ...     layer = keras.layers.Embedding(10, 3)
+    >>> type(layer).__module__, layer(np.array([1])).shape
+    ('tf_sharded.layers', TensorShape([1, 3]))
+    >>> type(keras.layers.Embedding(10, 3)).__module__
+    'keras.src.layers.core.embedding'
+    """
+    import importlib
+
+    names = inspect.signature(_KERAS_EMBEDDING.__init__).parameters
+
+    def make(*args, **kwargs):
+        positional = [n for n in names if n not in ("self", "kwargs")]
+        return _from_keras_arguments({**dict(zip(positional, args)), **kwargs}, options)
+
+    modules = [keras.layers]
+    try:
+        modules.append(importlib.import_module("keras._tf_keras.keras.layers"))  # tf.keras
+    except ImportError:
+        pass
+    saved = [(m, m.Embedding) for m in modules]
+    for m in modules:
+        m.Embedding = make
+    try:
+        yield
+    finally:
+        for m, original in saved:
+            m.Embedding = original
