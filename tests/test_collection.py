@@ -126,6 +126,20 @@ class EmbeddingCollectionTest(tf.test.TestCase):
             self.assertAllEqual(loaded.get_layer("emb").tables[name].numpy(), table.numpy())
         self.assertAllClose(loaded.predict(data, verbose=0), model.predict(data, verbose=0), atol=1e-6)
 
+    def test_checkpoint_restores_every_table_into_other_layouts(self):
+        layer = tfs.layers.EmbeddingCollection(TABLES, FEATURES, name="coll")
+        layer(inputs())
+        path = tf.train.Checkpoint(layer=layer).save(os.path.join(self.get_temp_dir(), "coll"))
+        keys = {k for k, _ in tf.train.list_variables(path)}
+        self.assertTrue({f"layer/tables_{n}/.ATTRIBUTES/VARIABLE_VALUE" for n in TABLES} <= keys, keys)
+        other_tables = {n: {**c, "partitions": 4, "scheme": "balanced", "seed": 99} for n, c in TABLES.items()}
+        other = tfs.layers.EmbeddingCollection(other_tables, FEATURES, name="coll")
+        other(inputs())
+        tf.train.Checkpoint(layer=other).restore(path).assert_existing_objects_matched()
+        for name, table in layer.tables.items():
+            self.assertEqual(other.tables[name].num_shards, 4)
+            self.assertAllEqual(other.tables[name].numpy(), table.numpy())
+
     def test_subclassed_model(self):
         class Ranker(keras.Model):
             def __init__(self):

@@ -306,6 +306,8 @@ class EmbeddingCollection(keras.layers.Layer):
                 self.tables[name] = creation._create(
                     tf.distribute.get_strategy(), arguments, variable_factory=_weight_factory(self, name)
                 )
+            # Keras wraps `self.tables` in its own container, which TensorFlow checkpoints do not follow.
+            self._track_trackable(self.tables[name], name=f"tables_{name}", overwrite=True)
         self.built = True
 
     def call(self, inputs):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from typing import Any, Callable, List, Optional, Union
 
 import keras
@@ -33,11 +34,12 @@ def _is_ps(strategy) -> bool:
 class _Checkpoints:
     """A CheckpointManager over the model and its optimizer, restoring the latest on start."""
 
-    def __init__(self, model, directory: Optional[str], max_to_keep: int = 3):
+    def __init__(self, model, directory: Optional[str], max_to_keep: int = 3, step=None):
         self.manager = None
         if directory is None:
             return
-        checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+        extra = {"step": step} if step is not None else {}
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, **extra)
         self.manager = tf.train.CheckpointManager(checkpoint, directory, max_to_keep=max_to_keep)
         if self.manager.latest_checkpoint:
             checkpoint.restore(self.manager.latest_checkpoint).assert_existing_objects_matched()
@@ -178,17 +180,39 @@ def fit(
     )
 
 
+# Per model, under ParameterServerStrategy: a step counter on a ps. Workers update asynchronously and Keras
+# increments `optimizer.iterations` with a read-then-assign, which loses counts when two workers race;
+# `assign_add` on a resource variable does not.
+_STEP_COUNTERS = weakref.WeakKeyDictionary()
+
+
+def _step_counter(model, strategy) -> Optional[tf.Variable]:
+    if not _is_ps(strategy):
+        return None
+    if model not in _STEP_COUNTERS:
+        with strategy.scope():
+            _STEP_COUNTERS[model] = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfs_fit_step")
+    return _STEP_COUNTERS[model]
+
+
+def _steps_done(model, counter) -> int:
+    return int((counter if counter is not None else model.optimizer.iterations).numpy())
+
+
 def train_function(model: keras.Model, strategy) -> tf.types.experimental.GenericFunction:
     """The step `tfs.fit` runs in its own loop: the model's `train_step` on one batch, in every replica.
 
     Returns the logs (metric results) plus `_samples`, the batch size.
     """
+    counter = _step_counter(model, strategy)
 
     @tf.function
     def step_fn(data):
         def step(data):
             logs = dict(model.train_step(data))
             logs["_samples"] = _batch_size(keras.utils.unpack_x_y_sample_weight(data)[0])
+            if counter is not None:
+                counter.assign_add(1)
             return logs
 
         return strategy.run(step, args=(data,))
@@ -257,8 +281,9 @@ def _fit_loop(
         model.compute_metrics(x, y, y_pred, sample_weight)
         model.optimizer.build(model.trainable_variables)
     model.reset_metrics()
-    checkpoints = _Checkpoints(model, checkpoint_dir)
-    global_step = int(model.optimizer.iterations.numpy())
+    counter = _step_counter(model, strategy)
+    checkpoints = _Checkpoints(model, checkpoint_dir, step=counter)
+    global_step = _steps_done(model, counter)
     initial_epoch = min(epochs, global_step // steps_per_epoch)
     runner = _Runner(strategy, dataset, train_function(model, strategy))
 
@@ -308,6 +333,12 @@ def _fit_loop(
             break
     callback_list.on_train_end(logs)
     return history
+
+
+def steps_done(model: keras.Model) -> int:
+    """Training steps `tfs.fit` has applied to `model` (counted exactly, also under asynchronous workers)."""
+    counter = _STEP_COUNTERS.get(model)
+    return _steps_done(model, counter)
 
 
 def latest_checkpoint(directory: str) -> Optional[str]:
