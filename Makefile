@@ -13,8 +13,10 @@ $(STAMP): setup.py pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
+# The main job on its embedded default: DLRM on synthetic Criteo-shaped data, a local cluster of
+# 2 parameter servers + 2 workers started by the library; checkpoints go to a fresh temporary directory.
 demo: $(STAMP)
-	$(PY) -m tf_sharded demo
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m tf_sharded train --checkpoint_dir "$$(mktemp -d)/ckpt"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tf_sharded strategy tests setup.py

@@ -15,6 +15,7 @@ setup(
         "absl-py",
         "keras==3.15.1",  # tf_sharded routes Keras optimizer internals; see _compat.py
         "portpicker==1.6.0",
+        "pyarrow==16.1.0",  # writes Parquet in `data synthesize`; pyarrow >= 17 needs NumPy 2
     ],
     extras_require={
         "test": ["pytest==9.2.0", "hypothesis==6.170.15", "ruff==0.17.5", "psutil==7.2.2"],

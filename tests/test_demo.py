@@ -1,4 +1,6 @@
-"""`make demo` runs end to end: trains, reshards a checkpoint, exits 0."""
+"""The walkthrough (`tf_sharded demo`) and the main job's default (`make demo`) run end to end."""
+
+import re
 
 import tensorflow as tf
 
@@ -11,6 +13,14 @@ class DemoTest(tf.test.TestCase):
         self.assertEqual(proc.returncode, 0, msg=proc.stdout + proc.stderr[-3000:])
         self.assertIn("rows match = True", proc.stdout)
         self.assertIn("checkpoint resharded 4 -> 3 (OK)", proc.stdout)
+
+    def test_main_job_default_learns(self):
+        # What `make demo` runs: DLRM, synthetic data, a local 2 ps + 2 worker cluster, 200 steps of 512.
+        proc = run_python(["-m", "tf_sharded", "train", "--verbose", "0"], timeout=600)
+        self.assertEqual(proc.returncode, 0, msg=proc.stdout + proc.stderr[-3000:])
+        auc = float(re.search(r"held-out AUC (\d\.\d+)", proc.stdout).group(1))
+        self.assertGreaterEqual(auc, 0.70, proc.stdout)
+        self.assertIn("dlrm | parameter_server (local cluster: 2 ps, 2 workers) | 200 steps", proc.stdout)
 
     def test_cli_usage(self):
         proc = run_python(["-m", "tf_sharded", "nope"], timeout=120)

@@ -1,4 +1,4 @@
-"""Command line: `python -m tf_sharded demo` (also the `tf-sharded` script)."""
+"""Command line: `python -m tf_sharded COMMAND` (also the `tf-sharded` script)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,14 @@ import sys
 USAGE = """usage: python -m tf_sharded COMMAND
 
 commands:
+  train [--model dlrm|deepfm] [--data synthetic|PATH] [--strategy parameter_server|mirrored|multi_worker|default]
+        [--steps N] [--batch_size N] [--optimizer sgd|adagrad|adam|ftrl] [--learning_rate X]
+        [--checkpoint_dir DIR] [--eval_steps N] [--max_vocab N] [--strict] ...
+          train a CTR model (python -m tf_sharded train --helpfull for every flag)
+  data synthesize --format tsv|parquet --rows N --out DIR [--max_vocab N] [--seed N]
+          write synthetic Criteo-shaped data as files
+  inspect CHECKPOINT
+          tables, shapes, dtypes, sizes and the layout a checkpoint was saved from
   demo    train a sharded table on a local parameter-server cluster, save it,
           and restore it into another layout
   bench exchange [--quick] [--out DIR]
@@ -19,6 +27,23 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] == "train":
+        from tf_sharded import app
+
+        return app.main(argv[1:])
+    if argv[0] == "data" and len(argv) > 1 and argv[1] == "synthesize":
+        return _synthesize(argv[2:])
+    if argv[0] == "inspect":
+        from tf_sharded import app
+
+        if len(argv) != 2:
+            print("usage: python -m tf_sharded inspect CHECKPOINT", file=sys.stderr)
+            return 2
+        try:
+            return app.inspect_checkpoint(argv[1])
+        except (FileNotFoundError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     if argv[0] == "demo":
         from tf_sharded import demo
 
@@ -30,6 +55,25 @@ def main(argv=None) -> int:
         return exchange.main(argv[2:])
     print(f"unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
     return 2
+
+
+def _synthesize(argv) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tf_sharded data synthesize")
+    parser.add_argument("--format", required=True, choices=["tsv", "parquet"])
+    parser.add_argument("--rows", required=True, type=int)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--max_vocab", type=int, default=100_000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.rows < 1:
+        parser.error(f"--rows must be a positive int, received {args.rows}")
+    from tf_sharded import data
+
+    files = data.synthesize(args.format, args.rows, args.out, args.max_vocab, args.seed)
+    print(f"wrote {args.rows} rows to {len(files)} {args.format} file(s) in {args.out}")
+    return 0
 
 
 if __name__ == "__main__":

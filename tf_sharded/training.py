@@ -14,6 +14,7 @@ checkpoints that a rerun resumes from. Under every other strategy it calls
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import weakref
@@ -39,13 +40,61 @@ class _Checkpoints:
         if directory is None:
             return
         extra = {"step": step} if step is not None else {}
-        checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, **extra)
-        self.manager = tf.train.CheckpointManager(checkpoint, directory, max_to_keep=max_to_keep)
+        self.checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, **extra)
+        self.directory = directory
+        self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=max_to_keep)
         if self.manager.latest_checkpoint:
-            checkpoint.restore(self.manager.latest_checkpoint).assert_existing_objects_matched()
+            self.checkpoint.restore(self.manager.latest_checkpoint).assert_existing_objects_matched()
 
     def save(self, step: int) -> Optional[str]:
-        return self.manager.save(checkpoint_number=step) if self.manager is not None else None
+        if self.manager is None:
+            return None
+        path = self.manager.save(checkpoint_number=step)
+        write_layouts(self.checkpoint, self.directory)
+        return path
+
+
+LAYOUT_FILE = "tf_sharded_layout.json"
+
+
+def table_keys(root) -> dict:
+    """`{checkpoint key: table}` for every `ShardedVariable` reachable from checkpoint `root`.
+
+    Walks the object graph breadth-first as TensorFlow does when it names
+    checkpoint entries, so the keys are those `tf.train.list_variables` shows.
+    """
+    from tf_sharded.sharded_variable import ShardedVariable
+
+    view = tf.train.TrackableView(root)
+    seen, keys, queue = {id(root)}, {}, [(root, "")]
+    while queue:
+        obj, path = queue.pop(0)
+        for name, child in view.children(obj).items():
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            child_path = f"{path}/{name.replace('/', '.S')}" if path else name.replace("/", ".S")
+            if isinstance(child, ShardedVariable):
+                keys[f"{child_path}/.ATTRIBUTES/VARIABLE_VALUE"] = child
+            queue.append((child, child_path))
+    return keys
+
+
+def write_layouts(root, directory: str) -> str:
+    """Writes, beside a checkpoint, the layout each table was saved from (read by `tf_sharded inspect`)."""
+    tables = {
+        key: {
+            "table": t.name,
+            "partition": repr(t.partition),
+            "devices": list(t.devices),
+            "strategy": type(t.strategy).__name__ if t.strategy is not None else None,
+        }
+        for key, t in table_keys(root).items()
+    }
+    path = os.path.join(directory, LAYOUT_FILE)
+    with open(path, "w") as f:
+        json.dump({"tables": tables}, f, indent=1)
+    return path
 
 
 class _PeriodicCheckpoint(keras.callbacks.Callback):

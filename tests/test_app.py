@@ -1,0 +1,169 @@
+"""The training application: every strategy on tiny settings, files, resume, inspect, bad input, TF_CONFIG."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import portpicker
+import tensorflow as tf
+
+from tests.subprocs import ROOT, run_python
+
+TINY = [
+    "--steps",
+    "4",
+    "--steps_per_epoch",
+    "2",
+    "--batch_size",
+    "64",
+    "--max_vocab",
+    "500",
+    "--eval_steps",
+    "2",
+    "--verbose",
+    "0",
+]
+
+
+def train(*args, timeout=300):
+    return run_python(["-m", "tf_sharded", "train", *TINY, *args], timeout=timeout)
+
+
+def summary(proc):
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("summary:")]
+    assert lines, proc.stdout + proc.stderr[-3000:]
+    return lines[-1]
+
+
+class ApplicationTest(tf.test.TestCase):
+    def test_each_strategy_trains_and_reports(self):
+        for strategy, model in (
+            ("default", "deepfm"),
+            ("mirrored", "dlrm"),
+            ("multi_worker", "deepfm"),
+            ("parameter_server", "dlrm"),
+        ):
+            proc = train("--strategy", strategy, "--model", model)
+            self.assertEqual(proc.returncode, 0, msg=f"{strategy}: {proc.stderr[-3000:]}")
+            line = summary(proc)
+            self.assertIn(f"{model} | {strategy}", line)
+            self.assertIn("4 steps", line)
+            self.assertRegex(proc.stdout, r"held-out AUC 0\.\d{4}, log-loss \d\.\d{4} on 128 examples")
+
+    def test_files_resume_and_inspect(self):
+        out = self.get_temp_dir()
+        made = run_python(
+            [
+                "-m",
+                "tf_sharded",
+                "data",
+                "synthesize",
+                "--format",
+                "tsv",
+                "--rows",
+                "1500",
+                "--out",
+                os.path.join(out, "tsv"),
+                "--max_vocab",
+                "500",
+            ]
+        )
+        self.assertEqual(made.returncode, 0, made.stderr[-2000:])
+        # A malformed line where training reads (the first 2 batches of 64 are held out).
+        name = os.path.join(out, "tsv", "part-00000.tsv")
+        with open(name) as f:
+            lines = f.readlines()
+        with open(name, "w") as f:
+            f.writelines(lines[:149] + ["not\ta\tcriteo\tline\n"] + lines[149:])
+        ckpt = os.path.join(out, "ckpt")
+        first = train("--strategy", "default", "--data", os.path.join(out, "tsv"), "--checkpoint_dir", ckpt)
+        self.assertEqual(first.returncode, 0, first.stderr[-3000:])
+        self.assertIn("4 steps (4 this run)", summary(first))
+        self.assertIn("skipped 1 malformed line(s)", first.stdout)
+        self.assertIn(f"checkpoint: {ckpt}/ckpt-4", first.stdout)
+        again = train(
+            "--strategy", "default", "--data", os.path.join(out, "tsv"), "--checkpoint_dir", ckpt, "--steps", "6"
+        )
+        self.assertEqual(again.returncode, 0, again.stderr[-3000:])
+        self.assertIn("6 steps (2 this run)", summary(again))
+        strict = train("--strategy", "default", "--data", os.path.join(out, "tsv"), "--strict")
+        self.assertEqual(strict.returncode, 1)
+        self.assertIn("error: malformed input", strict.stderr)
+        self.assertIn("part-00000.tsv:150: expected 40 tab-separated fields, found 4", strict.stderr)
+
+        shown = run_python(["-m", "tf_sharded", "inspect", ckpt])
+        self.assertEqual(shown.returncode, 0, shown.stderr[-2000:])
+        self.assertRegex(
+            shown.stdout,
+            r"tables_C3\s+\[500, 16\]\s+float32\s+0\.03 MiB\s+table 'embeddings/C3' saved as "
+            r"PartitionSpec\(num_shards=1, scheme='div'\) on 1 device\(s\) under _DefaultDistributionStrategy",
+        )
+
+        pq = run_python(
+            [
+                "-m",
+                "tf_sharded",
+                "data",
+                "synthesize",
+                "--format",
+                "parquet",
+                "--rows",
+                "800",
+                "--out",
+                os.path.join(out, "pq"),
+                "--max_vocab",
+                "500",
+            ]
+        )
+        self.assertEqual(pq.returncode, 0, pq.stderr[-2000:])
+        from_parquet = train("--strategy", "default", "--data", os.path.join(out, "pq"))
+        self.assertEqual(from_parquet.returncode, 0, from_parquet.stderr[-3000:])
+
+    def test_bad_flags_and_unreadable_input(self):
+        bad = train("--model", "xgboost")
+        self.assertEqual(bad.returncode, 2)
+        self.assertIn("flag --model=xgboost", bad.stderr)
+        missing = train("--strategy", "default", "--data", "/nonexistent/day_0.tsv")
+        self.assertEqual(missing.returncode, 1)
+        self.assertIn("error: cannot read input: No such file or directory: '/nonexistent/day_0.tsv'", missing.stderr)
+        unknown = run_python(["-m", "tf_sharded", "inspect", "/nonexistent"])
+        self.assertEqual(unknown.returncode, 1)
+
+    def test_one_process_per_task_with_tf_config(self):
+        ports = {
+            job: [portpicker.pick_unused_port() for _ in range(n)]
+            for job, n in (("chief", 1), ("worker", 2), ("ps", 2))
+        }
+        cluster = {job: [f"localhost:{p}" for p in ps] for job, ps in ports.items()}
+        procs = {}
+        try:
+            for job in ("ps", "worker", "chief"):
+                for i in range(len(cluster[job])):
+                    env = {
+                        **os.environ,
+                        "TF_CPP_MIN_LOG_LEVEL": "2",
+                        "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": job, "index": i}}),
+                    }
+                    procs[(job, i)] = subprocess.Popen(
+                        [sys.executable, "-m", "tf_sharded", "train", "--strategy", "parameter_server", *TINY],
+                        env=env,
+                        cwd=ROOT,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                    )
+            out, err = procs[("chief", 0)].communicate(timeout=300)
+            self.assertEqual(procs[("chief", 0)].returncode, 0, err[-3000:])
+            self.assertIn("parameter_server (2 ps, 2 workers, TF_CONFIG)", out)
+            self.assertIn("4 steps", summary(subprocess.CompletedProcess([], 0, out, err)))
+            time.sleep(0.5)
+            for key, p in procs.items():
+                if key[0] != "chief":
+                    self.assertIsNone(p.poll(), msg=f"{key} exited early")  # servers serve until stopped
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()

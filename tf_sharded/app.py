@@ -1,0 +1,282 @@
+"""`python -m tf_sharded train`: the CTR training application (DLRM / DeepFM on Criteo-shaped data).
+
+    python -m tf_sharded train                                  # DLRM, synthetic data, local 2 ps + 2 workers
+    python -m tf_sharded train --model deepfm --strategy mirrored --steps 500
+    python -m tf_sharded train --data day_0.tsv --checkpoint_dir /tmp/ctr   # rerun resumes
+    TF_CONFIG=... python -m tf_sharded train --strategy parameter_server     # one process per task
+
+It prints a progress bar (step, loss, samples/s), then held-out AUC and
+log-loss, the checkpoint path and a one-line summary; bad flags, unreadable
+files and malformed input give clear messages and a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import List, Optional
+
+import numpy as np
+from absl import flags
+
+STRATEGIES = ("parameter_server", "mirrored", "multi_worker", "default")
+
+
+def define_flags(values: flags.FlagValues) -> None:
+    flags.DEFINE_enum("model", "dlrm", ["dlrm", "deepfm"], "Model to train.", flag_values=values)
+    flags.DEFINE_string(
+        "data", "synthetic", "'synthetic', or a Criteo TSV / Parquet file or directory.", flag_values=values
+    )
+    flags.DEFINE_enum(
+        "strategy",
+        "parameter_server",
+        list(STRATEGIES),
+        "tf.distribute strategy. parameter_server without TF_CONFIG starts a local cluster (2 ps + 2 workers).",
+        flag_values=values,
+    )
+    flags.DEFINE_integer("steps", 200, "Training steps.", lower_bound=1, flag_values=values)
+    flags.DEFINE_integer(
+        "steps_per_epoch", 100, "Steps between checkpoints / progress lines.", lower_bound=1, flag_values=values
+    )
+    flags.DEFINE_integer("batch_size", 512, "Global batch size.", lower_bound=1, flag_values=values)
+    flags.DEFINE_enum(
+        "optimizer", "adam", ["sgd", "adagrad", "adam", "ftrl"], "tfs.optimizers class.", flag_values=values
+    )
+    flags.DEFINE_float("learning_rate", 0.01, "Learning rate.", lower_bound=0.0, flag_values=values)
+    flags.DEFINE_string(
+        "checkpoint_dir", None, "Periodic checkpoints; a rerun resumes from the latest.", flag_values=values
+    )
+    flags.DEFINE_integer("eval_steps", 20, "Held-out batches for AUC and log-loss.", lower_bound=1, flag_values=values)
+    flags.DEFINE_integer("max_vocab", 100_000, "Cap on every table's rows.", lower_bound=2, flag_values=values)
+    flags.DEFINE_integer("embedding_dim", 16, "Embedding width.", lower_bound=1, flag_values=values)
+    flags.DEFINE_boolean(
+        "strict", False, "Fail on the first malformed input line instead of skipping it.", flag_values=values
+    )
+    flags.DEFINE_integer("seed", 0, "Seed of the synthetic data and of the tables.", flag_values=values)
+    flags.DEFINE_integer("verbose", 1, "0: summary only; 1: progress bar.", flag_values=values)
+
+
+def _strategy(name: str):
+    import tensorflow as tf
+
+    import tf_sharded as tfs
+
+    if name == "default":
+        return tf.distribute.get_strategy(), "default"
+    if name == "mirrored":
+        s = tf.distribute.MirroredStrategy()
+        return s, f"mirrored ({s.num_replicas_in_sync} replicas)"
+    if name == "multi_worker":
+        s = tf.distribute.MultiWorkerMirroredStrategy()
+        return s, f"multi_worker ({s.num_replicas_in_sync} replicas)"
+    if os.environ.get("TF_CONFIG"):
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        if resolver.task_type in ("worker", "ps"):
+            return None, resolver  # a server task: serve until the chief is done
+        s = tf.distribute.ParameterServerStrategy(resolver)
+        spec = resolver.cluster_spec().as_dict()
+        return s, f"parameter_server ({len(spec.get('ps', []))} ps, {len(spec.get('worker', []))} workers, TF_CONFIG)"
+    cluster = tfs.cluster.local_cluster(num_workers=2, num_ps=2)
+    return cluster.strategy(), "parameter_server (local cluster: 2 ps, 2 workers)"
+
+
+def _serve(resolver) -> int:
+    """A worker or ps task of a TF_CONFIG cluster: run the server until the process is stopped."""
+    import tensorflow as tf
+
+    server = tf.distribute.Server(
+        resolver.cluster_spec(),
+        job_name=resolver.task_type,
+        task_index=resolver.task_id,
+        protocol=resolver.rpc_layer or "grpc",
+        start=True,
+    )
+    print(f"serving as {resolver.task_type}:{resolver.task_id} at {server.target}", flush=True)
+    server.join()
+    return 0
+
+
+def _datasets(args, stats):
+    """(train dataset function, held-out dataset) for the flags."""
+    import tensorflow as tf
+
+    from tf_sharded import data
+
+    if args.data == "synthetic":
+
+        def train_fn(input_context: Optional[tf.distribute.InputContext] = None):
+            worker = input_context.input_pipeline_id if input_context is not None else 0
+            # Each worker reads its own stretch of the (deterministic) stream.
+            return data.synthetic_dataset(args.batch_size, args.max_vocab, args.seed, start=worker * 10_000_000)
+
+        held_out = data.synthetic_dataset(args.batch_size, args.max_vocab, args.seed + 1, num_batches=args.eval_steps)
+        return train_fn, held_out
+    path = args.data
+    files = data.list_files(path, (".tsv", ".txt", ".parquet"))
+    parquet = all(f.endswith(".parquet") for f in files)
+
+    def read(source):
+        if parquet:
+            return data.parquet_dataset(source, args.batch_size, args.max_vocab)
+        return data.tsv_dataset(source, args.batch_size, args.max_vocab, strict=args.strict, stats=stats)
+
+    # The last file (or the last eval_steps batches of a single file) is held out.
+    if len(files) > 1:
+        train_files, held_files = files[:-1], files[-1:]
+        train = read(train_files[0])
+        for f in train_files[1:]:
+            train = train.concatenate(read(f))
+        held_out = read(held_files[0]).take(args.eval_steps)
+    else:
+        full = read(files[0])
+        held_out = full.take(args.eval_steps)
+        train = full.skip(args.eval_steps)
+
+    def train_fn(input_context=None):
+        return train.repeat()
+
+    return train_fn, held_out
+
+
+def _evaluate(model, held_out):
+    """Held-out AUC and log-loss, from the model's predictions (read on this process)."""
+    import keras
+    import tensorflow as tf
+
+    probabilities, labels = [], []
+    for features, y in held_out:
+        logits = model(features, training=False)
+        probabilities.append(tf.sigmoid(logits).numpy().ravel())
+        labels.append(y.numpy().ravel())
+    if not labels:
+        raise ValueError("The held-out data is empty: no AUC can be computed. Use more data or fewer --eval_steps.")
+    p, y = np.concatenate(probabilities), np.concatenate(labels)
+    auc = keras.metrics.AUC(num_thresholds=2000)
+    auc.update_state(y, p)
+    eps = 1e-7
+    logloss = float(-np.mean(y * np.log(np.clip(p, eps, 1)) + (1 - y) * np.log(np.clip(1 - p, eps, 1))))
+    return float(auc.result().numpy()), logloss, len(y)
+
+
+def train(args) -> int:
+    import keras
+    import tensorflow as tf
+
+    import tf_sharded as tfs
+    from tf_sharded import data, models
+
+    strategy, description = _strategy(args.strategy)
+    if strategy is None:
+        return _serve(description)
+    stats = data.ReadStats()
+    train_fn, held_out = _datasets(args, stats)
+    vocab = data.vocab_sizes(args.max_vocab)
+    with strategy.scope():
+        model = models.build(args.model, vocab, embedding_dim=args.embedding_dim)
+        optimizer = tfs.optimizers.get(args.optimizer)
+        optimizer.learning_rate = args.learning_rate
+        model.compile(
+            optimizer=optimizer,
+            loss=keras.losses.BinaryCrossentropy(from_logits=True),
+            metrics=[keras.metrics.AUC(from_logits=True, name="auc")],
+        )
+    steps_per_epoch = min(args.steps, args.steps_per_epoch)
+    epochs = math.ceil(args.steps / steps_per_epoch)
+    ps = isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
+    dataset = train_fn if ps else train_fn(None)
+    print(
+        f"training {args.model} on {args.data} under {description}: {args.steps} steps of {args.batch_size}", flush=True
+    )
+    start = time.perf_counter()
+    history = tfs.fit(
+        model,
+        dataset,
+        epochs=epochs,
+        steps_per_epoch=steps_per_epoch,
+        checkpoint_dir=args.checkpoint_dir,
+        verbose=args.verbose,
+        log_every=10,
+    )
+    elapsed = time.perf_counter() - start
+    trained = len(history.history.get("loss", [])) * steps_per_epoch
+    rate = history.history.get("samples_per_second", [float("nan")])[-1] if ps else trained * args.batch_size / elapsed
+    auc, logloss, evaluated = _evaluate(model, held_out)
+    checkpoint = tf.train.latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
+    if stats.skipped:
+        print(f"skipped {stats.skipped} malformed line(s); first: {stats.first_error}")
+    print(f"held-out AUC {auc:.4f}, log-loss {logloss:.4f} on {evaluated} examples")
+    print(f"checkpoint: {checkpoint or '(none: pass --checkpoint_dir)'}")
+    print(
+        f"summary: {args.model} | {description} | {tfs.training.steps_done(model)} steps "
+        f"({trained} this run) | batch {args.batch_size} | {rate:,.0f} samples/s | AUC {auc:.4f} | "
+        f"log-loss {logloss:.4f}",
+        flush=True,
+    )
+    return 0
+
+
+def inspect_checkpoint(path: str) -> int:
+    """Prints the tables (and other variables) of a checkpoint: shape, dtype, size, saved layout."""
+    import tensorflow as tf
+
+    if os.path.isdir(path):
+        latest = tf.train.latest_checkpoint(path)
+        if latest is None:
+            raise FileNotFoundError(f"No checkpoint in directory {path!r}")
+        directory, path = path, latest
+    else:
+        directory = os.path.dirname(path)
+    reader = tf.train.load_checkpoint(path)
+    shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
+    from tf_sharded.training import LAYOUT_FILE
+
+    layout_file = os.path.join(directory, LAYOUT_FILE)
+    layouts = {"tables": {}}
+    if os.path.exists(layout_file):
+        with open(layout_file) as f:
+            layouts = json.load(f)
+    print(f"checkpoint {path}")
+    rows = []
+    for key in sorted(shapes):
+        if key.startswith("_CHECKPOINTABLE_OBJECT_GRAPH") or not key.endswith("VARIABLE_VALUE"):
+            continue
+        shape = shapes[key]
+        size = int(np.prod(shape)) * dtypes[key].size if shape else dtypes[key].size
+        rows.append((key.replace("/.ATTRIBUTES/VARIABLE_VALUE", ""), shape, dtypes[key].name, size))
+    total = 0
+    for name, shape, dtype, size in rows:
+        total += size
+        layout = layouts["tables"].get(f"{name}/.ATTRIBUTES/VARIABLE_VALUE")
+        saved = ""
+        if layout:
+            where = f"{len(set(layout['devices']))} device(s)"
+            saved = f"  table '{layout['table']}' saved as {layout['partition']} on {where} under {layout['strategy']}"
+        print(f"{name:70s} {str(shape):18s} {dtype:8s} {size / 2**20:10.2f} MiB{saved}")
+    print(f"{len(rows)} variables, {total / 2**20:.1f} MiB")
+    return 0
+
+
+def main(argv: List[str]) -> int:
+    """Entry point for `train`; returns the exit code."""
+    values = flags.FlagValues()
+    define_flags(values)
+    try:
+        values(["train"] + list(argv))
+    except flags.Error as e:
+        print(f"error: {e}\n\nflags:\n{values.main_module_help() or values}", file=sys.stderr)
+        return 2
+    try:
+        return train(values)
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        print(f"error: cannot read input: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001  (reported, then a non-zero exit)
+        from tf_sharded.data import MalformedInputError
+
+        # Inside tf.data the reader's error reaches here wrapped in a TensorFlow error.
+        malformed = isinstance(e, MalformedInputError) or MalformedInputError.__name__ in str(e)
+        kind = "malformed input" if malformed else type(e).__name__
+        print(f"error: {kind}: {e}", file=sys.stderr)
+    return 1

@@ -1,0 +1,309 @@
+"""Criteo-shaped click data: a synthetic generator, and readers for Criteo TSV and Parquet files.
+
+A record has a binary label, 13 integer ("dense") features and 26 categorical
+features. In the Criteo Display-Advertising TSV format a line is
+`label \\t i1 .. i13 \\t c1 .. c26`, with integers in decimal, categoricals as
+hexadecimal hash strings, and any field but the label possibly empty
+(missing). Here every categorical value is hashed into its table's
+vocabulary (id 0 is kept for "missing"), and integers become
+`log(1 + max(x, 0))` with missing as 0.
+
+The synthetic data has the Criteo-Kaggle shape: vocabularies as in the
+Kaggle set (capped by `max_vocab`), ids drawn from a truncated power law
+(Zipf-like, alpha 1.05) scattered over the table, and labels drawn from a
+hidden logistic model of per-id effects and dense features, so that a model
+that learns shows it in held-out AUC. Every batch is a pure function of
+`(seed, batch index)`: any worker or process regenerates the same data.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+NUM_DENSE = 13
+NUM_CATEGORICAL = 26
+DENSE_KEYS = [f"I{i}" for i in range(1, NUM_DENSE + 1)]
+CATEGORICAL_KEYS = [f"C{i}" for i in range(1, NUM_CATEGORICAL + 1)]
+# Criteo Kaggle vocabularies (shared/REFERENCE.md).
+KAGGLE_VOCAB = [
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+]  # fmt: skip
+ALPHA = 1.05
+MISSING_RATE = 0.05
+
+Batch = Tuple[Dict[str, tf.Tensor], tf.Tensor]
+
+
+def vocab_sizes(max_vocab: Optional[int] = None) -> List[int]:
+    """The 26 Kaggle vocabularies, each capped at `max_vocab` (and at least 2: id 0 means missing)."""
+    return [max(2, v if max_vocab is None else min(v, int(max_vocab))) for v in KAGGLE_VOCAB]
+
+
+def _mix(x: tf.Tensor, salt: int) -> tf.Tensor:
+    """A 32-bit integer hash of int64 `x` (a multiply-xorshift), as int64 in [0, 2^32)."""
+    x = tf.bitwise.bitwise_and(x * 2654435761 + salt * 40503, 0xFFFFFFFF)
+    x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, 15))
+    x = tf.bitwise.bitwise_and(x * 2246822519, 0xFFFFFFFF)
+    return tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, 13))
+
+
+def _unit(x: tf.Tensor, salt: int) -> tf.Tensor:
+    """Hash of `x` mapped to [-1, 1)."""
+    return tf.cast(_mix(x, salt), tf.float32) / float(1 << 31) - 1.0
+
+
+def _power_law(seed, shape, vocab: int) -> tf.Tensor:
+    """Ids in [1, vocab) from a truncated power law over ranks, scattered by a hash (0 stays 'missing')."""
+    u = tf.random.stateless_uniform(shape, seed, dtype=tf.float64)
+    top = float(vocab - 1)
+    # Inverse CDF of a continuous Pareto(alpha) truncated to [1, top + 1): rank r has probability ~ r^-alpha.
+    tail = 1.0 - u * (1.0 - (top + 1.0) ** (1.0 - ALPHA))
+    rank = tf.minimum(tf.floor(tail ** (1.0 / (1.0 - ALPHA))), top) - 1.0
+    return tf.math.floormod(_mix(tf.cast(rank, tf.int64), 7), vocab - 1) + 1
+
+
+def synthetic_batch(index, batch_size: int, vocab: Sequence[int], seed: int) -> Batch:
+    """Batch `index` of the synthetic data set: `({"dense": [b, 13], "C1".."C26": [b]}, labels [b, 1])`."""
+    index = tf.cast(index, tf.int64)
+    base = tf.stack([tf.constant(seed, tf.int64), index])
+    dense_raw = tf.random.stateless_gamma([batch_size, NUM_DENSE], base + 1, alpha=0.7) * 20.0
+    missing = tf.random.stateless_uniform([batch_size, NUM_DENSE], base + 2) < MISSING_RATE
+    dense = tf.where(missing, 0.0, tf.math.log1p(tf.floor(dense_raw)))
+    features = {"dense": dense}
+    logit = tf.reduce_sum(dense * tf.linspace(-0.3, 0.3, NUM_DENSE), axis=1)
+    for t, (key, size) in enumerate(zip(CATEGORICAL_KEYS, vocab)):
+        ids = _power_law(base + 10 + t * 7, [batch_size], size)
+        gone = tf.random.stateless_uniform([batch_size], base + 11 + t * 7) < MISSING_RATE
+        ids = tf.where(gone, tf.zeros_like(ids), ids)
+        features[key] = ids
+        # The hidden per-id effect, none for missing values: strong in the smaller tables (learnable in a
+        # few hundred steps), weak in the large ones, whose rare ids a short run cannot learn.
+        effect = _unit(ids, 100 + t) * (1.0 if size <= 20_000 else 0.3)
+        logit += tf.where(gone, 0.0, effect)
+    u = tf.random.stateless_uniform([batch_size], base + 3)
+    labels = tf.cast(u < tf.sigmoid(logit - 0.5), tf.float32)[:, None]
+    return features, labels
+
+
+def synthetic_dataset(
+    batch_size: int, max_vocab: Optional[int] = None, seed: int = 0, start: int = 0, num_batches: Optional[int] = None
+) -> tf.data.Dataset:
+    """Batches `start, start + 1, ...` of the synthetic data (infinite unless `num_batches`).
+
+    Example:
+
+    >>> import tf_sharded as tfs
+    >>> features, labels = next(iter(tfs.data.synthetic_dataset(4, max_vocab=1000)))
+    >>> sorted(features)[:3], features["dense"].shape, labels.shape
+    (['C1', 'C10', 'C11'], TensorShape([4, 13]), TensorShape([4, 1]))
+    """
+    vocab = vocab_sizes(max_vocab)
+    indices = tf.data.Dataset.range(start, start + num_batches) if num_batches else tf.data.Dataset.range(start, 2**62)
+    return indices.map(lambda i: synthetic_batch(i, batch_size, vocab, seed), num_parallel_calls=tf.data.AUTOTUNE)
+
+
+# ---------------------------------------------------------------------------------------------- files --
+
+
+class MalformedInputError(ValueError):
+    """A malformed record in strict mode (names the file and line)."""
+
+
+def _hash_hex(value: str, vocab: int) -> int:
+    """A categorical value's id: 0 for missing, else a stable hash into [1, vocab)."""
+    if not value:
+        return 0
+    return 1 + ((int(value, 16) % (1 << 32)) * 40503 + 2654435761) % (1 << 32) % (vocab - 1)
+
+
+def _dense_value(text: str) -> float:
+    return float(np.log1p(max(int(text), 0))) if text else 0.0
+
+
+def parse_tsv_line(line: str, vocab: Sequence[int]) -> Tuple[float, List[float], List[int]]:
+    """(label, 13 dense values, 26 ids) of one Criteo TSV line; ValueError says what is wrong."""
+    fields = line.rstrip("\n").rstrip("\r").split("\t")
+    if len(fields) != 1 + NUM_DENSE + NUM_CATEGORICAL:
+        raise ValueError(f"expected {1 + NUM_DENSE + NUM_CATEGORICAL} tab-separated fields, found {len(fields)}")
+    if fields[0] not in ("0", "1"):
+        raise ValueError(f"label must be 0 or 1, found {fields[0]!r}")
+    try:
+        dense = [_dense_value(f) for f in fields[1 : 1 + NUM_DENSE]]
+    except ValueError:
+        raise ValueError(f"integer features must be decimal integers or empty: {fields[1 : 1 + NUM_DENSE]}") from None
+    try:
+        ids = [_hash_hex(f, v) for f, v in zip(fields[1 + NUM_DENSE :], vocab)]
+    except ValueError:
+        raise ValueError(f"categorical features must be hexadecimal or empty: {fields[1 + NUM_DENSE :]}") from None
+    return float(fields[0]), dense, ids
+
+
+class ReadStats:
+    """Records read and malformed lines skipped by a reader, updated as the data is consumed.
+
+    A line is counted once however often the data is read again (epochs, repeats).
+    """
+
+    def __init__(self):
+        self.records = 0
+        self.bad_lines = set()
+        self.first_error: Optional[str] = None
+
+    @property
+    def skipped(self) -> int:
+        return len(self.bad_lines)
+
+    def __repr__(self):
+        return f"ReadStats(records={self.records}, skipped={self.skipped})"
+
+
+def list_files(path: str, suffixes: Sequence[str]) -> List[str]:
+    """`path` itself, or the files in directory `path` ending in one of `suffixes` (sorted)."""
+    if os.path.isdir(path):
+        files = sorted(f for s in suffixes for f in glob.glob(os.path.join(path, f"*{s}")))
+        if not files:
+            raise FileNotFoundError(f"No {'/'.join(suffixes)} files in directory {path!r}")
+        return files
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"No such file or directory: {path!r}")
+    return [path]
+
+
+def _tsv_records(files: Sequence[str], vocab: Sequence[int], strict: bool, stats: ReadStats) -> Iterator[tuple]:
+    for name in files:
+        with open(name, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    label, dense, ids = parse_tsv_line(line, vocab)
+                except ValueError as e:
+                    message = f"{name}:{number}: {e}"
+                    if strict:
+                        raise MalformedInputError(message) from None
+                    stats.bad_lines.add((name, number))
+                    stats.first_error = stats.first_error or message
+                    continue
+                stats.records += 1
+                yield dense, ids, label
+
+
+def tsv_dataset(
+    path: str, batch_size: int, max_vocab: Optional[int] = None, strict: bool = False, stats: Optional[ReadStats] = None
+) -> tf.data.Dataset:
+    """Batches from Criteo TSV file(s): a file, or a directory of `*.tsv` / `*.txt` files.
+
+    Malformed lines are skipped and counted in `stats` (or raise
+    `MalformedInputError` naming the file and line when `strict`).
+    """
+    files = list_files(path, (".tsv", ".txt"))
+    vocab = vocab_sizes(max_vocab)
+    stats = stats if stats is not None else ReadStats()
+    signature = (
+        tf.TensorSpec([NUM_DENSE], tf.float32),
+        tf.TensorSpec([NUM_CATEGORICAL], tf.int64),
+        tf.TensorSpec([], tf.float32),
+    )
+    records = tf.data.Dataset.from_generator(
+        lambda: _tsv_records(files, vocab, strict, stats), output_signature=signature
+    )
+    return records.batch(batch_size).map(_to_features)
+
+
+def _to_features(dense, ids, labels) -> Batch:
+    features = {"dense": dense}
+    for t, key in enumerate(CATEGORICAL_KEYS):
+        features[key] = ids[:, t]
+    return features, labels[:, None]
+
+
+def parquet_dataset(path: str, batch_size: int, max_vocab: Optional[int] = None) -> tf.data.Dataset:
+    """Batches from Parquet file(s) with columns `label`, `I1`..`I13` (int64) and `C1`..`C26` (hex strings).
+
+    Read with tensorflow-io (`tfio.IODataset.from_parquet`); missing values
+    are empty strings (categorical) or -1 (integer, as written by
+    `synthesize`).
+    """
+    import tensorflow_io as tfio
+
+    files = list_files(path, (".parquet",))
+    vocab = vocab_sizes(max_vocab)
+    columns = ["label"] + DENSE_KEYS + CATEGORICAL_KEYS
+    parts = []
+    for name in files:
+        part = tfio.IODataset.from_parquet(name, columns=columns)
+        parts.append(part)
+    records = parts[0]
+    for part in parts[1:]:
+        records = records.concatenate(part)
+
+    def convert(record):
+        dense = tf.stack([tf.cast(record[k], tf.float32) for k in DENSE_KEYS], axis=0)
+        dense = tf.where(dense < 0, 0.0, tf.math.log1p(dense))
+        ids = []
+        for key, size in zip(CATEGORICAL_KEYS, vocab):
+            text = record[key]
+            value = tf.math.floormod(_hex_to_int(text), 1 << 32)
+            hashed = 1 + tf.math.floormod(tf.math.floormod(value * 40503 + 2654435761, 1 << 32), size - 1)
+            ids.append(tf.where(tf.equal(tf.strings.length(text), 0), tf.constant(0, tf.int64), hashed))
+        return dense, tf.stack(ids), tf.cast(record["label"], tf.float32)
+
+    return records.map(convert, num_parallel_calls=tf.data.AUTOTUNE).batch(batch_size).map(_to_features)
+
+
+def _hex_to_int(text: tf.Tensor) -> tf.Tensor:
+    """Hex string (up to 15 digits) to int64; empty gives 0."""
+    digits = tf.strings.unicode_decode(tf.strings.lower(text), "UTF-8")
+    values = tf.where(digits >= ord("a"), digits - ord("a") + 10, digits - ord("0"))
+    values = tf.cast(values, tf.int64)
+    length = tf.size(values, out_type=tf.int64)
+    powers = tf.pow(tf.constant(16, tf.int64), tf.range(length - 1, -1, -1, dtype=tf.int64))
+    return tf.reduce_sum(values * powers)
+
+
+def synthesize(fmt: str, rows: int, out_dir: str, max_vocab: Optional[int] = None, seed: int = 0) -> List[str]:
+    """Writes `rows` synthetic records as Criteo TSV or Parquet under `out_dir`; returns the file names.
+
+    Categorical ids are written as 8-digit hexadecimal strings and integers in
+    decimal, with missing values left empty (TSV) or empty / -1 (Parquet).
+    """
+    if fmt not in ("tsv", "parquet"):
+        raise ValueError(f"Argument `format` must be 'tsv' or 'parquet'. Received: {fmt!r}")
+    os.makedirs(out_dir, exist_ok=True)
+    batch = min(rows, 4096)
+    vocab = vocab_sizes(max_vocab)
+    done, part, files = 0, 0, []
+    while done < rows:
+        n = min(batch, rows - done)
+        features, labels = synthetic_batch(part, batch, vocab, seed)
+        dense = np.expm1(features["dense"].numpy()[:n]).round().astype(np.int64)
+        missing_dense = features["dense"].numpy()[:n] == 0
+        cats = np.stack([features[k].numpy()[:n] for k in CATEGORICAL_KEYS], axis=1)
+        y = labels.numpy()[:n, 0].astype(np.int64)
+        name = os.path.join(out_dir, f"part-{part:05d}.{'tsv' if fmt == 'tsv' else 'parquet'}")
+        if fmt == "tsv":
+            with open(name, "w") as f:
+                for i in range(n):
+                    ints = ["" if missing_dense[i, j] else str(dense[i, j]) for j in range(NUM_DENSE)]
+                    hexes = ["" if c == 0 else f"{c:08x}" for c in cats[i]]
+                    f.write("\t".join([str(y[i])] + ints + hexes) + "\n")
+        else:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            table = {"label": pa.array(y)}
+            for j, key in enumerate(DENSE_KEYS):
+                table[key] = pa.array(np.where(missing_dense[:, j], -1, dense[:, j]))
+            for t, key in enumerate(CATEGORICAL_KEYS):
+                table[key] = pa.array(["" if c == 0 else f"{c:08x}" for c in cats[:, t]])
+            pq.write_table(pa.table(table), name)
+        files.append(name)
+        done += n
+        part += 1
+    return files
