@@ -18,7 +18,17 @@ setup(
         "pyarrow==16.1.0",  # writes Parquet in `data synthesize`; pyarrow >= 17 needs NumPy 2
     ],
     extras_require={
-        "test": ["pytest==9.2.0", "hypothesis==6.170.15", "ruff==0.17.5", "psutil==7.2.2"],
+        "test": [
+            "pytest==9.2.0",
+            "hypothesis==6.170.15",
+            "ruff==0.17.5",
+            "psutil==7.2.2",
+            # the notebooks in colab/ are executed by the tests
+            "nbclient==0.11.0",
+            "nbformat==5.11.1",
+            "ipykernel==7.4.0",
+            "matplotlib==3.9.2",
+        ],
     },
     entry_points={"console_scripts": ["tf-sharded=tf_sharded.__main__:main"]},
 )
