@@ -16,6 +16,7 @@ setup(
         "keras==3.15.1",  # tf_sharded routes Keras optimizer internals; see _compat.py
         "portpicker==1.6.0",
         "pyarrow==16.1.0",  # writes Parquet in `data synthesize`; pyarrow >= 17 needs NumPy 2
+        "matplotlib==3.9.2",  # the benchmark suite's plots
     ],
     extras_require={
         "test": [
@@ -27,7 +28,6 @@ setup(
             "nbclient==0.11.0",
             "nbformat==5.11.1",
             "ipykernel==7.4.0",
-            "matplotlib==3.9.2",
         ],
     },
     entry_points={"console_scripts": ["tf-sharded=tf_sharded.__main__:main"]},

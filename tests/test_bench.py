@@ -1,4 +1,4 @@
-"""The exchange benchmark runs (`--quick`) and writes the documented JSON schema.
+"""The benchmark suite runs (`--quick`) and writes the documented JSON schema and plots.
 
 Speed is not checked here: figures come from the benchmark command itself.
 """
@@ -31,11 +31,39 @@ ROW_KEYS = {
 }
 
 
-class ExchangeBenchmarkTest(tf.test.TestCase):
-    def test_quick_run_writes_json(self):
+PS_KEYS = (
+    {"distribution"}
+    | {f"{v}_{k}" for v in ("ours", "tf_native", "keras", "limit") for k in ("s", "samples_per_s")}
+    | {"tf_native_vs_ours", "keras_vs_ours", "ours_vs_limit"}
+)
+
+
+class BenchmarkSuiteTest(tf.test.TestCase):
+    def test_quick_suite_writes_json_and_plots(self):
         out = tempfile.mkdtemp()
-        proc = run_python(["-m", "tf_sharded", "bench", "exchange", "--quick", "--out", out])
-        self.assertEqual(proc.returncode, 0, msg=proc.stderr[-3000:])
+        proc = run_python(["-m", "tf_sharded", "bench", "--quick", "--out", out], timeout=900)
+        self.assertEqual(proc.returncode, 0, msg=proc.stdout + proc.stderr[-3000:])
+        for name in ("ps", "exchange", "fused"):
+            self.assertTrue(os.path.getsize(os.path.join(out, f"{name}.png")) > 1000, name)
+        self.assertIn("native/ours", proc.stdout)
+        self.check_exchange(out)
+        with open(os.path.join(out, "ps.json")) as f:
+            ps = json.load(f)
+        self.assertEqual((ps["benchmark"], ps["mode"], ps["batch"], ps["dim"]), ("ps", "inprocess", 512, 16))
+        for row in ps["results"]:
+            self.assertEqual(set(row), PS_KEYS)
+            self.assertGreater(row["ours_s"], 0)
+        with open(os.path.join(out, "fused.json")) as f:
+            fused = json.load(f)
+        self.assertEqual([r["tables"] for r in fused["results"]], [8, 16])
+        self.assertEqual(set(fused["results"][0]), {"tables", "collection_s", "per_table_s", "per_table_vs_collection"})
+
+    def test_unknown_benchmark_is_named(self):
+        proc = run_python(["-m", "tf_sharded", "bench", "nope"], timeout=120)
+        self.assertEqual(proc.returncode, 2)
+        self.assertIn("unknown benchmark(s) ['nope']", proc.stderr)
+
+    def check_exchange(self, out):
         with open(os.path.join(out, "exchange.json")) as f:
             report = json.load(f)
         self.assertEqual(report["benchmark"], "exchange")

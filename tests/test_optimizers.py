@@ -135,6 +135,31 @@ class SparseUpdateTest(tf.test.TestCase, parameterized.TestCase):
             self.assertAllClose(dense.numpy(), keras_dense.numpy(), rtol=1e-6, atol=1e-7)
         self.assertFalse(np.allclose(dense.numpy(), dense0))
 
+    def test_two_lookups_of_one_table_in_a_step_are_merged(self):
+        # Each lookup de-duplicates its own ids; across two lookups rows repeat and must be summed first.
+        values = table_values(ROWS, DIM)
+        table = tfs.create_sharded_variable(uid("twice"), [ROWS, DIM], initializer=values, partitions=2)
+        optimizer = tfs.optimizers.Adagrad(0.3)
+        a, b = np.array([1, 4, 4]), np.array([4, 9])
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = SCALE * (
+                    tf.reduce_sum(tfs.embedding_lookup(table, a) ** 2)
+                    + tf.reduce_sum(tfs.embedding_lookup(table, b) ** 2)
+                )
+            grads = tape.gradient(loss, list(table.variables))
+            optimizer.apply_gradients(zip(grads, table.variables))
+
+        step()
+        rows, counts = np.unique(np.concatenate([a, b]), return_counts=True)
+        g = 2 * SCALE * counts[:, None] * values[rows]
+        want, _ = numpy_step(
+            "Adagrad", dict(learning_rate=0.3), values.astype(np.float64), initial_slots("Adagrad", {}), rows, g, 1
+        )
+        self.assertAllClose(table.numpy(), want, rtol=2e-5, atol=1e-6)
+
 
 class SlotCheckpointTest(tf.test.TestCase):
     def test_optimizer_state_restores_into_another_layout_and_delayed(self):

@@ -17,8 +17,8 @@ commands:
           tables, shapes, dtypes, sizes and the layout a checkpoint was saved from
   demo    train a sharded table on a local parameter-server cluster, save it,
           and restore it into another layout
-  bench exchange [--quick] [--out DIR]
-          mirrored gradient exchange sweep (allgather / dense / auto vs TF)
+  bench [ps|exchange|fused ...] [--quick] [--out DIR] [--mode inprocess|process|both]
+          the benchmark suite (default: all): tables, ratios, JSON and PNG in bench_results/
 """
 
 
@@ -49,10 +49,10 @@ def main(argv=None) -> int:
 
         demo.main()
         return 0
-    if argv[0] == "bench" and len(argv) > 1 and argv[1] == "exchange":
-        from tf_sharded.benchmarks import exchange
+    if argv[0] == "bench":
+        from tf_sharded.benchmarks import suite
 
-        return exchange.main(argv[2:])
+        return suite.main(argv[1:])
     print(f"unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -144,13 +144,17 @@ def _traced_here() -> dict:
 
 
 def note_lookup(table, num_ids: Optional[int] = None) -> None:
-    """Counts the lookups of `table` (and their static number of ids) in the step being traced."""
-    if getattr(table, "_exchange", None) is None:
+    """Counts the lookups of `table` (and their static number of ids) in the step being traced.
+
+    Read by the mirrored exchange and by `tfs.optimizers` (a table looked up
+    once has distinct rows per shard). Nothing is recorded eagerly.
+    """
+    if tf.executing_eagerly():
         return
     key = (id(table), threading.get_ident())
     with _LOCK:
         traced = _traced_here()
-        if tf.executing_eagerly() or key not in traced:
+        if key not in traced:
             traced[key] = (1, num_ids)
         else:
             lookups, ids = traced[key]
@@ -167,9 +171,8 @@ def single_lookup(table) -> bool:
     """Whether the traced step looked `table` up exactly once.
 
     Then each shard's gradient already holds every row once (the lookup
-    de-duplicates) and the merge before the gather can be skipped. Eagerly the
-    count restarts at every lookup, so this may wrongly be True there; the
-    merge after the gather keeps the result exact either way.
+    de-duplicates) and the merge before the gather can be skipped. Eagerly
+    nothing is recorded and this is False.
     """
     with _LOCK:
         return _traced_here().get((id(table), threading.get_ident()), (0, None))[0] == 1

@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import keras
 import tensorflow as tf
 
-from tf_sharded import creation
+from tf_sharded import creation, exchange
 from tf_sharded.sharded_variable import ShardedVariable, shard_owner
 
 
@@ -40,12 +40,15 @@ def _beside(slot_shard, variable):
     return values[0]
 
 
-def _touched(gradient, dtype) -> Tuple[tf.Tensor, tf.Tensor]:
+def _touched(gradient, dtype, unique_rows: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
     """(distinct local rows, summed gradient rows) of a shard's gradient.
 
     A dense gradient (a densified exchange) is reduced to its non-zero rows,
-    so that every exchange mode gives the same lazy update.
+    so that every exchange mode gives the same lazy update. `unique_rows`:
+    the caller knows the indices hold each row once (no merge needed).
     """
+    if isinstance(gradient, tf.IndexedSlices) and unique_rows:
+        return tf.cast(gradient.indices, tf.int64), tf.cast(gradient.values, dtype)
     if isinstance(gradient, tf.IndexedSlices):
         unique, position = tf.unique(tf.cast(gradient.indices, tf.int64), out_idx=tf.int32)
         summed = tf.math.unsorted_segment_sum(gradient.values, position, tf.size(unique))
@@ -57,6 +60,15 @@ def _touched(gradient, dtype) -> Tuple[tf.Tensor, tf.Tensor]:
     return rows, tf.cast(tf.gather(gradient, rows), dtype)
 
 
+def _known_unique(table) -> bool:
+    """Whether the step being traced looked `table` up exactly once, so each shard's rows are distinct.
+
+    A lookup de-duplicates its ids; only several lookups of one table (or eager
+    execution, where the count restarts at every lookup) can repeat a row.
+    """
+    return not tf.executing_eagerly() and exchange.single_lookup(table)
+
+
 class _TableSlots:
     """Mixin placed before a Keras optimizer: sharded slots and lazy row updates for tables.
 
@@ -66,6 +78,11 @@ class _TableSlots:
 
     def _table_slot_fills(self) -> List[Tuple[str, float]]:
         return []
+
+    @property
+    def _linear(self) -> bool:
+        """Whether the update is `-lr * gradient` (so duplicate rows can be left to the scatter)."""
+        return False
 
     def _update_rows(self, variable, rows, grad, slots: Dict[str, tf.Variable], lr):
         raise NotImplementedError
@@ -157,9 +174,14 @@ class _TableSlots:
         table, shard = tag
         slots = {name: _beside(t.variables[shard], variable) for name, t in self._tfs_slots[id(table)].items()}
         lr = tf.cast(learning_rate, variable.dtype)
+        decay = self.weight_decay is not None and self._use_weight_decay(variable)
         with tf.device(variable.device):
-            rows, grad = _touched(gradient, variable.dtype)
-            if self.weight_decay is not None and self._use_weight_decay(variable):
+            if self._linear and not decay and isinstance(gradient, tf.IndexedSlices):
+                # A scatter sums duplicate rows itself: no merge needed.
+                variable.scatter_sub(tf.IndexedSlices(tf.cast(gradient.values, variable.dtype) * lr, gradient.indices))
+                return
+            rows, grad = _touched(gradient, variable.dtype, unique_rows=_known_unique(table))
+            if decay:
                 wd = tf.cast(self.weight_decay, variable.dtype)
                 variable.scatter_sub(tf.IndexedSlices(tf.gather(variable, rows) * wd * lr, rows))
             self._update_rows(variable, rows, grad, slots, lr)
@@ -189,6 +211,10 @@ class SGD(_TableSlots, keras.optimizers.SGD):
 
     def _table_slot_fills(self):
         return [("momentum", 0.0)] if self.momentum != 0 else []
+
+    @property
+    def _linear(self) -> bool:
+        return self.momentum == 0
 
     def _update_rows(self, variable, rows, grad, slots, lr):
         if self.momentum == 0:

@@ -191,6 +191,10 @@ def _format_row(r: dict) -> str:
     )
 
 
+def format_rows(report: dict) -> list:
+    return [HEADER] + [_format_row(r) for r in report["results"]]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tf_sharded bench exchange", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small table, two densities (for tests)")

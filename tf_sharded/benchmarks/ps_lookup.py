@@ -1,0 +1,193 @@
+"""B1 + B5: parameter-server lookup and sparse update, against TensorFlow's own paths and the local limit.
+
+Workload: the 26 Criteo-Kaggle tables capped at `max_vocab` rows, dim 16, a
+batch of 512 single-hot ids per table (power-law or uniform), loss = scaled
+sum of squares of the looked-up rows, SGD with learning rate 0.01; on a
+parameter-server cluster of 2 ps + 1 worker, every step scheduled on the
+worker through `ClusterCoordinator`. Variants, all in the same process run,
+on the same batches, timed in interleaved rounds:
+
+* `ours`: `tfs.layers.EmbeddingCollection` (2 shards per table) +
+  `tfs.optimizers.SGD` (fused lookups, lazy sparse updates on the ps);
+* `tf_native`: TF's `variable_partitioner` (`FixedShardsPartitioner(2)`),
+  `tf.nn.embedding_lookup` on its `ShardedVariable`, and a `scatter_sub`
+  per shard of the `IndexedSlices` gradient;
+* `keras`: Keras 3 `keras.layers.Embedding` under the same strategy (its
+  weights partitioned by the same partitioner), the gradient applied per
+  shard the same way;
+* `limit` (B5): one process, no distribution: the same tables as plain
+  local variables, `tf.gather` + `scatter_sub`.
+
+Reported per variant: median step time, samples/s, and the ratios
+`tf_native / ours`, `keras / ours` and `ours / limit` (as throughput: limit
+time / ours time).
+
+    python -m tf_sharded bench ps [--quick] [--mode inprocess|process]
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Dict, List
+
+import numpy as np
+
+DIM = 16
+BATCH = 512
+LR = 0.01
+SCALE = 1e-3
+
+
+def _ids(rng, distribution: str, rows: int, count: int) -> np.ndarray:
+    if distribution == "uniform":
+        return rng.integers(0, rows, size=count, dtype=np.int64)
+    raw = np.minimum(rng.zipf(1.05, size=count) - 1, rows - 1)
+    return (raw * 2654435761) % rows
+
+
+def run(quick: bool = False, mode: str = "inprocess", rounds: int = None) -> Dict:
+    """Runs B1 (+ B5) in this process on a new local cluster; returns the report."""
+    import keras
+    import tensorflow as tf
+
+    import tf_sharded as tfs
+    from tf_sharded import data
+
+    max_vocab = 20_000 if quick else 1_000_000
+    vocab = data.vocab_sizes(max_vocab)
+    steps = 4 if quick else 20
+    rounds = rounds or (1 if quick else 3)
+    distributions = ["power_law"] if quick else ["power_law", "uniform"]
+    cluster = tfs.cluster.LocalCluster(num_workers=1, num_ps=2, mode=mode).start()
+    try:
+        strategy = cluster.strategy(
+            variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(2)
+        )
+        coordinator = cluster.coordinator(strategy)
+        keys = data.CATEGORICAL_KEYS
+        tables = {
+            k: {"input_dim": v, "output_dim": DIM, "partitions": 2, "seed": i}
+            for i, (k, v) in enumerate(zip(keys, vocab))
+        }
+        with strategy.scope():
+            ours = tfs.layers.EmbeddingCollection(tables, {k: k for k in keys}, name="ours")
+            ours.build()
+            ours_opt = tfs.optimizers.SGD(LR)
+            ours_opt.build(ours.trainable_variables)
+            native = [
+                tf.Variable(tf.random.uniform([v, DIM], -0.05, 0.05, seed=i), name=f"native_{k}")
+                for i, (k, v) in enumerate(zip(keys, vocab))
+            ]
+            layers = [keras.layers.Embedding(v, DIM, name=f"keras_{k}") for k, v in zip(keys, vocab)]
+            for layer in layers:
+                layer.build((None,))
+        local = [tf.Variable(tf.random.uniform([v, DIM], -0.05, 0.05, seed=i)) for i, v in enumerate(vocab)]
+        native_shards = [list(getattr(v, "variables", [v])) for v in native]
+        keras_shards = [
+            list(getattr(layer.embeddings.value, "variables", [layer.embeddings.value])) for layer in layers
+        ]
+
+        def ours_step(ids):
+            def fn(ids):
+                with tf.GradientTape() as tape:
+                    out = ours(ids)
+                    loss = SCALE * tf.add_n([tf.reduce_sum(tf.square(out[k])) for k in keys])
+                grads = tape.gradient(loss, ours.trainable_variables)
+                ours_opt.apply_gradients(zip(grads, ours.trainable_variables))
+                return loss
+
+            return strategy.run(fn, args=(ids,))
+
+        def sharded_step(lookup, shards_of):
+            def step(ids):
+                def fn(ids):
+                    flat = [v for shards in shards_of for v in shards]
+                    with tf.GradientTape() as tape:
+                        loss = SCALE * tf.add_n(
+                            [tf.reduce_sum(tf.square(lookup(i, ids[k]))) for i, k in enumerate(keys)]
+                        )
+                    for v, g in zip(flat, tape.gradient(loss, flat)):
+                        g = g if isinstance(g, tf.IndexedSlices) else tf.IndexedSlices(g, tf.range(tf.shape(g)[0]))
+                        v.scatter_sub(tf.IndexedSlices(LR * g.values, g.indices))
+                    return loss
+
+                return strategy.run(fn, args=(ids,))
+
+            return step
+
+        native_step = sharded_step(lambda i, ids: tf.nn.embedding_lookup(native[i], ids), native_shards)
+        keras_step = sharded_step(lambda i, ids: layers[i](ids), keras_shards)
+
+        @tf.function
+        def limit_step(ids):
+            with tf.GradientTape() as tape:
+                loss = SCALE * tf.add_n([tf.reduce_sum(tf.square(tf.gather(v, ids[k]))) for v, k in zip(local, keys)])
+            for v, g in zip(local, tape.gradient(loss, local)):
+                v.scatter_sub(tf.IndexedSlices(LR * g.values, g.indices))
+            return loss
+
+        scheduled = {
+            name: tf.function(fn)
+            for name, fn in (("ours", ours_step), ("tf_native", native_step), ("keras", keras_step))
+        }
+        rng = np.random.default_rng(0)
+        results = []
+        for distribution in distributions:
+            batches = [
+                {k: tf.constant(_ids(rng, distribution, v, BATCH)) for k, v in zip(keys, vocab)} for _ in range(steps)
+            ]
+            times: Dict[str, List[float]] = {name: [] for name in list(scheduled) + ["limit"]}
+            for fn in scheduled.values():  # warm-up (tracing) outside the timing
+                coordinator.schedule(fn, args=(batches[0],))
+                coordinator.join()
+            limit_step(batches[0])
+            for _ in range(rounds):
+                for name, fn in scheduled.items():
+                    start = time.perf_counter()
+                    for b in batches:
+                        coordinator.schedule(fn, args=(b,))
+                    coordinator.join()
+                    times[name].append((time.perf_counter() - start) / steps)
+                start = time.perf_counter()
+                for b in batches:
+                    limit_step(b)
+                limit_step(batches[0]).numpy()
+                times["limit"].append((time.perf_counter() - start) / (steps + 1))
+            row = {"distribution": distribution}
+            for name, values in times.items():
+                row[f"{name}_s"] = statistics.median(values)
+                row[f"{name}_samples_per_s"] = BATCH / row[f"{name}_s"]
+            row["tf_native_vs_ours"] = row["tf_native_s"] / row["ours_s"]
+            row["keras_vs_ours"] = row["keras_s"] / row["ours_s"]
+            row["ours_vs_limit"] = row["limit_s"] / row["ours_s"]
+            results.append(row)
+        return {
+            "benchmark": "ps",
+            "mode": mode,
+            "quick": quick,
+            "max_vocab": max_vocab,
+            "table_rows": int(sum(vocab)),
+            "dim": DIM,
+            "batch": BATCH,
+            "steps_per_round": steps,
+            "rounds": rounds,
+            "results": results,
+        }
+    finally:
+        cluster.stop()
+
+
+def format_rows(report: Dict) -> List[str]:
+    lines = [
+        f"B1/B5 ({report['mode']}, {report['table_rows']:,} rows x {report['dim']}, batch {report['batch']}): "
+        f"{'ids':>10} | {'ours':>9} {'tf_native':>9} {'keras':>9} {'limit':>9} | {'native/ours':>11} "
+        f"{'keras/ours':>10} {'ours/limit':>10} | {'ours samples/s':>14}"
+    ]
+    for r in report["results"]:
+        lines.append(
+            f"{'':>60}{r['distribution']:>10} | {r['ours_s'] * 1e3:>7.1f}ms {r['tf_native_s'] * 1e3:>7.1f}ms "
+            f"{r['keras_s'] * 1e3:>7.1f}ms {r['limit_s'] * 1e3:>7.1f}ms | {r['tf_native_vs_ours']:>11.2f} "
+            f"{r['keras_vs_ours']:>10.2f} {r['ours_vs_limit']:>10.2f} | {r['ours_samples_per_s']:>14,.0f}"
+        )
+    return lines

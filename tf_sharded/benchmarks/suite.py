@@ -1,0 +1,153 @@
+"""`python -m tf_sharded bench [NAME ...] [--quick] [--out DIR] [--mode inprocess|process|both]`.
+
+Runs the named benchmarks (default: all), each in its own process (a
+process holds one cluster, and a MirroredStrategy cannot share a process with
+one), with its baseline in that same process run. Prints a table of figures
+and ratios per benchmark and writes `DIR/NAME.json` and `DIR/NAME.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import subprocess
+import sys
+from typing import Dict, List
+
+# name -> (module, what it measures)
+BENCHMARKS = {
+    "ps": ("tf_sharded.benchmarks.ps_lookup", "B1 + B5: parameter-server lookup + update vs TF-native, Keras, limit"),
+    "exchange": ("tf_sharded.benchmarks.exchange", "B2: mirrored gradient exchange sweep"),
+    "fused": ("tf_sharded.benchmarks.fused", "B6: EmbeddingCollection vs one layer per table"),
+}
+
+
+def _child(name: str, quick: bool, mode: str, out: str) -> int:
+    module = importlib.import_module(BENCHMARKS[name][0])
+    kwargs = {"quick": quick}
+    if name == "exchange":
+        kwargs["out_dir"] = out
+    else:
+        kwargs["mode"] = mode
+    report = module.run(**kwargs)
+    suffix = "" if name == "exchange" or mode == "inprocess" else f"_{mode}"
+    with open(os.path.join(out, f"{name}{suffix}.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    return 0
+
+
+def _plot(name: str, reports: List[Dict], out: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = os.path.join(out, f"{name}.png")
+    if name == "exchange":
+        rows = [r for r in reports[0]["results"] if r["distribution"] == "power_law"]
+        density = [r["density"] * 100 for r in rows]
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+        for key, label in (
+            ("allgather_s", "allgather"),
+            ("dense_s", "dense"),
+            ("auto_s", "auto"),
+            ("tf_default_s", "TF default"),
+            ("floor_s", "floor (lookup only)"),
+        ):
+            a.plot(density, [r[key] * 1e3 for r in rows], marker="o", label=label)
+        for key, label in (("bytes_allgather", "allgather"), ("bytes_dense", "dense"), ("bytes_tf_default", "TF")):
+            b.plot(density, [r[key] / 2**20 for r in rows], marker="o", label=label)
+        a.set(xscale="log", xlabel="rows touched per step (%), power-law ids", ylabel="step time (ms)")
+        b.set(xscale="log", yscale="log", xlabel="rows touched per step (%)", ylabel="MB per replica per step")
+        a.legend()
+        b.legend()
+    elif name == "ps":
+        fig, axes = plt.subplots(1, len(reports), figsize=(6 * len(reports), 4), squeeze=False)
+        for ax, report in zip(axes[0], reports):
+            variants = ["ours", "tf_native", "keras", "limit"]
+            for i, r in enumerate(report["results"]):
+                ax.bar(
+                    [x + 0.4 * i for x in range(4)],
+                    [r[f"{v}_samples_per_s"] for v in variants],
+                    width=0.4,
+                    label=r["distribution"],
+                )
+            ax.set_xticks([x + 0.2 for x in range(4)], variants)
+            ax.set(yscale="log", ylabel="samples / s", title=f"B1/B5, {report['mode']} cluster")
+            ax.legend()
+    else:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for report in reports:
+            rows = report["results"]
+            for key, label in (("collection_s", "EmbeddingCollection"), ("per_table_s", "one layer per table")):
+                ax.plot(
+                    [r["tables"] for r in rows],
+                    [r[key] * 1e3 for r in rows],
+                    marker="o",
+                    label=f"{label} ({report['mode']})",
+                )
+        ax.set(xscale="log", xlabel="tables", ylabel="step time (ms)", title="B6: fused lookups")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tf_sharded bench", description=__doc__.split("\n")[0])
+    parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all): {', '.join(BENCHMARKS)}")
+    parser.add_argument("--quick", action="store_true", help="small sizes (for tests): checks the JSON, not speed")
+    parser.add_argument("--out", default="bench_results", help="directory for NAME.json and NAME.png")
+    parser.add_argument(
+        "--mode",
+        default="inprocess",
+        choices=["inprocess", "process", "both"],
+        help="cluster of the ps/fused benchmarks: in-process servers or one process per task",
+    )
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.child:
+        return _child(args.child, args.quick, args.mode, args.out)
+    unknown = [n for n in args.names if n not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {unknown}; choose from {list(BENCHMARKS)}")
+    names = args.names or list(BENCHMARKS)
+    modes = ["inprocess", "process"] if args.mode == "both" else [args.mode]
+    status = 0
+    for name in names:
+        print(f"== {name}: {BENCHMARKS[name][1]}", flush=True)
+        reports = []
+        for mode in modes if name != "exchange" else ["inprocess"]:
+            child = [
+                sys.executable,
+                "-m",
+                "tf_sharded.benchmarks.suite",
+                "--child",
+                name,
+                "--mode",
+                mode,
+                "--out",
+                args.out,
+            ] + (["--quick"] if args.quick else [])
+            env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+            proc = subprocess.run(child, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(f"{name} ({mode}) failed:\n{proc.stderr[-4000:]}", file=sys.stderr)
+                status = 1
+                continue
+            suffix = "" if name == "exchange" or mode == "inprocess" else f"_{mode}"
+            with open(os.path.join(args.out, f"{name}{suffix}.json")) as f:
+                reports.append(json.load(f))
+            module = importlib.import_module(BENCHMARKS[name][0])
+            print("\n".join(module.format_rows(reports[-1])), flush=True)
+        if reports:
+            print(f"wrote {_plot(name, reports, args.out)}", flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
