@@ -31,6 +31,11 @@ def train(*args, timeout=300):
     return run_python(["-m", "tf_sharded", "train", *TINY, *args], timeout=timeout)
 
 
+def synthesize(fmt, rows, out):
+    args = ["--format", fmt, "--rows", str(rows), "--out", out, "--max_vocab", "500"]
+    return run_python(["-m", "tf_sharded", "data", "synthesize", *args])
+
+
 def summary(proc):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("summary:")]
     assert lines, proc.stdout + proc.stderr[-3000:]
@@ -54,22 +59,7 @@ class ApplicationTest(tf.test.TestCase):
 
     def test_files_resume_and_inspect(self):
         out = self.get_temp_dir()
-        made = run_python(
-            [
-                "-m",
-                "tf_sharded",
-                "data",
-                "synthesize",
-                "--format",
-                "tsv",
-                "--rows",
-                "1500",
-                "--out",
-                os.path.join(out, "tsv"),
-                "--max_vocab",
-                "500",
-            ]
-        )
+        made = synthesize("tsv", 1500, os.path.join(out, "tsv"))
         self.assertEqual(made.returncode, 0, made.stderr[-2000:])
         # A malformed line where training reads (the first 2 batches of 64 are held out).
         name = os.path.join(out, "tsv", "part-00000.tsv")
@@ -101,22 +91,7 @@ class ApplicationTest(tf.test.TestCase):
             r"PartitionSpec\(num_shards=1, scheme='div'\) on 1 device\(s\) under _DefaultDistributionStrategy",
         )
 
-        pq = run_python(
-            [
-                "-m",
-                "tf_sharded",
-                "data",
-                "synthesize",
-                "--format",
-                "parquet",
-                "--rows",
-                "800",
-                "--out",
-                os.path.join(out, "pq"),
-                "--max_vocab",
-                "500",
-            ]
-        )
+        pq = synthesize("parquet", 800, os.path.join(out, "pq"))
         self.assertEqual(pq.returncode, 0, pq.stderr[-2000:])
         from_parquet = train("--strategy", "default", "--data", os.path.join(out, "pq"))
         self.assertEqual(from_parquet.returncode, 0, from_parquet.stderr[-3000:])

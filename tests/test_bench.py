@@ -33,8 +33,8 @@ ROW_KEYS = {
 
 PS_KEYS = (
     {"distribution"}
-    | {f"{v}_{k}" for v in ("ours", "tf_native", "keras", "limit") for k in ("s", "samples_per_s")}
-    | {"tf_native_vs_ours", "keras_vs_ours", "ours_vs_limit"}
+    | {f"{v}_{k}" for v in ("ours", "tf_native", "keras", "limit", "dispatch") for k in ("s", "samples_per_s")}
+    | {"tf_native_vs_ours", "keras_vs_ours", "ours_vs_limit", "dispatch_share_of_ours"}
 )
 
 

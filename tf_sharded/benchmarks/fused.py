@@ -12,7 +12,6 @@ median step time and `per_table / collection`.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Dict, List
 
 import numpy as np
@@ -24,7 +23,7 @@ def run(quick: bool = False, mode: str = "inprocess") -> Dict:
     import tensorflow as tf
 
     import tf_sharded as tfs
-    from tf_sharded.benchmarks.ps_lookup import _ids
+    from tf_sharded.benchmarks.ps_lookup import _ids, scheduled_seconds
 
     counts = [8, 16] if quick else [8, 16, 32, 64]
     steps, rounds = (3, 1) if quick else (10, 3)
@@ -76,11 +75,7 @@ def run(quick: bool = False, mode: str = "inprocess") -> Dict:
                 coordinator.join()
             for _ in range(rounds):
                 for name, fn in steps_by_name.items():
-                    start = time.perf_counter()
-                    for b in batches:
-                        coordinator.schedule(fn, args=(b,))
-                    coordinator.join()
-                    times[name].append((time.perf_counter() - start) / steps)
+                    times[name].append(scheduled_seconds(coordinator, fn, batches))
             row = {"tables": n, **{f"{name}_s": statistics.median(t) for name, t in times.items()}}
             row["per_table_vs_collection"] = row["per_table_s"] / row["collection_s"]
             results.append(row)

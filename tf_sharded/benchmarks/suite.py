@@ -66,15 +66,15 @@ def _plot(name: str, reports: List[Dict], out: str) -> str:
     elif name == "ps":
         fig, axes = plt.subplots(1, len(reports), figsize=(6 * len(reports), 4), squeeze=False)
         for ax, report in zip(axes[0], reports):
-            variants = ["ours", "tf_native", "keras", "limit"]
+            variants = ["ours", "tf_native", "keras", "limit", "dispatch"]
             for i, r in enumerate(report["results"]):
                 ax.bar(
-                    [x + 0.4 * i for x in range(4)],
+                    [x + 0.4 * i for x in range(len(variants))],
                     [r[f"{v}_samples_per_s"] for v in variants],
                     width=0.4,
                     label=r["distribution"],
                 )
-            ax.set_xticks([x + 0.2 for x in range(4)], variants)
+            ax.set_xticks([x + 0.2 for x in range(len(variants))], variants)
             ax.set(yscale="log", ylabel="samples / s", title=f"B1/B5, {report['mode']} cluster")
             ax.legend()
     else:
