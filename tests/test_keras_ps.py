@@ -209,3 +209,5 @@ class CollectionOnParameterServersTest(tf.test.TestCase):
         self.assertIn("16/16", printed.getvalue())  # the progress bar, with loss and throughput
         self.assertIn("loss:", printed.getvalue())
         self.assertIn("samples/s:", printed.getvalue())
+        # Two workers update asynchronously; the step count stays exact (Keras's `iterations` can lose counts).
+        self.assertEqual(tfs.training.steps_done(model), 3 * 16)

@@ -18,7 +18,7 @@ import json
 import os
 import time
 import weakref
-from typing import Any, Callable, List, Optional, Union
+from typing import Callable, List, Optional, Union
 
 import keras
 import tensorflow as tf
@@ -390,9 +390,4 @@ def steps_done(model: keras.Model) -> int:
     return _steps_done(model, counter)
 
 
-def latest_checkpoint(directory: str) -> Optional[str]:
-    """The newest checkpoint `tfs.fit` wrote to `directory`, or None."""
-    return tf.train.latest_checkpoint(directory) if os.path.isdir(directory) else None
-
-
-__all__: List[Any] = ["fit", "latest_checkpoint"]
+__all__ = ["fit", "steps_done", "train_function", "table_keys", "write_layouts"]
