@@ -17,13 +17,13 @@ setup(
         "portpicker==1.6.0",
         "pyarrow==16.1.0",  # writes Parquet in `data synthesize`; pyarrow >= 17 needs NumPy 2
         "matplotlib==3.9.2",  # the benchmark suite's plots
+        "psutil==7.2.2",  # process memory in the suite's B3 and the cluster tests
     ],
     extras_require={
         "test": [
             "pytest==9.2.0",
             "hypothesis==6.170.15",
             "ruff==0.17.5",
-            "psutil==7.2.2",
             # the notebooks in colab/ are executed by the tests
             "nbclient==0.11.0",
             "nbformat==5.11.1",

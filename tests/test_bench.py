@@ -43,7 +43,7 @@ class BenchmarkSuiteTest(tf.test.TestCase):
         out = tempfile.mkdtemp()
         proc = run_python(["-m", "tf_sharded", "bench", "--quick", "--out", out], timeout=900)
         self.assertEqual(proc.returncode, 0, msg=proc.stdout + proc.stderr[-3000:])
-        for name in ("ps", "exchange", "fused"):
+        for name in ("ps", "exchange", "fused", "memory"):
             self.assertTrue(os.path.getsize(os.path.join(out, f"{name}.png")) > 1000, name)
         self.assertIn("native/ours", proc.stdout)
         self.check_exchange(out)
@@ -57,6 +57,14 @@ class BenchmarkSuiteTest(tf.test.TestCase):
             fused = json.load(f)
         self.assertEqual([r["tables"] for r in fused["results"]], [8, 16])
         self.assertEqual(set(fused["results"][0]), {"tables", "collection_s", "per_table_s", "per_table_vs_collection"})
+        with open(os.path.join(out, "memory.json")) as f:
+            memory = json.load(f)
+        self.assertEqual(
+            sorted((r["job"], r["task"]) for r in memory["results"]), [("ps", 0), ("ps", 1), ("worker", 0)]
+        )
+        for row in memory["results"]:
+            self.assertIn("growth_vs_expected" if row["job"] == "ps" else "growth_vs_table_bytes", row)
+            self.assertGreater(row["rss_after_mb"], 0)
 
     def test_unknown_benchmark_is_named(self):
         proc = run_python(["-m", "tf_sharded", "bench", "nope"], timeout=120)

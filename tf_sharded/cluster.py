@@ -148,6 +148,13 @@ class LocalCluster:
             self.stop()
             raise
 
+    def task_pids(self) -> dict:
+        """`{(job, index): pid}` of a "process" cluster's tasks (empty in-process)."""
+        if self.mode != "process":
+            return {}
+        tasks = [(job, i) for job in ("worker", "ps") for i in range(len(self.cluster_dict[job]))]
+        return {task: p.pid for task, p in zip(tasks, self._procs)}
+
     def stop(self) -> None:
         """Stops "process" tasks; in-process servers live as long as the process."""
         for p in self._procs:

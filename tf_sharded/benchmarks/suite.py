@@ -21,7 +21,10 @@ BENCHMARKS = {
     "ps": ("tf_sharded.benchmarks.ps_lookup", "B1 + B5: parameter-server lookup + update vs TF-native, Keras, limit"),
     "exchange": ("tf_sharded.benchmarks.exchange", "B2: mirrored gradient exchange sweep"),
     "fused": ("tf_sharded.benchmarks.fused", "B6: EmbeddingCollection vs one layer per table"),
+    "memory": ("tf_sharded.benchmarks.memory", "B3: resident memory per task (one process per task)"),
 }
+# Benchmarks that pick their own cluster (or none): run once, whatever --mode says.
+SINGLE_RUN = ("exchange", "memory")
 
 
 def _child(name: str, quick: bool, mode: str, out: str) -> int:
@@ -29,10 +32,10 @@ def _child(name: str, quick: bool, mode: str, out: str) -> int:
     kwargs = {"quick": quick}
     if name == "exchange":
         kwargs["out_dir"] = out
-    else:
+    elif name not in SINGLE_RUN:
         kwargs["mode"] = mode
     report = module.run(**kwargs)
-    suffix = "" if name == "exchange" or mode == "inprocess" else f"_{mode}"
+    suffix = "" if name in SINGLE_RUN or mode == "inprocess" else f"_{mode}"
     with open(os.path.join(out, f"{name}{suffix}.json"), "w") as f:
         json.dump(report, f, indent=2)
     return 0
@@ -77,6 +80,20 @@ def _plot(name: str, reports: List[Dict], out: str) -> str:
             ax.set_xticks([x + 0.2 for x in range(len(variants))], variants)
             ax.set(yscale="log", ylabel="samples / s", title=f"B1/B5, {report['mode']} cluster")
             ax.legend()
+    elif name == "memory":
+        fig, ax = plt.subplots(figsize=(6, 4))
+        rows = reports[0]["results"]
+        labels = [f"{r['job']}:{r['task']}" for r in rows]
+        ax.bar([x - 0.2 for x in range(len(rows))], [r["growth_mb"] for r in rows], width=0.4, label="RSS growth")
+        ax.bar(
+            [x + 0.2 for x in range(len(rows))],
+            [r["expected_mb"] for r in rows],
+            width=0.4,
+            label="shards x (1 + slots)",
+        )
+        ax.set_xticks(range(len(rows)), labels)
+        ax.set(ylabel="MB", title=f"B3: memory per task ({reports[0]['table_mb']:.0f} MB of tables)")
+        ax.legend()
     else:
         fig, ax = plt.subplots(figsize=(6, 4))
         for report in reports:
@@ -121,7 +138,7 @@ def main(argv=None) -> int:
     for name in names:
         print(f"== {name}: {BENCHMARKS[name][1]}", flush=True)
         reports = []
-        for mode in modes if name != "exchange" else ["inprocess"]:
+        for mode in modes if name not in SINGLE_RUN else ["inprocess"]:
             child = [
                 sys.executable,
                 "-m",
@@ -139,7 +156,7 @@ def main(argv=None) -> int:
                 print(f"{name} ({mode}) failed:\n{proc.stderr[-4000:]}", file=sys.stderr)
                 status = 1
                 continue
-            suffix = "" if name == "exchange" or mode == "inprocess" else f"_{mode}"
+            suffix = "" if name in SINGLE_RUN or mode == "inprocess" else f"_{mode}"
             with open(os.path.join(args.out, f"{name}{suffix}.json")) as f:
                 reports.append(json.load(f))
             module = importlib.import_module(BENCHMARKS[name][0])
