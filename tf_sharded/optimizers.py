@@ -63,8 +63,8 @@ def _touched(gradient, dtype, unique_rows: bool = False) -> Tuple[tf.Tensor, tf.
 def _known_unique(table) -> bool:
     """Whether the step being traced looked `table` up exactly once, so each shard's rows are distinct.
 
-    A lookup de-duplicates its ids; only several lookups of one table (or eager
-    execution, where the count restarts at every lookup) can repeat a row.
+    A lookup de-duplicates its ids; only several lookups of one table can
+    repeat a row. Eagerly nothing is recorded, so this is False there.
     """
     return not tf.executing_eagerly() and exchange.single_lookup(table)
 

@@ -103,8 +103,10 @@ class _PeriodicCheckpoint(keras.callbacks.Callback):
         self._checkpoints, self._every = checkpoints, every
 
     def on_train_batch_end(self, batch, logs=None):
+        if not self._every:
+            return  # reading the step count syncs with the device: only when it can matter
         step = int(self.model.optimizer.iterations.numpy())
-        if self._every and step % self._every == 0:
+        if step % self._every == 0:
             self._checkpoints.save(step)
 
     def on_epoch_end(self, epoch, logs=None):

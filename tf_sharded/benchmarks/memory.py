@@ -29,7 +29,7 @@ def _rss(pid: int) -> int:
     return psutil.Process(pid).memory_info().rss
 
 
-def run(quick: bool = False, mode: str = "process") -> Dict:
+def run(quick: bool = False) -> Dict:
     import tensorflow as tf
 
     import tf_sharded as tfs

@@ -27,6 +27,12 @@ BENCHMARKS = {
 SINGLE_RUN = ("exchange", "memory")
 
 
+def _json_path(out: str, name: str, mode: str) -> str:
+    """NAME.json for the in-process (or only) run, NAME_process.json for a process-per-task run."""
+    suffix = "" if name in SINGLE_RUN or mode == "inprocess" else f"_{mode}"
+    return os.path.join(out, f"{name}{suffix}.json")
+
+
 def _child(name: str, quick: bool, mode: str, out: str) -> int:
     module = importlib.import_module(BENCHMARKS[name][0])
     kwargs = {"quick": quick}
@@ -35,8 +41,7 @@ def _child(name: str, quick: bool, mode: str, out: str) -> int:
     elif name not in SINGLE_RUN:
         kwargs["mode"] = mode
     report = module.run(**kwargs)
-    suffix = "" if name in SINGLE_RUN or mode == "inprocess" else f"_{mode}"
-    with open(os.path.join(out, f"{name}{suffix}.json"), "w") as f:
+    with open(_json_path(out, name, mode), "w") as f:
         json.dump(report, f, indent=2)
     return 0
 
@@ -156,8 +161,7 @@ def main(argv=None) -> int:
                 print(f"{name} ({mode}) failed:\n{proc.stderr[-4000:]}", file=sys.stderr)
                 status = 1
                 continue
-            suffix = "" if name in SINGLE_RUN or mode == "inprocess" else f"_{mode}"
-            with open(os.path.join(args.out, f"{name}{suffix}.json")) as f:
+            with open(_json_path(args.out, name, mode)) as f:
                 reports.append(json.load(f))
             module = importlib.import_module(BENCHMARKS[name][0])
             print("\n".join(module.format_rows(reports[-1])), flush=True)
