@@ -44,13 +44,13 @@ def summary(proc):
 
 class ApplicationTest(tf.test.TestCase):
     def test_each_strategy_trains_and_reports(self):
-        for strategy, model in (
-            ("default", "deepfm"),
-            ("mirrored", "dlrm"),
-            ("multi_worker", "deepfm"),
-            ("parameter_server", "dlrm"),
+        for strategy, model, per_execution in (
+            ("default", "deepfm", "1"),
+            ("mirrored", "dlrm", "1"),
+            ("multi_worker", "deepfm", "1"),
+            ("parameter_server", "dlrm", "3"),  # 2 steps per epoch at 3 per execution: one execution of 2
         ):
-            proc = train("--strategy", strategy, "--model", model)
+            proc = train("--strategy", strategy, "--model", model, "--steps_per_execution", per_execution)
             self.assertEqual(proc.returncode, 0, msg=f"{strategy}: {proc.stderr[-3000:]}")
             line = summary(proc)
             self.assertIn(f"{model} | {strategy}", line)

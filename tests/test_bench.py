@@ -7,6 +7,7 @@ import json
 import os
 import tempfile
 
+import numpy as np
 import tensorflow as tf
 
 from tests.subprocs import run_python
@@ -38,12 +39,27 @@ PS_KEYS = (
 )
 
 
+E2E_KEYS = {
+    "strategy",
+    "replicas",
+    "ours_samples_per_s",
+    "keras_samples_per_s",
+    "keras_error",
+    "ours_vs_keras",
+    "ours_vs_input",
+    "ours_multi_samples_per_s",
+    "ours_multi_vs_ours",
+    "ours_final_loss",
+    "keras_final_loss",
+}
+
+
 class BenchmarkSuiteTest(tf.test.TestCase):
     def test_quick_suite_writes_json_and_plots(self):
         out = tempfile.mkdtemp()
         proc = run_python(["-m", "tf_sharded", "bench", "--quick", "--out", out], timeout=900)
         self.assertEqual(proc.returncode, 0, msg=proc.stdout + proc.stderr[-3000:])
-        for name in ("ps", "exchange", "fused", "memory"):
+        for name in ("ps", "exchange", "fused", "memory", "e2e"):
             self.assertTrue(os.path.getsize(os.path.join(out, f"{name}.png")) > 1000, name)
         self.assertIn("native/ours", proc.stdout)
         self.check_exchange(out)
@@ -65,11 +81,28 @@ class BenchmarkSuiteTest(tf.test.TestCase):
         for row in memory["results"]:
             self.assertIn("growth_vs_expected" if row["job"] == "ps" else "growth_vs_table_bytes", row)
             self.assertGreater(row["rss_after_mb"], 0)
+        self.check_end_to_end(out)
 
     def test_unknown_benchmark_is_named(self):
         proc = run_python(["-m", "tf_sharded", "bench", "nope"], timeout=120)
         self.assertEqual(proc.returncode, 2)
         self.assertIn("unknown benchmark(s) ['nope']", proc.stderr)
+
+    def check_end_to_end(self, out):
+        with open(os.path.join(out, "e2e.json")) as f:
+            report = json.load(f)
+        self.assertEqual((report["benchmark"], report["model"], report["batch"]), ("e2e", "dlrm", 512))
+        self.assertGreater(report["input_samples_per_s"], 0)
+        rows = {r["strategy"]: r for r in report["results"]}
+        self.assertEqual(sorted(rows), ["default", "mirrored", "multi_worker", "parameter_server"])
+        self.assertEqual(rows["mirrored"]["replicas"], 2)
+        for row in rows.values():
+            self.assertEqual(set(row), E2E_KEYS)
+            self.assertGreater(row["ours_samples_per_s"], 0)
+            self.assertTrue(np.isfinite(row["ours_final_loss"]), row)
+            # Every strategy runs the Keras baseline too (through tfs.fit's loop where model.fit cannot).
+            self.assertIsNone(row["keras_error"], row)
+            self.assertGreater(row["ours_vs_keras"], 0)
 
     def check_exchange(self, out):
         with open(os.path.join(out, "exchange.json")) as f:

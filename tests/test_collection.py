@@ -82,17 +82,60 @@ class EmbeddingCollectionTest(tf.test.TestCase):
             want = values[name] - 0.5 * tf.convert_to_tensor(g).numpy()
             self.assertAllClose(layer.tables[name].numpy(), want, atol=1e-6, msg=name)
 
-    def test_one_fused_request_for_all_shards_on_one_device(self):
+    def test_one_id_space_per_row_shape(self):
         layer = tfs.layers.EmbeddingCollection(TABLES, FEATURES)
         layer(inputs())
         graph = tf.function(layer).get_concrete_function(inputs()).graph
         types = [op.type for op in graph.get_operations()]
-        # 6 shards on this device: 6 row gathers, fed by one split of one concatenated id tensor.
-        self.assertEqual(types.count("ResourceGather"), 6)
-        self.assertEqual(types.count("Unique"), 3)  # one per table, shared features included
-        splits = [op for op in graph.get_operations() if op.type == "SplitV" and op.outputs[0].dtype == tf.int64]
+        self.assertEqual(types.count("ResourceGather"), 6)  # one per shard
+        # "user" (mod) and "item" (div) share the width 4: one de-duplication for both, shared features
+        # included; "tag" (width 2) has its own.
+        self.assertEqual(types.count("Unique"), 2)
+        # The 5 width-4 shards on this device are served from one id tensor, split by shard once.
+        splits = [
+            op for op in graph.get_operations() if op.type == "DynamicPartition" and op.outputs[0].dtype == tf.int64
+        ]
         self.assertLen(splits, 1)
-        self.assertLen(splits[0].outputs, 6)
+        self.assertLen(splits[0].outputs, 5)
+
+    def test_one_id_space_over_every_scheme_matches_plain_tables(self):
+        from tf_sharded.lookup import lookup_many
+
+        rng = np.random.RandomState(4)
+        specs = [
+            ("div", tfs.PartitionSpec(3, splits=[5, 1, 11])),
+            ("mod", tfs.PartitionSpec(2, scheme="mod")),
+            ("balanced", tfs.PartitionSpec(4, scheme="balanced", seed=3)),
+            ("single", 1),
+        ]
+        values = {name: rng.uniform(-1, 1, (17, 3)).astype(np.float32) for name, _ in specs}
+        tables = {
+            name: tfs.create_sharded_variable(f"group_{name}", [17, 3], initializer=values[name], partitions=spec)
+            for name, spec in specs
+        }
+        # "mod" is listed twice: its ids are de-duplicated together with the other listing's.
+        order = ["div", "mod", "balanced", "single", "mod"]
+        ids = [tf.constant(rng.randint(0, 17, n), tf.int64) for n in (9, 7, 12, 1, 6)]
+        ids[1] = tf.constant([16, 16, 0, 3, 3, 3, 1], tf.int64)
+        weights = [tf.constant(rng.uniform(-1, 1, (int(i.shape[0]), 3)), tf.float32) for i in ids]
+        variables = [v for name, _ in specs for v in tables[name].variables]
+        with tf.GradientTape() as tape:
+            rows = lookup_many([(tables[n], i) for n, i in zip(order, ids)], max_norm=0.9)
+            loss = tf.add_n([tf.reduce_sum(r * w) for r, w in zip(rows, weights)])
+        grads = tape.gradient(loss, variables)
+        self.assertTrue(all(isinstance(g, tf.IndexedSlices) for g in grads))
+        plain = {name: tf.Variable(v) for name, v in values.items()}
+        with tf.GradientTape() as tape:
+            want = [tf.nn.embedding_lookup(plain[n], i, max_norm=0.9) for n, i in zip(order, ids)]
+            ref_loss = tf.add_n([tf.reduce_sum(r * w) for r, w in zip(want, weights)])
+        ref_grads = dict(zip(plain, tape.gradient(ref_loss, list(plain.values()))))
+        for got, expected in zip(rows, want):
+            self.assertAllClose(got, expected, atol=1e-6)
+        optimizer = tfs.optimizers.SGD(0.5)
+        optimizer.apply_gradients(zip(grads, variables))
+        for name in tables:
+            dense = tf.convert_to_tensor(ref_grads[name]).numpy()
+            self.assertAllClose(tables[name].numpy(), values[name] - 0.5 * dense, atol=1e-6, msg=name)
 
     def test_keras_models_fit_config_and_keras_file(self):
         ids = {

@@ -39,7 +39,7 @@ with tfs.cluster.LocalCluster(num_workers=1, num_ps=3, mode="process") as cluste
 """
 
 
-def make_model(partitions=3, table0=None):
+def make_model(partitions=3, table0=None, steps_per_execution=1):
     inp = keras.Input((3,), dtype="int64", name="ids")
     init = keras.initializers.Constant(table0) if table0 is not None else "uniform"
     x = tfs.layers.Embedding(
@@ -47,8 +47,24 @@ def make_model(partitions=3, table0=None):
     )(inp)
     out = keras.layers.Dense(1, kernel_initializer="ones", name="dense")(x)
     model = keras.Model(inp, out)
-    model.compile(optimizer=tfs.optimizers.SGD(0.3, momentum=0.5), loss="mse", metrics=["mae"])
+    model.compile(
+        optimizer=tfs.optimizers.SGD(0.3, momentum=0.5),
+        loss="mse",
+        metrics=["mae"],
+        steps_per_execution=steps_per_execution,
+    )
     return model
+
+
+def single_device_reference(table0, steps):
+    """The same model with keras.layers.Embedding and Keras SGD, trained `steps` steps on one device."""
+    ref_inp = keras.Input((3,), dtype="int64")
+    ref_emb = keras.layers.Embedding(ROWS, DIM, embeddings_initializer=keras.initializers.Constant(table0))
+    ref_out = keras.layers.Dense(1, kernel_initializer="ones")(keras.layers.GlobalAveragePooling1D()(ref_emb(ref_inp)))
+    reference = keras.Model(ref_inp, ref_out)
+    reference.compile(optimizer=keras.optimizers.SGD(0.3, momentum=0.5), loss="mse")
+    reference.fit(IDS, LABELS, batch_size=len(IDS), epochs=steps, shuffle=False, verbose=0)
+    return ref_emb.embeddings.numpy(), reference.layers[-1].kernel.numpy()
 
 
 def dataset_fn(input_context=None):
@@ -82,17 +98,9 @@ class KerasParameterServerTest(tf.test.TestCase):
         slots = model.optimizer.table_slot(emb, "momentum")
         self.assertEqual(slots.devices, emb.devices)  # each slot shard beside its shard
 
-        # The same model with keras.layers.Embedding and Keras SGD on one device.
-        ref_inp = keras.Input((3,), dtype="int64")
-        ref_emb = keras.layers.Embedding(ROWS, DIM, embeddings_initializer=keras.initializers.Constant(table0))
-        ref_out = keras.layers.Dense(1, kernel_initializer="ones")(
-            keras.layers.GlobalAveragePooling1D()(ref_emb(ref_inp))
-        )
-        reference = keras.Model(ref_inp, ref_out)
-        reference.compile(optimizer=keras.optimizers.SGD(0.3, momentum=0.5), loss="mse")
-        reference.fit(IDS, LABELS, batch_size=len(IDS), epochs=steps, shuffle=False, verbose=0)
-        self.assertAllClose(emb.numpy(), ref_emb.embeddings.numpy(), atol=1e-5)
-        self.assertAllClose(model.get_layer("dense").kernel.numpy(), reference.layers[-1].kernel.numpy(), atol=1e-5)
+        ref_table, ref_kernel = single_device_reference(table0, steps)
+        self.assertAllClose(emb.numpy(), ref_table, atol=1e-5)
+        self.assertAllClose(model.get_layer("dense").kernel.numpy(), ref_kernel, atol=1e-5)
         self.assertEqual(int(model.optimizer.iterations.numpy()), steps)
 
         latest = tf.train.latest_checkpoint(ckpt_dir)
@@ -125,6 +133,21 @@ class KerasParameterServerTest(tf.test.TestCase):
         again = tfs.fit(model, dataset_fn, epochs=2, steps_per_epoch=steps // 2, checkpoint_dir=ckpt_dir, verbose=0)
         self.assertEqual(again.history, {})
         self.assertEqual(int(model.optimizer.iterations.numpy()), steps)
+
+    def test_steps_per_execution_runs_several_steps_per_dispatch(self):
+        with self.strategy.scope():
+            model = make_model(steps_per_execution=4)
+        emb = model.get_layer("emb").embeddings
+        table0 = emb.numpy()
+        # 5 steps per epoch at 4 per dispatch: one dispatch of 4 and one of 1 per epoch. log_every=1 waits for
+        # each dispatch, so the two workers never overlap and the result is the sequential one.
+        history = tfs.fit(model, dataset_fn, epochs=2, steps_per_epoch=5, verbose=0, log_every=1)
+        self.assertLen(history.history["loss"], 2)
+        self.assertEqual(tfs.training.steps_done(model), 10)
+        self.assertEqual(int(model.optimizer.iterations.numpy()), 10)
+        ref_table, ref_kernel = single_device_reference(table0, 10)
+        self.assertAllClose(emb.numpy(), ref_table, atol=1e-5)
+        self.assertAllClose(model.get_layer("dense").kernel.numpy(), ref_kernel, atol=1e-5)
 
     def test_training_step_reads_only_rows_of_tables_and_slots(self):
         with self.strategy.scope():
@@ -191,10 +214,11 @@ class CollectionOnParameterServersTest(tf.test.TestCase):
         for device, count in shards_on.items():
             on_device = [op for op in graph.get_operations() if op.device == device]
             self.assertEqual(sum(op.type == "ResourceGather" for op in on_device), count)
-            id_splits = [op for op in on_device if op.type == "SplitV" and op.outputs[0].dtype == tf.int64]
-            self.assertLen(id_splits, 1, msg=device)  # one fused id tensor in ...
-            row_concats = [op for op in on_device if op.type == "ConcatV2" and op.outputs[0].dtype == tf.float32]
-            self.assertLen(row_concats, 1, msg=device)  # ... one fused row tensor out
+            id_splits = [op for op in on_device if op.type == "DynamicPartition" and op.outputs[0].dtype == tf.int64]
+            self.assertLen(id_splits, 1, msg=device)  # one id tensor in, split by shard on the ps ...
+            self.assertLen(id_splits[0].outputs, count, msg=device)
+            row_stitches = [op for op in on_device if op.type == "DynamicStitch"]
+            self.assertLen(row_stitches, 1, msg=device)  # ... one row tensor out
 
         def dataset_fn(input_context=None):
             rng = np.random.RandomState(0)

@@ -65,6 +65,23 @@ class MirroredFitTest(tf.test.TestCase):
         finally:
             tfs.exchange.exchange_gradient = original
 
+    def test_fit_with_steps_per_execution_under_mirrored(self):
+        # Keras 3's own steps_per_execution > 1 fails under MirroredStrategy (keras-team/keras#19246);
+        # tfs.fit runs its own loop there. 4 batches per epoch at 3 steps per execution: 3 + 1.
+        strategy = mirrored()
+        with strategy.scope():
+            layer = tfs.layers.Embedding(ROWS, DIM, partitions=2, seed=3, exchange="allgather")
+            model = build(layer)
+            model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse", steps_per_execution=3)
+        table0 = layer.embeddings.numpy()
+        ids, y = data()
+        history = tfs.fit(model, tf.data.Dataset.from_tensor_slices((ids, y)).batch(16), epochs=2, verbose=0)
+        self.assertLen(history.history["loss"], 2)
+        self.assertEqual(int(model.optimizer.iterations.numpy()), 8)
+        want_table, want_kernel = reference_after_fit(table0)
+        self.assertAllClose(layer.embeddings.numpy(), want_table, atol=1e-5)
+        self.assertAllClose(model.layers[-1].kernel.numpy(), want_kernel, atol=1e-5)
+
     def test_sparse_optimizers_under_mirrored_match_one_device(self):
         strategy = mirrored()
         ids, y = data()

@@ -17,7 +17,7 @@ commands:
           tables, shapes, dtypes, sizes and the layout a checkpoint was saved from
   demo    train a sharded table on a local parameter-server cluster, save it,
           and restore it into another layout
-  bench [ps|exchange|fused|memory ...] [--quick] [--out DIR] [--mode inprocess|process|both]
+  bench [ps|exchange|fused|memory|e2e ...] [--quick] [--out DIR] [--mode inprocess|process|both]
           the benchmark suite (default: all): tables, ratios, JSON and PNG in bench_results/
 """
 

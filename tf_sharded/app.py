@@ -42,6 +42,14 @@ def define_flags(values: flags.FlagValues) -> None:
         "steps_per_epoch", 100, "Steps between checkpoints / progress lines.", lower_bound=1, flag_values=values
     )
     flags.DEFINE_integer("batch_size", 512, "Global batch size.", lower_bound=1, flag_values=values)
+    flags.DEFINE_integer(
+        "steps_per_execution",
+        1,
+        "Training steps per dispatched function (Keras's compile argument; amortises the per-step "
+        "scheduling cost, most under parameter_server).",
+        lower_bound=1,
+        flag_values=values,
+    )
     flags.DEFINE_enum(
         "optimizer", "adam", ["sgd", "adagrad", "adam", "ftrl"], "tfs.optimizers class.", flag_values=values
     )
@@ -182,6 +190,7 @@ def train(args) -> int:
             optimizer=optimizer,
             loss=keras.losses.BinaryCrossentropy(from_logits=True),
             metrics=[keras.metrics.AUC(from_logits=True, name="auc")],
+            steps_per_execution=args.steps_per_execution,
         )
     steps_per_epoch = min(args.steps, args.steps_per_epoch)
     epochs = math.ceil(args.steps / steps_per_epoch)

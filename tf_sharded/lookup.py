@@ -53,67 +53,99 @@ def _assemble(parts, positions, shard, idx, num_unique):
     return assemble(*parts)
 
 
-def _fetch(requests):
-    """Rows for `(variable, local_ids)` requests, one fused request per device.
+def _device_rows(variables, local, slot):
+    """On one device: rows of its shard `variables` at `local` ids, `slot[i]` naming the shard of id `i`."""
+    if len(variables) == 1:
+        return tf.gather(variables[0], local)
+    m = len(variables)
+    pieces = tf.dynamic_partition(local, slot, m)
+    where = tf.dynamic_partition(tf.range(tf.size(local, out_type=tf.int32)), slot, m)
+    return tf.dynamic_stitch(where, [tf.gather(v, piece) for v, piece in zip(variables, pieces)])
 
-    Requests to the same device (the shards of several tables, or several
-    shards of one table, on one parameter server) send their ids in one
-    tensor and get their rows back in one tensor, split again here.
+
+def _lookup_group(members, max_norm):
+    """Rows for `(table, flat ids)` pairs whose tables share dtype and row shape, as one id space.
+
+    Each table's ids become shard-major keys (`Layout.keys`) offset by the
+    table's base, so one `unique`, one `searchsorted` and one partition by
+    device serve every table; each device gets one id tensor and returns one
+    row tensor (its shards read by `_device_rows`). A table listed twice is
+    looked up once. The gradient reaches every shard as `IndexedSlices` of
+    distinct local rows (`_assemble`).
     """
-    by_device = {}
-    for i, (v, _) in enumerate(requests):
-        by_device.setdefault(v.device, []).append(i)
-    out = [None] * len(requests)
-    for device, members in by_device.items():
-        if len(members) == 1:
-            v, local = requests[members[0]]
-            with tf.device(device):
-                out[members[0]] = tf.gather(v, local)
-            continue
-        sizes = tf.stack([tf.size(requests[i][1]) for i in members])
-        ids = tf.concat([requests[i][1] for i in members], 0)
+    tables = list({id(t): t for t, _ in members}.values())  # first-appearance order
+    bases, starts, shards, total = {}, [], [], 0
+    for table in tables:
+        bases[id(table)] = total
+        starts.extend(total + o for o in table._layout.offsets[:-1])
+        shards.extend(table.variables)
+        total += table.shape[0]
+    counts = {}
+    for table, flat_ids in members:
+        n, before = flat_ids.shape[0], counts.get(id(table), 0)
+        counts[id(table)] = None if n is None or before is None else before + n
+    for table in tables:
+        exchange.note_lookup(table, counts[id(table)])
+    keys = tf.concat([table._layout.keys(flat_ids) + bases[id(table)] for table, flat_ids in members], 0)
+    uniq, idx = tf.unique(keys, out_idx=tf.int32)
+    if len(shards) == 1:
+        shard, local = tf.zeros_like(uniq, tf.int32), uniq
+    else:
+        shard = tf.searchsorted(tf.constant(starts[1:], tf.int64), uniq, side="right", out_type=tf.int32)
+        local = uniq - tf.gather(tf.constant(starts, tf.int64), shard)
+    devices = list(dict.fromkeys(v.device for v in shards))
+    on_device = [[] for _ in devices]
+    device_index, slot_of = [], []  # per shard: its device, its position among that device's shards
+    for v in shards:
+        d = devices.index(v.device)
+        device_index.append(d)
+        slot_of.append(len(on_device[d]))
+        on_device[d].append(v)
+    inner_axes = list(range(1, tables[0].shape.rank))
+    clip = max_norm is not None and inner_axes
+    if len(devices) == 1:
+        device_of, locals_, slots = tf.zeros_like(shard), [local], [shard]
+        positions = [tf.range(tf.size(uniq, out_type=tf.int32))]
+    else:
+        device_of = tf.gather(tf.constant(device_index, tf.int32), shard)
+        slot = tf.gather(tf.constant(slot_of, tf.int32), shard)
+        locals_ = tf.dynamic_partition(local, device_of, len(devices))
+        slots = tf.dynamic_partition(slot, device_of, len(devices))
+        positions = tf.dynamic_partition(tf.range(tf.size(uniq, out_type=tf.int32)), device_of, len(devices))
+    parts = []
+    for device, variables, local_d, slot_d in zip(devices, on_device, locals_, slots):
         with tf.device(device):
-            parts = tf.split(ids, sizes, num=len(members))
-            rows = [tf.reshape(tf.gather(requests[i][0], part), [-1]) for i, part in zip(members, parts)]
-            widths = [max(1, requests[i][0].shape[1:].num_elements()) for i in members]
-            fused = tf.concat(rows, 0)
-        for i, piece in zip(members, tf.split(fused, sizes * tf.constant(widths, tf.int32), num=len(members))):
-            v = requests[i][0]
-            out[i] = tf.reshape(piece, tf.concat([[-1], tf.constant(v.shape.as_list()[1:], tf.int32)], 0))
-    return out
+            rows = _device_rows(variables, local_d, slot_d)
+        parts.append(_clip_rows(rows, max_norm, inner_axes) if clip else rows)
+    rows = _assemble(parts, positions, device_of, idx, tf.size(uniq))
+    if len(members) == 1:
+        return [rows]
+    sizes = [flat_ids.shape[0] for _, flat_ids in members]
+    if any(n is None for n in sizes):
+        sizes = tf.stack([tf.size(flat_ids, out_type=tf.int32) for _, flat_ids in members])
+    return tf.split(rows, sizes, num=len(members))
 
 
 def lookup_many(pairs, max_norm: Optional[float] = None) -> list:
     """Rows for several `(table, int64 ids of rank 1)` pairs at once, with sparse per-shard gradients.
 
-    Each table's ids are de-duplicated and routed; the requests of all tables
-    are then fused per device (`_fetch`).
+    Tables of the same dtype and row shape are looked up together as one id
+    space (`_lookup_group`): one de-duplication, one routing and one request
+    per device for the whole group.
     """
-    plans, requests = [], []
-    for table, flat_ids in pairs:
+    results = [None] * len(pairs)
+    groups = {}
+    for i, (table, flat_ids) in enumerate(pairs):
         plain = EXPORT_SUBSTITUTES.get(id(table))
         if plain is not None:
-            plans.append(("plain", table, tf.gather(plain, flat_ids)))
+            rows = tf.gather(plain, flat_ids)
+            inner_axes = list(range(1, table.shape.rank))
+            results[i] = _clip_rows(rows, max_norm, inner_axes) if max_norm is not None and inner_axes else rows
             continue
-        exchange.note_lookup(table, flat_ids.shape[0])
-        uniq, idx = tf.unique(flat_ids, out_idx=tf.int32)
-        shard, locals_, positions = table._partition_rows(uniq)
-        first = len(requests)
-        requests.extend(zip(table.variables, locals_))
-        plans.append(("sharded", table, (first, positions, shard, idx, tf.size(uniq))))
-    fetched = _fetch(requests)
-    results = []
-    for kind, table, plan in plans:
-        inner_axes = list(range(1, table.shape.rank))
-        clip = (lambda r: _clip_rows(r, max_norm, inner_axes)) if max_norm is not None and inner_axes else None
-        if kind == "plain":
-            results.append(clip(plan) if clip else plan)
-            continue
-        first, positions, shard, idx, num_unique = plan
-        parts = fetched[first : first + table.num_shards]
-        if clip:
-            parts = [clip(p) for p in parts]
-        results.append(_assemble(parts, positions, shard, idx, num_unique))
+        groups.setdefault((table.dtype, tuple(table.shape[1:].as_list())), []).append(i)
+    for members in groups.values():
+        for i, rows in zip(members, _lookup_group([pairs[i] for i in members], max_norm)):
+            results[i] = rows
     return results
 
 

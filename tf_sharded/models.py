@@ -26,6 +26,29 @@ def _inputs():
     return inputs
 
 
+EMBEDDINGS = ("tfs", "keras")
+
+
+def _embed(ids: dict, vocab: Sequence[int], dim: int, name: str, table_options: Optional[dict], embeddings: str):
+    """The 26 feature vectors: one `EmbeddingCollection` ("tfs"), or one `keras.layers.Embedding` per feature."""
+    if embeddings == "keras":
+        if table_options:
+            raise ValueError(
+                "Argument `table_options` applies to tf_sharded tables only. "
+                f"Received: table_options={table_options!r} with embeddings='keras'"
+            )
+        return {
+            key: keras.layers.Embedding(int(size), dim, name=f"{name}_{key}")(ids[key])
+            for key, size in zip(CATEGORICAL_KEYS, vocab)
+        }
+    return _collection(vocab, dim, name, table_options)({key: ids[key] for key in CATEGORICAL_KEYS})
+
+
+def _check_embeddings(embeddings: str) -> None:
+    if embeddings not in EMBEDDINGS:
+        raise ValueError(f"Argument `embeddings` must be one of {EMBEDDINGS}. Received: {embeddings!r}")
+
+
 def _collection(vocab: Sequence[int], dim: int, name: str, table_options: Optional[dict]) -> EmbeddingCollection:
     tables = {
         key: {"input_dim": int(size), "output_dim": dim, "seed": i, **(table_options or {})}
@@ -59,11 +82,14 @@ def dlrm(
     bottom: Sequence[int] = (512, 256, 64),
     top: Sequence[int] = (512, 256),
     table_options: Optional[dict] = None,
+    embeddings: str = "tfs",
 ) -> keras.Model:
     """DLRM: bottom MLP on the dense features, dot interaction with the 26 embeddings, top MLP, one logit.
 
     The bottom MLP ends in `embedding_dim` units (13-512-256-64-16 with the
-    defaults, as in the reference DLRM for Criteo Kaggle).
+    defaults, as in the reference DLRM for Criteo Kaggle). `embeddings="keras"`
+    builds the same model with one `keras.layers.Embedding` per feature
+    (TensorFlow's own path, the baseline of `bench e2e`).
 
     Example:
 
@@ -73,9 +99,10 @@ def dlrm(
     >>> model(features).shape
     TensorShape([2, 1])
     """
+    _check_embeddings(embeddings)
     inputs = _inputs()
     bottom_out = _mlp(inputs["dense"], list(bottom) + [embedding_dim], "bottom")
-    embedded = _collection(vocab, embedding_dim, "embeddings", table_options)({k: inputs[k] for k in CATEGORICAL_KEYS})
+    embedded = _embed(inputs, vocab, embedding_dim, "embeddings", table_options, embeddings)
     interaction = DotInteraction(name="interaction")([bottom_out] + [embedded[k] for k in CATEGORICAL_KEYS])
     logit = _mlp(interaction, list(top) + [1], "top", last_activation=None)
     return keras.Model(inputs, logit, name="dlrm")
@@ -96,8 +123,11 @@ def deepfm(
     embedding_dim: int = 16,
     deep: Sequence[int] = (400, 400, 400),
     table_options: Optional[dict] = None,
+    embeddings: str = "tfs",
 ) -> keras.Model:
     """DeepFM: first-order weights, an FM over the field embeddings, and an MLP on them, summed into one logit.
+
+    `embeddings="keras"` builds it from `keras.layers.Embedding` layers instead.
 
     Example:
 
@@ -107,10 +137,10 @@ def deepfm(
     >>> model(features).shape
     TensorShape([2, 1])
     """
+    _check_embeddings(embeddings)
     inputs = _inputs()
-    ids = {k: inputs[k] for k in CATEGORICAL_KEYS}
-    first = _collection(vocab, 1, "first_order", table_options)(ids)
-    fields = _collection(vocab, embedding_dim, "embeddings", table_options)(ids)
+    first = _embed(inputs, vocab, 1, "first_order", table_options, embeddings)
+    fields = _embed(inputs, vocab, embedding_dim, "embeddings", table_options, embeddings)
     vectors = [fields[k] for k in CATEGORICAL_KEYS]
     linear = keras.layers.Add(name="linear")(
         [first[k] for k in CATEGORICAL_KEYS] + [keras.layers.Dense(1, name="dense_linear")(inputs["dense"])]
@@ -122,8 +152,16 @@ def deepfm(
     return keras.Model(inputs, logit, name="deepfm")
 
 
-def build(name: str, vocab: Sequence[int], embedding_dim: int = 16, table_options: Optional[dict] = None):
+def build(
+    name: str,
+    vocab: Sequence[int],
+    embedding_dim: int = 16,
+    table_options: Optional[dict] = None,
+    embeddings: str = "tfs",
+):
     """`dlrm` or `deepfm` by name."""
     if name not in MODELS:
         raise ValueError(f"Argument `model` must be one of {MODELS}. Received: {name!r}")
-    return (dlrm if name == "dlrm" else deepfm)(vocab, embedding_dim=embedding_dim, table_options=table_options)
+    return (dlrm if name == "dlrm" else deepfm)(
+        vocab, embedding_dim=embedding_dim, table_options=table_options, embeddings=embeddings
+    )

@@ -292,6 +292,20 @@ class Layout:
         local = keys - tf.gather(tf.constant(self.offsets[:-1], dtype=tf.int64), shard)
         return shard, local
 
+    def keys(self, rows: tf.Tensor) -> tf.Tensor:
+        """Shard-major positions of int64 logical rows: shard `s` holds keys `[offsets[s], offsets[s + 1])`.
+
+        A bijection of `[0, num_rows)` (`route` is `searchsorted` of the key
+        over `offsets`), so tables of any scheme can share one id space.
+        """
+        if self.num_shards == 1:
+            return rows
+        if self.scheme == "mod":
+            n = self.num_shards
+            starts = tf.constant(self.offsets[:-1], dtype=tf.int64)
+            return tf.gather(starts, tf.math.floormod(rows, n)) + tf.math.floordiv(rows, n)
+        return self._permute_tf(rows)
+
     def logical_rows_tf(self, shard: int, start: int = 0, stop: Optional[int] = None) -> tf.Tensor:
         """Logical row ids held by `shard` at local rows `[start, stop)`."""
         size = self.shard_sizes[shard]

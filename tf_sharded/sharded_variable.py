@@ -69,9 +69,10 @@ def check_ids(ids, num_rows: int, table_name: str, arg: str = "ids", max_rank: O
     low = tf.reduce_min(tf.concat([flat, [0]], 0))
     high = tf.reduce_max(tf.concat([flat, [0]], 0))
     ok = tf.logical_and(low >= 0, high < num_rows)
-    check = tf.debugging.Assert(
-        ok,
-        [
+    # The raw op: `tf.debugging.Assert` wraps int64 data in a `cond` (an `If` per check, costly per step).
+    check = tf.raw_ops.Assert(
+        condition=ok,
+        data=[
             f"Argument `{arg}` must hold row ids in [0, {num_rows}) for table '{table_name}'. Received: smallest id",
             low,
             "largest id",

@@ -192,7 +192,11 @@ def fit(
     if checkpoint_every is not None:
         checkpoint_every = positive_int("checkpoint_every", checkpoint_every)
     strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else model.distribute_strategy
-    if _is_ps(strategy) or isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+    # Keras 3's own steps_per_execution > 1 fails under MirroredStrategy (keras-team/keras#19246): own loop.
+    own_loop = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or (
+        isinstance(strategy, tf.distribute.MirroredStrategy) and getattr(model, "steps_per_execution", 1) > 1
+    )
+    if _is_ps(strategy) or own_loop:
         if steps_per_epoch is None and isinstance(dataset, tf.data.Dataset) and not _is_ps(strategy):
             steps_per_epoch = int(dataset.cardinality()) if int(dataset.cardinality()) > 0 else None
         if steps_per_epoch is None:
@@ -291,9 +295,30 @@ class _Runner:
             else:
                 self.distributed = strategy.experimental_distribute_dataset(dataset)
 
+        # Unrolled copies must each trace their own collectives: the undecorated step, not one function
+        # called several times (its collectives would share their instance keys).
+        inline_step = getattr(step_fn, "python_function", step_fn)
+
+        def one_step(iterator, inline=False):
+            # The first replica's logs (its batch size stands for every replica's): plain tensors.
+            logs = (inline_step if inline else step_fn)(next(iterator))
+            return logs if self.ps else self._first_replica(logs)
+
         @tf.function
-        def scheduled(iterator):
-            return step_fn(next(iterator))
+        def scheduled(iterator, count):
+            # `count` consecutive steps in one function (Keras's `steps_per_execution`): one dispatch
+            # for all of them. The logs are the last step's, the batch sizes summed. On parameter
+            # servers a loop; with collectives unrolled, so that every step's collectives have their
+            # own instance (in a loop, replicas one iteration apart would meet in one instance).
+            logs = one_step(iterator, inline=not self.ps)
+            if count == 1:
+                return logs
+            samples = logs["_samples"]
+            for _ in tf.range(count - 1) if self.ps else range(count - 1):
+                logs = one_step(iterator, inline=not self.ps)
+                samples += logs["_samples"]
+            logs["_samples"] = samples
+            return logs
 
         self._scheduled = scheduled
         self.iterator = iter(self.distributed)
@@ -302,10 +327,11 @@ class _Runner:
         if self.per_epoch:
             self.iterator = iter(self.distributed)
 
-    def launch(self):
+    def launch(self, count: int = 1):
+        """Starts `count` steps (one scheduled function, traced once per distinct count)."""
         if self.ps:
-            return self.coordinator.schedule(self._scheduled, args=(self.iterator,))
-        return self._scheduled(self.iterator)
+            return self.coordinator.schedule(self._scheduled, args=(self.iterator, count))
+        return self._scheduled(self.iterator, count)
 
     def results(self, launched: list) -> list:
         """Per step: logs as floats and the number of samples over all replicas."""
@@ -313,7 +339,7 @@ class _Runner:
             self.coordinator.join()
             values = [r.fetch() for r in launched]
         else:
-            values = [tf.nest.map_structure(lambda v: v.numpy(), self._first_replica(r)) for r in launched]
+            values = [tf.nest.map_structure(lambda v: v.numpy(), r) for r in launched]
         replicas = 1 if self.ps else self.strategy.num_replicas_in_sync
         return [({k: float(v) for k, v in r.items() if k != "_samples"}, int(r["_samples"]) * replicas) for r in values]
 
@@ -337,6 +363,7 @@ def _fit_loop(
     global_step = _steps_done(model, counter)
     initial_epoch = min(epochs, global_step // steps_per_epoch)
     runner = _Runner(strategy, dataset, train_function(model, strategy))
+    per_execution = positive_int("steps_per_execution", getattr(model, "steps_per_execution", 1) or 1)
 
     history = keras.callbacks.History()
     callback_list = keras.callbacks.CallbackList(
@@ -356,21 +383,23 @@ def _fit_loop(
         callback_list.on_epoch_begin(epoch)
         bar = keras.utils.Progbar(steps_per_epoch, verbose=verbose) if verbose else None
         launched, samples, start = [], 0, time.perf_counter()
-        for step in range(steps_per_epoch):
+        step = 0
+        while step < steps_per_epoch:
+            count = min(per_execution, steps_per_epoch - step)
             callback_list.on_train_batch_begin(step)
-            launched.append(runner.launch())
-            global_step += 1
-            last = step == steps_per_epoch - 1
-            due = bool(checkpoint_every) and global_step % checkpoint_every == 0
-            if (step + 1) % log_every == 0 or last or due:
+            launched.append(runner.launch(count))
+            before, global_step, step = global_step, global_step + count, step + count
+            last = step == steps_per_epoch
+            due = bool(checkpoint_every) and global_step // checkpoint_every > before // checkpoint_every
+            if step // log_every > (step - count) // log_every or last or due:
                 results = runner.results(launched)
                 launched = []
                 samples += sum(n for _, n in results)
                 logs = results[-1][0]
                 rate = samples / max(time.perf_counter() - start, 1e-9)
-                callback_list.on_train_batch_end(step, logs)
+                callback_list.on_train_batch_end(step - 1, logs)
                 if bar is not None and not last:
-                    bar.update(step + 1, [*logs.items(), ("samples/s", rate)], finalize=False)
+                    bar.update(step, [*logs.items(), ("samples/s", rate)], finalize=False)
                 if due:
                     checkpoints.save(global_step)
         logs = {name: float(value) for name, value in model.get_metrics_result().items()}

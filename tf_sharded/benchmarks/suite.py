@@ -22,9 +22,10 @@ BENCHMARKS = {
     "exchange": ("tf_sharded.benchmarks.exchange", "B2: mirrored gradient exchange sweep"),
     "fused": ("tf_sharded.benchmarks.fused", "B6: EmbeddingCollection vs one layer per table"),
     "memory": ("tf_sharded.benchmarks.memory", "B3: resident memory per task (one process per task)"),
+    "e2e": ("tf_sharded.benchmarks.end_to_end", "B4: DLRM samples/s per strategy vs keras.layers.Embedding"),
 }
 # Benchmarks that pick their own cluster (or none): run once, whatever --mode says.
-SINGLE_RUN = ("exchange", "memory")
+SINGLE_RUN = ("exchange", "memory", "e2e")
 
 
 def _json_path(out: str, name: str, mode: str) -> str:
@@ -98,6 +99,21 @@ def _plot(name: str, reports: List[Dict], out: str) -> str:
         )
         ax.set_xticks(range(len(rows)), labels)
         ax.set(ylabel="MB", title=f"B3: memory per task ({reports[0]['table_mb']:.0f} MB of tables)")
+        ax.legend()
+    elif name == "e2e":
+        fig, ax = plt.subplots(figsize=(7, 4))
+        rows = reports[0]["results"]
+        x = range(len(rows))
+        multi = reports[0]["steps_per_execution_multi"]
+        for offset, key, label in (
+            (-0.27, "keras_samples_per_s", "keras.layers.Embedding"),
+            (0.0, "ours_samples_per_s", "tf_sharded"),
+            (0.27, "ours_multi_samples_per_s", f"tf_sharded, steps_per_execution={multi}"),
+        ):
+            ax.bar([i + offset for i in x], [r[key] or 0 for r in rows], width=0.27, label=label)
+        ax.axhline(reports[0]["input_samples_per_s"], color="gray", linestyle="--", label="input pipeline alone")
+        ax.set_xticks(list(x), [r["strategy"] for r in rows])
+        ax.set(yscale="log", ylabel="samples / s", title="B4: DLRM end to end")
         ax.legend()
     else:
         fig, ax = plt.subplots(figsize=(6, 4))
