@@ -81,6 +81,11 @@ class BenchmarkSuiteTest(tf.test.TestCase):
         for row in memory["results"]:
             self.assertIn("growth_vs_expected" if row["job"] == "ps" else "growth_vs_table_bytes", row)
             self.assertGreater(row["rss_after_mb"], 0)
+        self.assertEqual([r["placement"] for r in memory["mirrored"]], ["host", "device"])
+        for row in memory["mirrored"]:
+            self.assertEqual(row["replicas"], 2)
+            self.assertGreater(row["growth_vs_expected"], 0)
+            self.assertEqual(row["expected_mb"], row["table_mb"] * 2 * (1 if row["placement"] == "host" else 2))
         self.check_end_to_end(out)
 
     def test_unknown_benchmark_is_named(self):

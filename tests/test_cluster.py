@@ -1,5 +1,6 @@
 """Local clusters: one OS process per task, cleaned up on exit and on error."""
 
+import os
 import textwrap
 
 import psutil
@@ -17,6 +18,9 @@ SCRIPT = textwrap.dedent(
     import sys, numpy as np, tensorflow as tf, tf_sharded as tfs
     cluster = tfs.cluster.LocalCluster(num_workers=1, num_ps=2, mode="process").start()
     print("PIDS", *cluster.pids, flush=True)
+    import psutil
+    for (job, index), pid in sorted(cluster.task_pids().items()):
+        print("ENV", job, index, psutil.Process(pid).environ().get("TF_ENABLE_ONEDNN_OPTS", "-"), flush=True)
     strategy = cluster.strategy()
     coordinator = cluster.coordinator(strategy)
     values = np.arange(20, dtype=np.float32).reshape(10, 2)
@@ -65,6 +69,11 @@ class ProcessClusterTest(tf.test.TestCase):
         proc = self.check("ok")
         self.assertEqual(proc.returncode, 0, msg=proc.stderr[-3000:])
         self.assertIn("DONE", proc.stdout)
+        # Parameter servers run without oneDNN (tfs.cluster.PS_ENV); the worker keeps the caller's setting.
+        env = {tuple(line.split()[1:3]): line.split()[3] for line in proc.stdout.splitlines() if line.startswith("ENV")}
+        self.assertEqual(env[("ps", "0")], "0")
+        self.assertEqual(env[("ps", "1")], "0")
+        self.assertEqual(env[("worker", "0")], os.environ.get("TF_ENABLE_ONEDNN_OPTS", "-"))
 
     def test_tasks_are_cleaned_up_when_the_coordinator_fails(self):
         proc = self.check("fail")

@@ -134,6 +134,46 @@ class MirroredTrainingTest(tf.test.TestCase):
                     self.assertTrue(all(len(v.values) == 4 for v in table.variables))
 
 
+class MirroredGraphTest(tf.test.TestCase):
+    def test_step_reads_rows_not_whole_tables(self):
+        # A mirrored variable has no sparse_read (tf.gather on it reads it whole), and any attribute it does
+        # not have is forwarded to a full read in cross-replica context: neither may happen in a step.
+        strategy = mirrored()
+        rows = 1009
+        for placement in ("device", "host"):
+            tables = {
+                "a": {"input_dim": rows, "output_dim": 4, "placement": placement, "exchange": "allgather"},
+                "b": {"input_dim": rows + 2, "output_dim": 4, "placement": placement, "exchange": "dense"},
+            }
+            with strategy.scope():
+                layer = tfs.layers.EmbeddingCollection(tables, {"fa": "a", "fb": "b"}, name=uid("graph"))
+                layer.build()
+                optimizer = tfs.optimizers.Adagrad(0.1)
+                optimizer.build(layer.trainable_variables)
+
+            @tf.function
+            def step(ids):
+                def fn(ids):
+                    with tf.GradientTape() as tape:
+                        loss = tf.add_n([tf.reduce_sum(v**2) for v in layer(ids).values()])
+                    grads = tape.gradient(loss, layer.trainable_variables)
+                    optimizer.apply_gradients(zip(grads, layer.trainable_variables))
+                    return loss
+
+                return strategy.run(fn, args=(ids,))
+
+            ids = {"fa": tf.constant([1, 2, 2], tf.int64), "fb": tf.constant([0, 5, 9], tf.int64)}
+            step(ids)
+            graph = step.get_concrete_function(ids).graph
+            full = [
+                f"{op.type} {op.name}"
+                for op in graph.get_operations()
+                if op.type == "ReadVariableOp" and op.outputs[0].shape.rank == 2 and op.outputs[0].shape[0] >= rows
+            ]
+            self.assertEqual(full, [], msg=placement)
+            self.assertNotEmpty([op for op in graph.get_operations() if op.type == "ResourceGather"])
+
+
 class ExchangeTest(tf.test.TestCase):
     def test_allgather_exchanges_deduplicated_rows(self):
         strategy = mirrored()

@@ -17,9 +17,12 @@ from tf_sharded.partition import PartitionSpec, resolve_spec
 from tf_sharded.sharded_variable import ShardedVariable
 
 PLACEMENTS = ("auto", "device", "host")
-# Shards above this many elements are initialised chunk by chunk, so the
-# temporaries of the random generator never exceed a few hundred MB.
-CHUNK_ELEMENTS = 1 << 22
+# Shards above this many elements are initialised chunk by chunk. The random
+# generator's temporaries are several times a chunk, and TensorFlow's CPU
+# allocator (with oneDNN, the default) keeps freed memory pooled instead of
+# returning it: 2**22-element chunks left each 340 MB parameter server ~25%
+# above its shards (`bench memory`); 2**20 keeps it to a few percent.
+CHUNK_ELEMENTS = 1 << 20
 
 
 @dataclasses.dataclass

@@ -53,14 +53,27 @@ def _assemble(parts, positions, shard, idx, num_unique):
     return assemble(*parts)
 
 
+def gather_rows(variable, ids) -> tf.Tensor:
+    """`ResourceGather` of rows of one shard; a mirrored shard is read from this replica's own copy.
+
+    A `DistributedVariable` has no `sparse_read`, so `tf.gather` on it reads
+    the whole shard (`ReadVariableOp`) and gathers from that copy, every step.
+    Its component shares the handle the tape watches, so gradients still reach
+    the mirrored variable.
+    """
+    if isinstance(variable, tf.distribute.DistributedValues):
+        variable = variable._get_on_device_or_primary()
+    return tf.gather(variable, ids)
+
+
 def _device_rows(variables, local, slot):
     """On one device: rows of its shard `variables` at `local` ids, `slot[i]` naming the shard of id `i`."""
     if len(variables) == 1:
-        return tf.gather(variables[0], local)
+        return gather_rows(variables[0], local)
     m = len(variables)
     pieces = tf.dynamic_partition(local, slot, m)
     where = tf.dynamic_partition(tf.range(tf.size(local, out_type=tf.int32)), slot, m)
-    return tf.dynamic_stitch(where, [tf.gather(v, piece) for v, piece in zip(variables, pieces)])
+    return tf.dynamic_stitch(where, [gather_rows(v, piece) for v, piece in zip(variables, pieces)])
 
 
 def _lookup_group(members, max_norm):

@@ -90,19 +90,27 @@ def _slice_spec(full_shape, start: int, length: int) -> str:
     return f"{dims} {start},{length}{rest}"
 
 
+def _own_attr(obj, name: str):
+    """`obj.name` or None, never forwarded: a `DistributedValues` hands unknown attributes to a copy of
+    its value, which for a mirrored variable in cross-replica context is a full read of it."""
+    if isinstance(obj, tf.distribute.DistributedValues):
+        return vars(obj).get(name)
+    return getattr(obj, name, None)
+
+
 def shard_owner(variable) -> Optional[Tuple[ShardedVariable, int]]:
     """`(table, shard index)` if `variable` is a shard of a `ShardedVariable`, else None.
 
     Accepts the shard itself, a Keras variable wrapping it, or one replica's
     component of a mirrored shard.
     """
-    for candidate in (variable, getattr(variable, "_value", None)):
+    for candidate in (variable, _own_attr(variable, "_value")):
         if candidate is None:
             continue
-        tag = getattr(candidate, "_tfs_shard_of", None)
+        tag = _own_attr(candidate, "_tfs_shard_of")
         if tag is None:
             container = _distributed_container(candidate)
-            tag = getattr(container, "_tfs_shard_of", None) if container is not None else None
+            tag = _own_attr(container, "_tfs_shard_of") if container is not None else None
         if tag is not None:
             table = tag[0]()
             return None if table is None else (table, tag[1])
@@ -111,8 +119,8 @@ def shard_owner(variable) -> Optional[Tuple[ShardedVariable, int]]:
 
 def _distributed_container(component):
     """The mirrored variable a per-replica component belongs to (TF keeps the link on it or its handle)."""
-    for holder in (component, getattr(component, "_handle", None)):
-        container = getattr(holder, "_distributed_container", None)
+    for holder in (component, _own_attr(component, "_handle")):
+        container = _own_attr(holder, "_distributed_container")
         if callable(container):
             return container()
     return None

@@ -24,6 +24,12 @@ addresses() {  # role count
 TF_CONFIG=$(printf '{"cluster": {"chief": [%s], "worker": [%s], "ps": [%s]}, "task": {"type": "%s", "index": %s}}' \
   "$(addresses chief 1)" "$(addresses worker "$NUM_WORKERS")" "$(addresses ps "$NUM_PS")" "$ROLE" "$INDEX")
 export TF_CONFIG
+if [ "$ROLE" = "ps" ]; then
+  # A ps only gathers and scatters rows: no oneDNN (its allocator pools freed memory), and big blocks
+  # freed back to the OS (glibc's adaptive mmap threshold would keep them): tf_sharded.cluster.PS_ENV.
+  export TF_ENABLE_ONEDNN_OPTS="${TF_ENABLE_ONEDNN_OPTS:-0}"
+  export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-4194304}"
+fi
 if [ "${DRY_RUN:-0}" = "1" ]; then
   printf '%s\n' "$TF_CONFIG"
   exit 0

@@ -1,20 +1,34 @@
-"""B3: resident memory of every task while training tables of known size on parameter servers.
+"""B3: resident memory of every process while training tables of known size, on parameter servers and mirrored.
 
-A cluster of 2 ps + 1 worker, one OS process per task. The 26 Criteo-Kaggle
-tables (capped at `max_vocab` rows, dim 16) in a `tfs.layers.EmbeddingCollection`
-(2 shards per table) with `tfs.optimizers.Adagrad` (one slot per table) are
-created and trained for a few steps scheduled on the worker. Each process's
-resident set size (RSS, psutil) is read before the tables exist and after
-training; the growth is compared with what the process should hold:
+Parameter servers: 2 ps + 1 worker, one OS process per task. The 26
+Criteo-Kaggle tables (uncapped: 33,762,577 rows x 16, 2 GiB; capped at 50,000
+rows with `--quick`) in a `tfs.layers.EmbeddingCollection` (2 shards per
+table) with `tfs.optimizers.Adagrad` (one slot per table) are created and
+trained for a few steps scheduled on the worker. Each process's resident set
+size (RSS, psutil) is read before the tables exist and after training; the
+growth is compared with what the process should hold:
 
 * each ps: the bytes of its shards x (1 + slots), target within 15%;
 * the worker: target at most 5% of the table bytes (it holds no table).
+
+Mirrored: one process, `MirroredStrategy` over 2 logical CPUs, the tables
+capped at 1,000,000 rows (340 MiB; 50,000 with `--quick`), the same optimizer
+and steps; once tables and slots exist, `placement="host"` should hold one
+copy x (1 + slots) and `placement="device"` one per replica (target within
+15%); the steps' own growth (the traced, replicated step) is reported apart.
+Each placement runs in its own process.
 
     python -m tf_sharded bench memory [--quick]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 from typing import Dict, List
 
 import numpy as np
@@ -36,7 +50,7 @@ def run(quick: bool = False) -> Dict:
     from tf_sharded import data
     from tf_sharded.benchmarks.ps_lookup import _ids
 
-    max_vocab = 50_000 if quick else 1_000_000
+    max_vocab = 50_000 if quick else None
     vocab = data.vocab_sizes(max_vocab)
     keys = data.CATEGORICAL_KEYS
     cluster = tfs.cluster.LocalCluster(num_workers=1, num_ps=2, mode="process").start()
@@ -104,7 +118,7 @@ def run(quick: bool = False) -> Dict:
             else:
                 row["growth_vs_table_bytes"] = growth / table_bytes
             rows.append(row)
-        return {
+        report = {
             "benchmark": "memory",
             "mode": "process",
             "quick": quick,
@@ -114,6 +128,89 @@ def run(quick: bool = False) -> Dict:
         }
     finally:
         cluster.stop()
+    report["mirrored"] = [_run_mirrored(placement, quick) for placement in ("host", "device")]
+    return report
+
+
+def _run_mirrored(placement: str, quick: bool) -> Dict:
+    """The mirrored measurement for one placement, in a new process (so that nothing is measured twice)."""
+    out = tempfile.mktemp(suffix=f"_memory_{placement}.json")
+    cmd = [sys.executable, "-m", "tf_sharded.benchmarks.memory", "--mirrored", placement, "--out", out]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+    proc = subprocess.run(cmd + (["--quick"] if quick else []), env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"B3 mirrored ({placement}) failed:\n{proc.stderr[-3000:]}")
+    with open(out) as f:
+        row = json.load(f)
+    os.remove(out)
+    return row
+
+
+def _mirrored_child(placement: str, quick: bool) -> Dict:
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import tf_sharded as tfs
+    from tf_sharded import data
+    from tf_sharded.benchmarks.ps_lookup import _ids
+
+    vocab = data.vocab_sizes(50_000 if quick else 1_000_000)
+    keys = data.CATEGORICAL_KEYS
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        warm = tf.Variable(tf.zeros([4, DIM]))
+    strategy.run(tf.function(lambda: tf.reduce_sum(warm)))
+    pid = os.getpid()
+    before = _rss(pid)
+    tables = {
+        k: {"input_dim": v, "output_dim": DIM, "placement": placement, "exchange": "allgather", "seed": i}
+        for i, (k, v) in enumerate(zip(keys, vocab))
+    }
+    with strategy.scope():
+        layer = tfs.layers.EmbeddingCollection(tables, {k: k for k in keys})
+        layer.build()
+        optimizer = tfs.optimizers.Adagrad(0.05)
+        optimizer.build(layer.trainable_variables)
+    created = _rss(pid)
+
+    @tf.function
+    def step(ids):
+        def fn(ids):
+            with tf.GradientTape() as tape:
+                out = layer(ids)
+                loss = tf.add_n([tf.reduce_sum(tf.square(out[k])) for k in keys])
+            grads = tape.gradient(loss, layer.trainable_variables)
+            optimizer.apply_gradients(zip(grads, layer.trainable_variables))
+            return loss
+
+        return strategy.run(fn, args=(ids,))
+
+    rng = np.random.default_rng(0)
+    for _ in range(3 if quick else 10):
+        batch = [{k: tf.constant(_ids(rng, "power_law", v, BATCH)) for k, v in zip(keys, vocab)} for _ in range(2)]
+        per_replica = strategy.experimental_distribute_values_from_function(
+            lambda ctx, b=batch: b[ctx.replica_id_in_sync_group]
+        )
+        step(per_replica)
+    after = _rss(pid)
+    table_bytes = sum(v * DIM * 4 for v in vocab)
+    copies = 1 if placement == "host" else strategy.num_replicas_in_sync
+    expected = table_bytes * copies * 2  # one Adagrad slot per table
+    # The growth is read once the tables and slots exist; the training steps' own cost (tracing and
+    # instantiating the replicated step, ~250 MB here whatever the table size) is reported apart.
+    return {
+        "placement": placement,
+        "replicas": strategy.num_replicas_in_sync,
+        "table_mb": table_bytes / 2**20,
+        "rss_before_mb": before / 2**20,
+        "rss_created_mb": created / 2**20,
+        "rss_after_mb": after / 2**20,
+        "growth_mb": (created - before) / 2**20,
+        "steps_growth_mb": (after - created) / 2**20,
+        "expected_mb": expected / 2**20,
+        "growth_vs_expected": (created - before) / expected,
+    }
 
 
 def format_rows(report: Dict) -> List[str]:
@@ -128,4 +225,27 @@ def format_rows(report: Dict) -> List[str]:
             f"{'':>42}{r['job'] + ':' + str(r['task']):>8} | {r['rss_before_mb']:>7.0f}MB {r['rss_after_mb']:>7.0f}MB "
             f"{r['growth_mb']:>7.0f}MB {r['expected_mb']:>7.0f}MB | {ratio:.3f} ({what})"
         )
+    for r in report.get("mirrored", []):
+        lines.append(
+            f"{'':>24}mirrored {r['placement']:>6} ({r['replicas']} replicas) | {r['rss_before_mb']:>7.0f}MB "
+            f"{r['rss_created_mb']:>7.0f}MB {r['growth_mb']:>7.0f}MB {r['expected_mb']:>7.0f}MB | "
+            f"{r['growth_vs_expected']:.3f} (growth/expected; {r['table_mb']:.0f} MB of tables; "
+            f"then +{r['steps_growth_mb']:.0f} MB over the steps)"
+        )
     return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="B3 child: the mirrored measurement for one placement")
+    parser.add_argument("--mirrored", choices=["host", "device"], required=True)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    row = _mirrored_child(args.mirrored, args.quick)
+    with open(args.out, "w") as f:
+        json.dump(row, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
