@@ -29,6 +29,8 @@ ROW_KEYS = {
     "tf_default_vs_auto",
     "floor_s",
     "tf_default_vs_floor",
+    "allgather_again_s",
+    "noise",
 }
 
 

@@ -17,6 +17,11 @@ replica, as TF's collective gather does), dense
 `floor` is the same step with the lookup only (no gradient, exchange or
 update): no exchange can make a training step cheaper than that, so
 `tf_default / floor` bounds any speed-up over TF's default on this machine.
+`allgather_again` is the allgather step of a second, identical table, timed
+the same way: `noise = allgather_again / allgather` shows how far two
+identical graphs differ here (where `auto` compiles to all-gather, its graph
+is that one too). Densities below 10% run 3x the steps (their steps are short
+and noisier).
 
     python -m tf_sharded bench exchange [--quick] [--out bench_results]
 """
@@ -87,13 +92,20 @@ def run(quick: bool = False, out_dir: str = "bench_results", strategy=None) -> d
         return step
 
     def timed(named_steps, batches):
-        """Median step time per name; the steps run interleaved so drift hits all alike."""
+        """Median step time per name; the steps run interleaved so drift hits all alike.
+
+        The order is shuffled every step (seeded): a step that follows the slow, allocation-heavy dense
+        step may run slower, and a fixed order (or a rotation, which keeps the neighbours) would charge
+        that to one mode.
+        """
         for step in named_steps.values():
             for b in batches[:warmup]:
                 step(b)
         times = {name: [] for name in named_steps}
+        order = np.random.default_rng(1)
         for b in batches[warmup:]:
-            for name, step in named_steps.items():
+            for name in order.permutation(list(named_steps)):
+                step = named_steps[name]
                 t0 = time.perf_counter()
                 out = step(b)
                 strategy.experimental_local_results(out)[0].numpy()
@@ -107,6 +119,14 @@ def run(quick: bool = False, out_dir: str = "bench_results", strategy=None) -> d
             )
             for mode in ("allgather", "dense", "auto")
         }
+        tables["allgather_again"] = strategy.create_sharded_variable(
+            "bench_allgather_again",
+            [rows, dim],
+            initializer="uniform",
+            exchange="allgather",
+            placement="device",
+            seed=1,
+        )
         optimizers = {mode: keras.optimizers.SGD(0.1) for mode in tables}
         embedding = keras.layers.Embedding(rows, dim)
         embedding.build((None,))
@@ -117,7 +137,8 @@ def run(quick: bool = False, out_dir: str = "bench_results", strategy=None) -> d
             per_replica = max(1, int(round(density * rows / replicas)))
             batches = []
             distinct = []
-            for _ in range(warmup + steps):
+            n = steps * 3 if density < 0.1 and not quick else steps
+            for _ in range(warmup + n):
                 arrays = [_ids(rng, distribution, rows, per_replica) for _ in range(replicas)]
                 distinct.append(max(len(np.unique(a)) for a in arrays))
                 batches.append(
@@ -152,6 +173,7 @@ def run(quick: bool = False, out_dir: str = "bench_results", strategy=None) -> d
             row["auto_vs_best"] = row["auto_s"] / best
             row["tf_default_vs_auto"] = row["tf_default_s"] / row["auto_s"]
             row["tf_default_vs_floor"] = row["tf_default_s"] / row["floor_s"]
+            row["noise"] = row["allgather_again_s"] / row["allgather_s"]
             results.append(row)
             print(_format_row(row), flush=True)
 
@@ -174,7 +196,7 @@ def run(quick: bool = False, out_dir: str = "bench_results", strategy=None) -> d
 
 HEADER = (
     f"{'ids':>10} {'density':>8} {'ids/rep':>8} {'distinct':>8} | {'allgather':>9} {'dense':>9} {'auto':>9} "
-    f"{'tf':>9} {'floor':>9} | {'auto/best':>9} {'tf/auto':>8} {'tf/floor':>8} {'chose':>9} | "
+    f"{'tf':>9} {'floor':>9} | {'auto/best':>9} {'tf/auto':>8} {'tf/floor':>8} {'noise':>6} {'chose':>9} | "
     f"{'MB gather':>9} {'MB dense':>9} {'MB tf':>9}"
 )
 
@@ -185,7 +207,7 @@ def _format_row(r: dict) -> str:
         f"{r['distribution']:>10} {r['density']:>8.0e} {r['ids_per_replica']:>8} {r['max_distinct_per_replica']:>8} | "
         f"{r['allgather_s'] * 1e3:>7.1f}ms {r['dense_s'] * 1e3:>7.1f}ms {r['auto_s'] * 1e3:>7.1f}ms "
         f"{r['tf_default_s'] * 1e3:>7.1f}ms {r['floor_s'] * 1e3:>7.1f}ms | {r['auto_vs_best']:>9.2f} "
-        f"{r['tf_default_vs_auto']:>8.2f} {r['tf_default_vs_floor']:>8.2f} "
+        f"{r['tf_default_vs_auto']:>8.2f} {r['tf_default_vs_floor']:>8.2f} {r['noise']:>6.2f} "
         f"{r['auto_chose']:>9} | {r['bytes_allgather'] * mb:>9.2f} {r['bytes_dense'] * mb:>9.2f} "
         f"{r['bytes_tf_default'] * mb:>9.2f}"
     )
