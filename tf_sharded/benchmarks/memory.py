@@ -43,6 +43,33 @@ def _rss(pid: int) -> int:
     return psutil.Process(pid).memory_info().rss
 
 
+def _collection_and_step(strategy, tables: Dict):
+    """An `EmbeddingCollection` of `tables` (one feature per table) with Adagrad, built in scope, and its
+    training step (loss: sum of squares of the looked-up rows)."""
+    import tensorflow as tf
+
+    import tf_sharded as tfs
+
+    with strategy.scope():
+        layer = tfs.layers.EmbeddingCollection(tables, {k: k for k in tables})
+        layer.build()
+        optimizer = tfs.optimizers.Adagrad(0.05)
+        optimizer.build(layer.trainable_variables)
+
+    @tf.function
+    def step(ids):
+        def fn(ids):
+            with tf.GradientTape() as tape:
+                loss = tf.add_n([tf.reduce_sum(tf.square(v)) for v in layer(ids).values()])
+            grads = tape.gradient(loss, layer.trainable_variables)
+            optimizer.apply_gradients(zip(grads, layer.trainable_variables))
+            return loss
+
+        return strategy.run(fn, args=(ids,))
+
+    return layer, step
+
+
 def run(quick: bool = False) -> Dict:
     import tensorflow as tf
 
@@ -70,24 +97,7 @@ def run(quick: bool = False) -> Dict:
             k: {"input_dim": v, "output_dim": DIM, "partitions": 2, "seed": i}
             for i, (k, v) in enumerate(zip(keys, vocab))
         }
-        with strategy.scope():
-            layer = tfs.layers.EmbeddingCollection(tables, {k: k for k in keys})
-            layer.build()
-            optimizer = tfs.optimizers.Adagrad(0.05)
-            optimizer.build(layer.trainable_variables)
-
-        @tf.function
-        def step(ids):
-            def fn(ids):
-                with tf.GradientTape() as tape:
-                    out = layer(ids)
-                    loss = tf.add_n([tf.reduce_sum(tf.square(out[k])) for k in keys])
-                grads = tape.gradient(loss, layer.trainable_variables)
-                optimizer.apply_gradients(zip(grads, layer.trainable_variables))
-                return loss
-
-            return strategy.run(fn, args=(ids,))
-
+        layer, step = _collection_and_step(strategy, tables)
         rng = np.random.default_rng(0)
         for _ in range(3 if quick else 10):
             ids = {k: tf.constant(_ids(rng, "power_law", v, BATCH)) for k, v in zip(keys, vocab)}
@@ -151,7 +161,6 @@ def _mirrored_child(placement: str, quick: bool) -> Dict:
 
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    import tf_sharded as tfs
     from tf_sharded import data
     from tf_sharded.benchmarks.ps_lookup import _ids
 
@@ -167,25 +176,8 @@ def _mirrored_child(placement: str, quick: bool) -> Dict:
         k: {"input_dim": v, "output_dim": DIM, "placement": placement, "exchange": "allgather", "seed": i}
         for i, (k, v) in enumerate(zip(keys, vocab))
     }
-    with strategy.scope():
-        layer = tfs.layers.EmbeddingCollection(tables, {k: k for k in keys})
-        layer.build()
-        optimizer = tfs.optimizers.Adagrad(0.05)
-        optimizer.build(layer.trainable_variables)
+    _, step = _collection_and_step(strategy, tables)
     created = _rss(pid)
-
-    @tf.function
-    def step(ids):
-        def fn(ids):
-            with tf.GradientTape() as tape:
-                out = layer(ids)
-                loss = tf.add_n([tf.reduce_sum(tf.square(out[k])) for k in keys])
-            grads = tape.gradient(loss, layer.trainable_variables)
-            optimizer.apply_gradients(zip(grads, layer.trainable_variables))
-            return loss
-
-        return strategy.run(fn, args=(ids,))
-
     rng = np.random.default_rng(0)
     for _ in range(3 if quick else 10):
         batch = [{k: tf.constant(_ids(rng, "power_law", v, BATCH)) for k, v in zip(keys, vocab)} for _ in range(2)]
