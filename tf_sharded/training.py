@@ -334,7 +334,7 @@ class _Runner:
         return self._scheduled(self.iterator, count)
 
     def results(self, launched: list) -> list:
-        """Per step: logs as floats and the number of samples over all replicas."""
+        """Per launch: its last step's logs as floats and its samples over all replicas."""
         if self.ps:
             self.coordinator.join()
             values = [r.fetch() for r in launched]
