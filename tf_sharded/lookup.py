@@ -14,7 +14,7 @@ from typing import Optional, Union
 import tensorflow as tf
 
 from tf_sharded import exchange
-from tf_sharded.sharded_variable import ShardedVariable
+from tf_sharded.sharded_variable import ShardedVariable, gather_rows
 
 COMBINERS = ("sum", "mean", "sqrtn")
 
@@ -51,19 +51,6 @@ def _assemble(parts, positions, shard, idx, num_unique):
         return tf.gather(unique_rows, idx), grad
 
     return assemble(*parts)
-
-
-def gather_rows(variable, ids) -> tf.Tensor:
-    """`ResourceGather` of rows of one shard; a mirrored shard is read from this replica's own copy.
-
-    A `DistributedVariable` has no `sparse_read`, so `tf.gather` on it reads
-    the whole shard (`ReadVariableOp`) and gathers from that copy, every step.
-    Its component shares the handle the tape watches, so gradients still reach
-    the mirrored variable.
-    """
-    if isinstance(variable, tf.distribute.DistributedValues):
-        variable = variable._get_on_device_or_primary()
-    return tf.gather(variable, ids)
 
 
 def _device_rows(variables, local, slot):

@@ -90,6 +90,19 @@ def _slice_spec(full_shape, start: int, length: int) -> str:
     return f"{dims} {start},{length}{rest}"
 
 
+def gather_rows(variable, ids) -> tf.Tensor:
+    """`ResourceGather` of rows of one shard; a mirrored shard is read from this replica's own copy.
+
+    A `DistributedVariable` has no `sparse_read`, so `tf.gather` on it reads
+    the whole shard (`ReadVariableOp`) and gathers from that copy, every step.
+    Its component shares the handle the tape watches, so gradients still reach
+    the mirrored variable.
+    """
+    if isinstance(variable, tf.distribute.DistributedValues):
+        variable = variable._get_on_device_or_primary()
+    return tf.gather(variable, ids)
+
+
 def _own_attr(obj, name: str):
     """`obj.name` or None, never forwarded: a `DistributedValues` hands unknown attributes to a copy of
     its value, which for a mirrored variable in cross-replica context is a full read of it."""
@@ -260,7 +273,7 @@ class ShardedVariable(_compat.Trackable):
         parts = []
         for v, local in zip(self._variables, locals_):
             with tf.device(v.device):
-                parts.append(tf.gather(v, local))
+                parts.append(gather_rows(v, local))
         if len(parts) == 1:
             return parts[0]
         return tf.dynamic_stitch(positions, parts)
