@@ -17,7 +17,10 @@ ROW_KEYS = {
     "density",
     "ids_per_replica",
     "max_distinct_per_replica",
+    "rows_gathered",
     "allgather_s",
+    "allgather_collective_s",
+    "collective_vs_allgather",
     "dense_s",
     "auto_s",
     "tf_default_s",
@@ -122,6 +125,7 @@ class BenchmarkSuiteTest(tf.test.TestCase):
             self.assertGreater(row["tf_default_s"], 0)
             self.assertIn(row["auto_chose"], ("allgather", "dense"))
             self.assertLessEqual(row["max_distinct_per_replica"], row["ids_per_replica"])
+            self.assertLessEqual(row["rows_gathered"], 4 * row["max_distinct_per_replica"])
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """MirroredStrategy on 4 virtual CPUs: mirrored tables and gradient exchange."""
 
+from unittest import mock
+
 import keras
 import numpy as np
 import pytest
@@ -28,6 +30,13 @@ print("PS restored OK")
 """
 MODES = ("allgather", "dense", "auto")
 PLACEMENTS = ("device", "host")
+# In process: gather on one device and merge once (MirroredStrategy's default); else the collective transport
+# MultiWorkerMirroredStrategy uses (markers, per-replica merge), exercised here on the same 4 devices.
+TRANSPORTS = {"in_process": True, "collective": False}
+
+
+def transport(name):
+    return mock.patch.object(tfs.exchange, "MERGE_IN_PROCESS", TRANSPORTS[name])
 
 
 _STRATEGY = []
@@ -80,8 +89,10 @@ class MirroredTrainingTest(tf.test.TestCase):
         values = table_values(self.rows, self.dim)
         head0 = np.random.RandomState(1).randn(self.dim, 1).astype(np.float32)
         labels = np.array([[1.0], [0.0]], np.float32)
-        for mode in MODES:
-            for placement in PLACEMENTS:
+        combos = [(m, p, "in_process") for m in MODES for p in PLACEMENTS]
+        combos += [(m, "device", "collective") for m in MODES]
+        for mode, placement, name in combos:
+            with transport(name):
                 with strategy.scope():
                     table = strategy.create_sharded_variable(
                         uid("m"),
@@ -123,7 +134,7 @@ class MirroredTrainingTest(tf.test.TestCase):
                         loss = tf.add_n([loss_fn(tf.nn.embedding_lookup(ref_table, a), ref_head, n) for a in arrays])
                     grads = tape.gradient(loss, [ref_table, ref_head])
                     ref_optimizer.apply_gradients(zip(grads, [ref_table, ref_head]))
-                msg = f"{mode} {placement}"
+                msg = f"{mode} {placement} {name}"
                 self.assertAllClose(table.numpy(), ref_table.numpy(), atol=1e-6, msg=msg)
                 self.assertAllClose(head.numpy(), ref_head.numpy(), atol=1e-6, msg=msg)
                 self.assertEqual(table.placement, placement)
@@ -184,47 +195,52 @@ class ExchangeTest(tf.test.TestCase):
             np.zeros([0], np.int64),
             np.array([9, 9, 9, 9, 0]),
         ]
+        for name in TRANSPORTS:
+            with transport(name):
 
-        @tf.function
-        def run(indices):
-            def fn(indices):
-                grad = tf.IndexedSlices(tf.ones([tf.size(indices), 2]), indices, tf.constant([10, 2], tf.int64))
-                merged, gathered = tfs.exchange.allgather_exchange(grad, tf.distribute.get_replica_context())
-                return merged.indices, merged.values, gathered
+                @tf.function
+                def run(indices):
+                    def fn(indices):
+                        grad = tf.IndexedSlices(tf.ones([tf.size(indices), 2]), indices, tf.constant([10, 2], tf.int64))
+                        merged, gathered = tfs.exchange.allgather_exchange(grad, tf.distribute.get_replica_context())
+                        return merged.indices, merged.values, gathered
 
-            return strategy.run(fn, args=(indices,))
+                    return strategy.run(fn, args=(indices,))
 
-        indices, values, gathered = run(per_replica(strategy, per_indices))
-        for r in range(4):
-            self.assertEqual(int(strategy.experimental_local_results(gathered)[r]), 8)
-            got = dict(
-                zip(
-                    strategy.experimental_local_results(indices)[r].numpy().tolist(),
-                    strategy.experimental_local_results(values)[r].numpy()[:, 0].tolist(),
+                indices, values, gathered = run(per_replica(strategy, per_indices))
+            for r in range(4):
+                self.assertEqual(int(strategy.experimental_local_results(gathered)[r]), 8, msg=name)
+                got = dict(
+                    zip(
+                        strategy.experimental_local_results(indices)[r].numpy().tolist(),
+                        strategy.experimental_local_results(values)[r].numpy()[:, 0].tolist(),
+                    )
                 )
-            )
-            self.assertEqual(got, {4: 4.0, 1: 5.0, 9: 8.0, 2: 1.0, 3: 1.0, 0: 1.0})
+                self.assertEqual(got, {4: 4.0, 1: 5.0, 9: 8.0, 2: 1.0, 3: 1.0, 0: 1.0}, msg=name)
 
     def test_shard_no_replica_touched_does_not_hang(self):
         # A collective whose every participant sends nothing never completes.
         strategy = mirrored()
+        for name in TRANSPORTS:
+            with transport(name):
 
-        @tf.function
-        def run(indices):
-            def fn(indices):
-                ctx = tf.distribute.get_replica_context()
-                grad = tf.IndexedSlices(tf.ones([tf.size(indices), 2]), indices, tf.constant([10, 2], tf.int64))
-                gathered, _ = tfs.exchange.allgather_exchange(grad, ctx)
-                adaptive, _ = tfs.exchange.adaptive_exchange(grad, ctx, 10)
-                return tf.size(gathered.indices), tf.reduce_sum(adaptive.values)
+                @tf.function
+                def run(indices):
+                    def fn(indices):
+                        ctx = tf.distribute.get_replica_context()
+                        grad = tf.IndexedSlices(tf.ones([tf.size(indices), 2]), indices, tf.constant([10, 2], tf.int64))
+                        gathered, _ = tfs.exchange.allgather_exchange(grad, ctx)
+                        adaptive, _ = tfs.exchange.adaptive_exchange(grad, ctx, 10)
+                        return tf.size(gathered.indices), tf.reduce_sum(adaptive.values)
 
-            return strategy.run(fn, args=(indices,))
+                    return strategy.run(fn, args=(indices,))
 
-        sizes, totals = run(per_replica(strategy, [np.zeros([0], np.int64)] * 4))
-        self.assertEqual([int(x) for x in strategy.experimental_local_results(sizes)], [0, 0, 0, 0])
-        self.assertEqual([float(x) for x in strategy.experimental_local_results(totals)], [0.0] * 4)
+                sizes, totals = run(per_replica(strategy, [np.zeros([0], np.int64)] * 4))
+            self.assertEqual([int(x) for x in strategy.experimental_local_results(sizes)], [0, 0, 0, 0])
+            self.assertEqual([float(x) for x in strategy.experimental_local_results(totals)], [0.0] * 4)
 
-    def step_ops(self, rows, ids_per_replica, exchange, ids_per_step=None):
+    def step_ops(self, rows, ids_per_replica, exchange, ids_per_step=None, name="in_process"):
+        """Op types of a training step's graph, and the op names (to find the exchange's name scopes)."""
         strategy = mirrored()
         with strategy.scope():
             table = strategy.create_sharded_variable(
@@ -243,26 +259,42 @@ class ExchangeTest(tf.test.TestCase):
             return strategy.run(fn, args=(ids,))
 
         ids = per_replica(strategy, [np.arange(ids_per_replica) % rows] * 4)
-        step(ids)
-        return graph_op_types(step.get_concrete_function(ids))
+        with transport(name):
+            step(ids)
+        graph_def = step.get_concrete_function(ids).graph.as_graph_def()
+        nodes = list(graph_def.node) + [n for fn in graph_def.library.function for n in fn.node_def]
+        return {n.op for n in nodes}, " ".join(n.name for n in nodes)
 
-    def test_each_mode_uses_only_its_collective(self):
-        gather_ops = self.step_ops(1000, 8, "allgather")
+    def test_each_mode_uses_only_its_exchange(self):
+        gather_ops, _ = self.step_ops(1000, 8, "allgather", name="collective")
         self.assertIn("CollectiveGatherV2", gather_ops)
         self.assertNotIn("CollectiveReduceV2", gather_ops)
-        dense_ops = self.step_ops(1000, 8, "dense")
+        dense_ops, _ = self.step_ops(1000, 8, "dense", name="collective")
         self.assertIn("CollectiveReduceV2", dense_ops)
         self.assertNotIn("CollectiveGatherV2", dense_ops)
+        # In process the all-gather is a concatenation on one device and one merge: no collective at all.
+        gather_ops, gather_names = self.step_ops(1000, 8, "allgather")
+        self.assertNotIn("CollectiveGatherV2", gather_ops)
+        self.assertNotIn("CollectiveReduceV2", gather_ops)
+        self.assertIn("tfs_hash_merge", gather_names)
+        dense_ops, dense_names = self.step_ops(1000, 8, "dense")
+        self.assertIn("CollectiveReduceV2", dense_ops)
+        self.assertNotIn("tfs_hash_merge", dense_names)
 
     def test_auto_picks_each_side_where_it_should(self):
         # Few ids on a large table: gather.  Many ids on a small table: dense.
-        self.assertEqual(tfs.exchange.choose(rows=1_000_000, row_bytes=128, replicas=4, distinct_ids=512), "allgather")
-        self.assertEqual(tfs.exchange.choose(rows=1_000, row_bytes=128, replicas=4, distinct_ids=5_000), "dense")
-        self.assertEqual(tfs.exchange.choose(rows=1_000, row_bytes=128, replicas=4, distinct_ids=None), "allgather")
-        even = tfs.exchange.break_even_ids(rows=2000, row_bytes=16, replicas=4)
-        self.assertEqual(tfs.exchange.choose(2000, 16, 4, int(even)), "allgather")
-        self.assertEqual(tfs.exchange.choose(2000, 16, 4, int(even) + 1), "dense")
-        # Per step, from the observed distinct counts (the largest replica's decides for all).
+        for in_process in (False, True):
+            kw = {"in_process": in_process}
+            self.assertEqual(tfs.exchange.choose(1_000_000, 128, 4, distinct_ids=512, **kw), "allgather")
+            self.assertEqual(tfs.exchange.choose(1_000, 128, 4, distinct_ids=5_000, **kw), "dense")
+            self.assertEqual(tfs.exchange.choose(1_000, 128, 4, distinct_ids=None, **kw), "allgather")
+            even = tfs.exchange.break_even_ids(rows=2000, row_bytes=16, replicas=4, **kw)
+            self.assertEqual(tfs.exchange.choose(2000, 16, 4, int(even), **kw), "allgather")
+            self.assertEqual(tfs.exchange.choose(2000, 16, 4, int(even) + 1, **kw), "dense")
+        # A merge without hashing only pays on a table-sized map: never for few ids on a large table.
+        self.assertEqual(tfs.exchange.break_even_ids(10, 16, 4, merge_factor=0.5, in_process=True), float("inf"))
+        # Per step, from the observed distinct counts: the collective decides on the largest replica's, in process on
+        # the exact number gathered (4 x its per-replica break-even).
         strategy = mirrored()
 
         @tf.function
@@ -274,44 +306,67 @@ class ExchangeTest(tf.test.TestCase):
 
             return strategy.run(fn, args=(indices,))
 
-        few = [np.arange(10), np.arange(5, 15), np.zeros([0], np.int64), np.array([1999])]
-        many = [np.arange(int(even) + 50), np.arange(3), np.arange(7), np.zeros([0], np.int64)]
-        for arrays, want_gather in ((few, True), (many, False)):
-            # Either way only the rows some replica touched come out (a lazy optimizer must not see others).
-            want_rows = len(np.unique(np.concatenate(arrays)))
-            gathered, rows, total = decide(per_replica(strategy, arrays))
-            for r in range(4):
-                self.assertEqual(bool(strategy.experimental_local_results(gathered)[r]), want_gather)
-                self.assertEqual(int(strategy.experimental_local_results(rows)[r]), want_rows)
-                self.assertEqual(float(strategy.experimental_local_results(total)[r]), 4.0 * sum(map(len, arrays)))
-        # A static batch already below the break-even: decided when traced, no runtime decision.
-        small = self.step_ops(100_000, 16, "auto")
+        for name in TRANSPORTS:
+            even = tfs.exchange.break_even_ids(2000, 16, 4, in_process=TRANSPORTS[name])
+            over = int(4 * even if TRANSPORTS[name] else even) + 50
+            few = [np.arange(10), np.arange(5, 15), np.zeros([0], np.int64), np.array([1999])]
+            many = [np.arange(over), np.arange(3), np.arange(7), np.zeros([0], np.int64)]
+            for arrays, want_gather in ((few, True), (many, False)):
+                # Either way only the rows some replica touched come out (a lazy optimizer must not see others).
+                want_rows = len(np.unique(np.concatenate(arrays)))
+                with transport(name):
+                    decide_now = tf.function(decide.python_function)
+                    gathered, rows, total = decide_now(per_replica(strategy, arrays))
+                for r in range(4):
+                    msg = f"{name} gather={want_gather}"
+                    self.assertEqual(bool(strategy.experimental_local_results(gathered)[r]), want_gather, msg=msg)
+                    self.assertEqual(int(strategy.experimental_local_results(rows)[r]), want_rows, msg=msg)
+                    self.assertEqual(
+                        float(strategy.experimental_local_results(total)[r]), 4.0 * sum(map(len, arrays)), msg=msg
+                    )
+        # Collective. A static batch already below the break-even: decided when traced, no runtime decision.
+        small, _ = self.step_ops(100_000, 16, "auto", name="collective")
         self.assertIn("CollectiveGatherV2", small)
         self.assertNotIn("CollectiveReduceV2", small)
         # A batch that could cross it: both collectives, the step decides.
-        large = self.step_ops(64, 512, "auto")
+        large, _ = self.step_ops(64, 512, "auto", name="collective")
         self.assertIn("CollectiveGatherV2", large)
         self.assertIn("CollectiveReduceV2", large)
-        declared = self.step_ops(64, 4, "auto", ids_per_step=5_000)
+        declared, _ = self.step_ops(64, 4, "auto", ids_per_step=5_000, name="collective")
         self.assertIn("CollectiveReduceV2", declared)
         self.assertNotIn("CollectiveGatherV2", declared)
+        # In process: a hash merge only, a per-step choice of merge, a densified merge only; never a collective.
+        cond_ops = {"If", "StatelessIf"}
+        small, _ = self.step_ops(100_000, 16, "auto")
+        self.assertFalse(cond_ops & small)
+        self.assertNotIn("Cumsum", small)
+        large, _ = self.step_ops(64, 512, "auto")
+        self.assertTrue(cond_ops & large)
+        declared, _ = self.step_ops(64, 4, "auto", ids_per_step=5_000)
+        self.assertFalse(cond_ops & declared)
+        self.assertIn("Cumsum", declared)
+        for ops in (small, large, declared):
+            self.assertFalse({"CollectiveGatherV2", "CollectiveReduceV2"} & ops)
 
     def test_auto_switching_between_steps_stays_exact(self):
         strategy = mirrored()
         values = table_values(2000, 4)
-        with strategy.scope():
-            table = strategy.create_sharded_variable(uid("sw"), [2000, 4], initializer=values, exchange="auto")
-            optimizer = keras.optimizers.SGD(0.1)
-        reference, ref_optimizer = tf.Variable(values), keras.optimizers.SGD(0.1)
-        step = squared_norm_step(strategy, table, optimizer)
-        rng = np.random.RandomState(0)
-        for size in (8, 600, 8, 1500):  # below and above the break-even (~105 distinct ids)
-            arrays = [rng.randint(0, 2000, size=size) for _ in range(4)]
-            step(per_replica(strategy, arrays))
-            with tf.GradientTape() as tape:
-                loss = tf.add_n([tf.reduce_sum(tf.nn.embedding_lookup(reference, a) ** 2) for a in arrays])
-            ref_optimizer.apply_gradients([(tape.gradient(loss, reference), reference)])
-            self.assertAllClose(table.numpy(), reference.numpy(), atol=1e-5, msg=str(size))
+        # Below and above the break-even: ~105 distinct ids per replica collective, ~1540 gathered in process.
+        for name in TRANSPORTS:
+            with strategy.scope():
+                table = strategy.create_sharded_variable(uid("sw"), [2000, 4], initializer=values, exchange="auto")
+                optimizer = keras.optimizers.SGD(0.1)
+            reference, ref_optimizer = tf.Variable(values), keras.optimizers.SGD(0.1)
+            step = squared_norm_step(strategy, table, optimizer)
+            rng = np.random.RandomState(0)
+            for size in (8, 600, 8, 1500):
+                arrays = [rng.randint(0, 2000, size=size) for _ in range(4)]
+                with transport(name):
+                    step(per_replica(strategy, arrays))
+                with tf.GradientTape() as tape:
+                    loss = tf.add_n([tf.reduce_sum(tf.nn.embedding_lookup(reference, a) ** 2) for a in arrays])
+                ref_optimizer.apply_gradients([(tape.gradient(loss, reference), reference)])
+                self.assertAllClose(table.numpy(), reference.numpy(), atol=1e-5, msg=f"{name} {size}")
 
     def test_custom_loop_reduction_without_keras(self):
         strategy = mirrored()

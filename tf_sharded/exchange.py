@@ -8,35 +8,57 @@ chooses, per shard:
 
 * `"allgather"`: each replica's slices hold each row once (the lookup already
   de-duplicates; several lookups of one table in a step are merged first);
+  the slices of all replicas are gathered, merged again (unique + segment
+  sum) and applied once;
+* `"dense"`: the gradient is densified to its shard's shape and all-reduced
+  (TensorFlow's collective, under either strategy); the optimizer gets the
+  dense sum;
+* `"auto"`: a cost model (below) picks one of the two per shard and step.
+
+Two transports, chosen by where the replicas run:
+
+* **Collective** (`MultiWorkerMirroredStrategy`, or `MERGE_IN_PROCESS` off):
   indices travel bit-cast inside the value rows, so one collective gather
-  moves both; the gathered slices are merged again (unique + segment sum) and
-  applied once;
-* `"dense"`: the gradient is densified to its shard's shape and all-reduced;
-* `"auto"`: if even the number of ids the step looks up (its static batch
-  shape, agreed across replicas) is below the break-even, all-gather is chosen
-  when the step is traced and costs nothing extra. Otherwise, every step, the
-  replicas all-gather their distinct-row counts (one scalar each), evaluate the
-  cost model below on the largest, and all take the same branch. Collectives
-  cannot sit under `tf.cond` in a replica function, so both collectives run
-  every step and the branch not taken carries only a one-row marker payload.
+  moves both, and every replica merges what it received. "auto": if even the
+  number of ids the step looks up (its static batch shape, agreed across
+  replicas) is below the break-even, all-gather is chosen when the step is
+  traced and costs nothing extra. Otherwise, every step, the replicas
+  all-gather their distinct-row counts (one scalar each), evaluate the cost
+  model on the largest, and all take the same branch. Collectives cannot sit
+  under `tf.cond` in a replica function, so both collectives run every step
+  and the branch not taken carries only a one-row marker payload. Every
+  collective payload carries one marker row (index -1, zero values), dropped
+  by the merge after the gather: a collective whose every participant sends
+  nothing never completes, and a shard that no replica touched in a step is
+  common.
+* **In process** (`MirroredStrategy`: every replica is a device of this
+  process and they meet in a `merge_call`): the replicas' slices are
+  concatenated on the first replica's device, merged there once, and each
+  replica gets a copy of the merged slices. This is what TensorFlow's own
+  fallback all-gather does for `MirroredStrategy` (gather on one device, then
+  broadcast) minus the padding, and the merge runs once instead of once per
+  replica; between host-memory devices the copies are references. "auto"
+  then decides inside that one merge, from the exact gathered count, between
+  the hash merge and a densified merge (every gathered row is placed by a
+  table-sized position map, no hash table): both give the touched rows and
+  their sums, so no collective and no marker is needed to agree.
 
-Cost model, per shard and step, in bytes-equivalent one replica handles
-(`R` replicas, `u` the largest distinct-row count of any replica, `b` bytes
-per row, `k = MERGE_FACTOR`):
+Cost model, per shard and step, in bytes-equivalent (`R` replicas, `u` the
+largest distinct-row count of any replica, `b` bytes per row, `k =
+MERGE_FACTOR`, `k1 = LOCAL_MERGE_FACTOR`):
 
-    allgather = u * (b + 8) * ((R - 1) + k * R)   # receive, then merge + apply
-    dense     = 2 * (R - 1) / R * rows * b        # ring all-reduce
+    collective  allgather = u * (b + 8) * ((R - 1) + k * R)  # receive, then merge + apply, per replica
+                dense     = 2 * (R - 1) / R * rows * b       # ring all-reduce, per replica
+    in process  allgather = k1 * R * u * (b + 8)             # one hash merge of all gathered rows
+                dense     = 8 * rows + R * u * b              # position map over the table + one segment sum
 
 `k` is what merging and applying one gathered row costs relative to
-receiving it. On a single host, where a collective is a memory copy, it
-dominates; `python -m tf_sharded bench exchange` measures the break-even and
-the default (4) comes from that sweep on a 2-core CPU machine. On a real
-network the transfer term dominates and a smaller `k` fits better. A declared
-`ids_per_step` fixes the choice at trace time instead.
-
-Every collective payload carries one marker row (index -1, zero values),
-dropped by the merge after the gather: a collective whose every participant sends nothing never
-completes, and a shard that no replica touched in a step is common.
+receiving it; on a single host, where a collective is a memory copy, it
+dominates, and on a real network the transfer term does. `k1` is a hash
+merge's cost per byte relative to a segment sum's. Both defaults come from
+`python -m tf_sharded bench exchange` and the merge sweep in RFC.md §11 on a
+2-core CPU machine. A declared `ids_per_step` fixes the choice at trace time
+instead.
 """
 
 from __future__ import annotations
@@ -53,6 +75,11 @@ from tf_sharded.sharded_variable import shard_owner
 EXCHANGES = ("auto", "allgather", "dense")
 ID_BYTES = 8
 MERGE_FACTOR = 4.0
+LOCAL_MERGE_FACTOR = 1.1
+# Bytes-equivalent per table row of the in-process densified merge's position map (two int32 passes).
+MAP_BYTES_PER_ROW = 8
+# Under MirroredStrategy, gather on one device and merge once there (see the module docstring).
+MERGE_IN_PROCESS = True
 
 # Per graph being traced (weakly, so finished traces are dropped):
 # {(table id, thread id): (lookups, static ids)}.
@@ -61,9 +88,17 @@ _LOCK = threading.Lock()
 
 
 def cost_bytes(
-    mode: str, rows: int, row_bytes: int, replicas: int, distinct_ids: int, merge_factor: float = MERGE_FACTOR
+    mode: str,
+    rows: int,
+    row_bytes: int,
+    replicas: int,
+    distinct_ids: int,
+    merge_factor: Optional[float] = None,
+    in_process: bool = False,
 ) -> float:
-    """Bytes-equivalent one replica handles per step for one shard under `mode`.
+    """Bytes-equivalent cost of one shard's exchange per step under `mode` (see the module docstring).
+
+    Collective: what one replica handles; in process: what the one merge handles.
 
     Example:
 
@@ -71,16 +106,33 @@ def cost_bytes(
     408000.0
     >>> cost_bytes("dense", rows=1_000_000, row_bytes=128, replicas=4, distinct_ids=1000)
     192000000.0
+    >>> cost_bytes("dense", rows=1_000_000, row_bytes=128, replicas=4, distinct_ids=1000, in_process=True)
+    8512000.0
     """
+    if mode not in ("allgather", "dense"):
+        raise ValueError(f"Argument `mode` must be 'allgather' or 'dense'. Received: mode={mode!r}")
+    if in_process:
+        gather, dense = _local_costs(rows, row_bytes, replicas * distinct_ids, merge_factor)
+        return float(gather if mode == "allgather" else dense)
+    k = MERGE_FACTOR if merge_factor is None else merge_factor
     if mode == "allgather":
-        return float(distinct_ids * (row_bytes + ID_BYTES) * ((replicas - 1) + merge_factor * replicas))
-    if mode == "dense":
-        return 2.0 * (replicas - 1) / replicas * rows * row_bytes
-    raise ValueError(f"Argument `mode` must be 'allgather' or 'dense'. Received: mode={mode!r}")
+        return float(distinct_ids * (row_bytes + ID_BYTES) * ((replicas - 1) + k * replicas))
+    return 2.0 * (replicas - 1) / replicas * rows * row_bytes
+
+
+def _local_costs(rows: int, row_bytes: int, gathered, merge_factor: Optional[float] = None):
+    """In-process (hash merge, densified merge) costs of `gathered` rows (a number or a float tensor)."""
+    k = LOCAL_MERGE_FACTOR if merge_factor is None else merge_factor
+    return k * (row_bytes + ID_BYTES) * gathered, MAP_BYTES_PER_ROW * rows + row_bytes * gathered
 
 
 def choose(
-    rows: int, row_bytes: int, replicas: int, distinct_ids: Optional[int], merge_factor: float = MERGE_FACTOR
+    rows: int,
+    row_bytes: int,
+    replicas: int,
+    distinct_ids: Optional[int],
+    merge_factor: Optional[float] = None,
+    in_process: bool = False,
 ) -> str:
     """The cheaper exchange for one shard; allgather when `distinct_ids` is unknown.
 
@@ -94,20 +146,28 @@ def choose(
     if distinct_ids is None:
         return "allgather"
     u = min(int(distinct_ids), int(rows))
-    gather = cost_bytes("allgather", rows, row_bytes, replicas, u, merge_factor)
-    return "allgather" if gather <= cost_bytes("dense", rows, row_bytes, replicas, u) else "dense"
+    args = (rows, row_bytes, replicas, u, merge_factor, in_process)
+    return "allgather" if cost_bytes("allgather", *args) <= cost_bytes("dense", *args) else "dense"
 
 
-def break_even_ids(rows: int, row_bytes: int, replicas: int, merge_factor: float = MERGE_FACTOR) -> float:
-    """Distinct ids per replica above which "auto" densifies.
+def break_even_ids(
+    rows: int, row_bytes: int, replicas: int, merge_factor: Optional[float] = None, in_process: bool = False
+) -> float:
+    """Distinct ids per replica above which "auto" densifies (infinite if it never does).
 
     Example:
 
     >>> round(break_even_ids(rows=1_000_000, row_bytes=128, replicas=4))
     74303
+    >>> round(break_even_ids(rows=1_000_000, row_bytes=128, replicas=4, in_process=True))
+    92593
     """
-    per_id = (row_bytes + ID_BYTES) * ((replicas - 1) + merge_factor * replicas)
-    return cost_bytes("dense", rows, row_bytes, replicas, 0) / per_id
+    args = (rows, row_bytes, replicas)
+    dense_at_zero = cost_bytes("dense", *args, 0, merge_factor, in_process)
+    per_id = cost_bytes("allgather", *args, 1, merge_factor, in_process) - (
+        cost_bytes("dense", *args, 1, merge_factor, in_process) - dense_at_zero
+    )
+    return dense_at_zero / per_id if per_id > 0 else float("inf")
 
 
 class ExchangePolicy:
@@ -189,6 +249,47 @@ def _merge(indices: tf.Tensor, values: tf.Tensor):
     return unique, tf.math.unsorted_segment_sum(values, position, tf.size(unique))
 
 
+def _map_merge(indices: tf.Tensor, values: tf.Tensor, rows: int):
+    """`_merge` through a table-sized position map instead of a hash table; rows come out sorted.
+
+    Cheaper than hashing once the gathered rows are a large fraction of the
+    table (RFC.md §11): two passes over `rows` int32s, no probing.
+    """
+    dtype = tf.int32 if rows < 2**31 else tf.int64
+    at = tf.cast(indices, dtype)
+    present = tf.scatter_nd(at[:, None], tf.ones_like(at), tf.constant([rows], dtype)) > 0
+    unique = tf.where(present)[:, 0]
+    position = tf.math.cumsum(tf.cast(present, dtype)) - 1
+    return unique, tf.math.unsorted_segment_sum(values, tf.gather(position, at), tf.size(unique, out_type=dtype))
+
+
+def in_process(ctx) -> bool:
+    """Whether the replicas of `ctx` are devices of this process that meet in a `merge_call` (MirroredStrategy)."""
+    strategy = ctx.strategy
+    return (
+        MERGE_IN_PROCESS
+        and isinstance(strategy, tf.distribute.MirroredStrategy)
+        and strategy.extended._use_merge_call()
+    )
+
+
+def _merge_on_one_device(ctx, indices: tf.Tensor, values: tf.Tensor, merge) -> tuple:
+    """Every replica's slices concatenated on the first replica's device, merged there once, copied to each.
+
+    `merge(indices, values)` returns a tuple of tensors; each replica gets
+    them plus the number of rows gathered.
+    """
+
+    def on_one_device(strategy, indices, values):
+        with tf.device(strategy.extended.worker_devices[0]):
+            all_indices = tf.concat(strategy.experimental_local_results(indices), 0)
+            all_values = tf.concat(strategy.experimental_local_results(values), 0)
+            result = tuple(merge(all_indices, all_values)) + (tf.size(all_indices),)
+        return tuple(strategy.extended.broadcast_to(t, destinations=values) for t in result)
+
+    return ctx.merge_call(on_one_device, args=(indices, values))
+
+
 def _pack(indices: tf.Tensor, values: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
     """Rows `[index words | value]` plus a leading marker row (index -1); and the word width."""
     flat = tf.reshape(values, [tf.shape(values)[0], -1])
@@ -222,6 +323,10 @@ def allgather_exchange(grad: tf.IndexedSlices, ctx, premerged: bool = False) -> 
     `premerged=True` skips the local merge when the indices are known unique.
     """
     indices, values = _local_slices(grad, premerged)
+    if in_process(ctx):
+        with tf.name_scope("tfs_hash_merge"):
+            merged_indices, merged_values, rows_gathered = _merge_on_one_device(ctx, indices, values, _merge)
+        return tf.IndexedSlices(merged_values, merged_indices, grad.dense_shape), rows_gathered
     packed, width = _pack(indices, values)
     gathered = ctx.all_gather(packed, axis=0)
     merged_indices, merged_values = _merge_gathered(gathered, width, tf.shape(values)[1:])
@@ -236,14 +341,56 @@ def dense_exchange(grad, ctx, rows: int) -> tf.Tensor:
     return ctx.all_reduce(tf.distribute.ReduceOp.SUM, grad)
 
 
+def _row_bytes(values: tf.Tensor) -> int:
+    return values.dtype.size * max(1, values.shape[1:].num_elements() or 1)
+
+
+def _adaptive_in_process(grad, ctx, rows, premerged, merge_factor, decided):
+    """In-process "auto": the merge decided once per step (or `decided` when traced) on the exact gathered count."""
+    indices, values = _local_slices(grad, premerged)
+    row_bytes = _row_bytes(values)
+
+    def merge(all_indices, all_values):
+        if decided is not None:
+            use_gather = tf.constant(decided == "allgather")
+        else:
+            gathered = tf.cast(tf.size(all_indices), tf.float64)
+            gather_cost, dense_cost = _local_costs(rows, row_bytes, gathered, merge_factor)
+            use_gather = gather_cost <= dense_cost
+        if decided == "allgather":
+            return _merge(all_indices, all_values) + (use_gather,)
+        if decided == "dense":
+            return _map_merge(all_indices, all_values, rows) + (use_gather,)
+        merged = tf.cond(
+            use_gather, lambda: _merge(all_indices, all_values), lambda: _map_merge(all_indices, all_values, rows)
+        )
+        return tuple(merged) + (use_gather,)
+
+    with tf.name_scope("tfs_auto_merge"):
+        merged_indices, merged_values, use_gather, _ = _merge_on_one_device(ctx, indices, values, merge)
+    return tf.IndexedSlices(merged_values, merged_indices, grad.dense_shape), use_gather
+
+
 def adaptive_exchange(
-    grad: tf.IndexedSlices, ctx, rows: int, premerged: bool = False, merge_factor: float = MERGE_FACTOR
+    grad: tf.IndexedSlices,
+    ctx,
+    rows: int,
+    premerged: bool = False,
+    merge_factor: Optional[float] = None,
+    decided: Optional[str] = None,
 ) -> Tuple[tf.IndexedSlices, tf.Tensor]:
-    """The "auto" exchange decided per step; returns the summed slices and whether it gathered."""
+    """The "auto" exchange decided per step; returns the summed slices and whether it gathered.
+
+    Either way only the rows some replica touched come out. `decided`
+    ("allgather" / "dense", in process only) skips the per-step decision.
+    """
+    if in_process(ctx):
+        return _adaptive_in_process(grad, ctx, rows, premerged, merge_factor, decided)
+    merge_factor = MERGE_FACTOR if merge_factor is None else merge_factor
     replicas = ctx.num_replicas_in_sync
     indices, values = _local_slices(grad, premerged)
     inner = tf.shape(values)[1:]
-    row_bytes = values.dtype.size * max(1, values.shape[1:].num_elements() or 1)
+    row_bytes = _row_bytes(values)
     counts = ctx.all_gather(tf.reshape(tf.size(indices), [1]), axis=0)
     u = tf.cast(tf.reduce_max(counts), tf.float64)
     gather_cost = u * float((row_bytes + ID_BYTES) * ((replicas - 1) + merge_factor * replicas))
@@ -277,23 +424,31 @@ def exchange_gradient(grad, table, shard: int, ctx=None, static_ids: Optional[in
     `static_ids`: for "auto", a bound on any replica's distinct ids that every
     replica agrees on (`all_reduce_gradients` derives it from the traced batch
     shapes). When even the bound is below the break-even, all-gather is chosen
-    at trace time and the per-step decision (two small collectives) is skipped.
+    at trace time and the per-step decision is skipped.
     """
     ctx = ctx or tf.distribute.get_replica_context()
     policy = table._exchange
     rows = table.layout.shard_sizes[shard]
-    mode = policy.mode
-    row_bytes = table.dtype.size * max(1, table.shape[1:].num_elements() or 1)
-    if mode == "auto" and policy.ids_per_step is not None:
-        mode = choose(rows, row_bytes, ctx.num_replicas_in_sync, policy.ids_per_step)
-    elif mode == "auto" and static_ids is not None:
-        if choose(rows, row_bytes, ctx.num_replicas_in_sync, static_ids) == "allgather":
-            mode = "allgather"
-    if mode == "dense" or not isinstance(grad, tf.IndexedSlices):
+    if policy.mode == "dense" or not isinstance(grad, tf.IndexedSlices):
         return dense_exchange(grad, ctx, rows)
     premerged = single_lookup(table)
-    if mode == "allgather":
+    if policy.mode == "allgather":
         return allgather_exchange(grad, ctx, premerged)[0]
+    local = in_process(ctx)
+    row_bytes = table.dtype.size * max(1, table.shape[1:].num_elements() or 1)
+    decided = None
+    if policy.ids_per_step is not None:
+        decided = choose(rows, row_bytes, ctx.num_replicas_in_sync, policy.ids_per_step, in_process=local)
+    elif static_ids is not None and choose(rows, row_bytes, ctx.num_replicas_in_sync, static_ids, in_process=local) == (
+        "allgather"
+    ):
+        decided = "allgather"
+    if local:
+        return adaptive_exchange(grad, ctx, rows, premerged, decided=decided)[0]
+    if decided == "allgather":
+        return allgather_exchange(grad, ctx, premerged)[0]
+    if decided == "dense":
+        return dense_exchange(grad, ctx, rows)
     return adaptive_exchange(grad, ctx, rows, premerged)[0]
 
 

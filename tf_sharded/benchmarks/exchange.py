@@ -4,24 +4,27 @@ One process, 4 replicas (virtual CPUs unless the machine has more devices), a
 `rows x dim` table. For each density and id distribution the same steps run
 with tf_sharded's `allgather`, `dense` and `auto` exchanges and with TF's
 default path (Keras 3 `keras.layers.Embedding` + Keras SGD, whose
-`IndexedSlices` are all-gathered with every duplicate kept). All four run in
-the same process run; step times are medians, reported with their ratio to
-TF's default.
+`IndexedSlices` are all-gathered with every duplicate kept). All run in the
+same process run; step times are medians, reported with their ratio to TF's
+default. Under `MirroredStrategy` tf_sharded gathers on one device and merges
+once (`tfs.exchange.MERGE_IN_PROCESS`); `allgather_collective` is the same
+table's all-gather over TF's collective with a merge on every replica, the
+transport `MultiWorkerMirroredStrategy` uses.
 
-Bytes are those one replica receives per step, from the measured distinct
-ids: allgather `R * max_distinct * (row_bytes + 8)` (padded to the largest
+Bytes are those one replica would receive per step over a collective, from
+the measured distinct ids: allgather `R * max_distinct * (row_bytes + 8)` (padded to the largest
 replica, as TF's collective gather does), dense
 `2 (R - 1) / R * rows * row_bytes`, TF default `R * ids * (row_bytes + 8)`.
-`auto_chose` is what the cost model picks for the measured distinct count
-("auto" decides every step from the same count, so this is what it ran).
+`auto_chose` is what the in-process cost model picks for the measured number
+of rows gathered ("auto" decides every step from that count, so this is what
+it ran: "allgather" a hash merge, "dense" the densified merge).
 `floor` is the same step with the lookup only (no gradient, exchange or
 update): no exchange can make a training step cheaper than that, so
 `tf_default / floor` bounds any speed-up over TF's default on this machine.
 `allgather_again` is the allgather step of a second, identical table, timed
 the same way: `noise = allgather_again / allgather` shows how far two
 identical graphs differ here (where `auto` compiles to all-gather, its graph
-is that one too). Densities below 10% run 3x the steps (their steps are short
-and noisier).
+is that one too).
 
     python -m tf_sharded bench exchange [--quick] [--out bench_results]
 """
@@ -58,6 +61,19 @@ def _ids(rng, distribution: str, rows: int, count: int):
     return (raw * 2654435761) % rows
 
 
+def _collective(step):
+    """`step` traced (on its first call) with the collective transport instead of the in-process merge."""
+    from unittest import mock
+
+    import tf_sharded as tfs
+
+    def call(batch):
+        with mock.patch.object(tfs.exchange, "MERGE_IN_PROCESS", False):
+            return step(batch)
+
+    return call
+
+
 def run(quick: bool = False, out_dir: str = "bench_results", strategy=None) -> dict:
     """Runs the sweep; returns (and writes) the results."""
     devices = _configure_devices()
@@ -70,7 +86,7 @@ def run(quick: bool = False, out_dir: str = "bench_results", strategy=None) -> d
     rows, dim = (100_000, 16) if quick else (1_000_000, 32)
     densities = [1e-4, 1e-2] if quick else [1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 0.5]
     distributions = ["power_law"] if quick else ["power_law", "uniform"]
-    steps, warmup = (2, 1) if quick else (9, 2)
+    steps, warmup = (2, 1) if quick else (27, 2)
     strategy = strategy or tf.distribute.MirroredStrategy(devices)
     replicas = strategy.num_replicas_in_sync
     row_bytes = dim * 4
@@ -127,6 +143,14 @@ def run(quick: bool = False, out_dir: str = "bench_results", strategy=None) -> d
             placement="device",
             seed=1,
         )
+        tables["allgather_collective"] = strategy.create_sharded_variable(
+            "bench_allgather_collective",
+            [rows, dim],
+            initializer="uniform",
+            exchange="allgather",
+            placement="device",
+            seed=1,
+        )
         optimizers = {mode: keras.optimizers.SGD(0.1) for mode in tables}
         embedding = keras.layers.Embedding(rows, dim)
         embedding.build((None,))
@@ -137,21 +161,24 @@ def run(quick: bool = False, out_dir: str = "bench_results", strategy=None) -> d
             per_replica = max(1, int(round(density * rows / replicas)))
             batches = []
             distinct = []
-            n = steps * 3 if density < 0.1 and not quick else steps
-            for _ in range(warmup + n):
+            gathered = []
+            for _ in range(warmup + steps):
                 arrays = [_ids(rng, distribution, rows, per_replica) for _ in range(replicas)]
                 distinct.append(max(len(np.unique(a)) for a in arrays))
+                gathered.append(sum(len(np.unique(a)) for a in arrays))
                 batches.append(
                     strategy.experimental_distribute_values_from_function(
                         lambda ctx, a=arrays: tf.constant(a[ctx.replica_id_in_sync_group])
                     )
                 )
             max_distinct = int(np.mean(distinct))
+            mean_gathered = int(np.mean(gathered))
             row = {
                 "distribution": distribution,
                 "density": density,
                 "ids_per_replica": per_replica,
                 "max_distinct_per_replica": max_distinct,
+                "rows_gathered": mean_gathered,
             }
             named = {
                 f"{mode}_s": make_step(
@@ -159,13 +186,15 @@ def run(quick: bool = False, out_dir: str = "bench_results", strategy=None) -> d
                 )
                 for mode, table in tables.items()
             }
+            named["allgather_collective_s"] = _collective(named["allgather_collective_s"])
             named["tf_default_s"] = make_step(lambda: embedding.trainable_variables, embedding, keras_optimizer)
             # The floor: the same step with the lookup only (no gradient, no exchange, no update).
             named["floor_s"] = make_step(
                 lambda: [], lambda i, t=tables["allgather"]: tfs.embedding_lookup(t, i), None, train=False
             )
             row.update(timed(named, batches))
-            row["auto_chose"] = tfs.exchange.choose(rows, row_bytes, replicas, max_distinct)
+            per_replica_gathered = mean_gathered / replicas
+            row["auto_chose"] = tfs.exchange.choose(rows, row_bytes, replicas, per_replica_gathered, in_process=True)
             row["bytes_allgather"] = replicas * max_distinct * (row_bytes + 8)
             row["bytes_dense"] = int(2 * (replicas - 1) / replicas * rows * row_bytes)
             row["bytes_tf_default"] = replicas * per_replica * (row_bytes + 8)
@@ -174,6 +203,7 @@ def run(quick: bool = False, out_dir: str = "bench_results", strategy=None) -> d
             row["tf_default_vs_auto"] = row["tf_default_s"] / row["auto_s"]
             row["tf_default_vs_floor"] = row["tf_default_s"] / row["floor_s"]
             row["noise"] = row["allgather_again_s"] / row["allgather_s"]
+            row["collective_vs_allgather"] = row["allgather_collective_s"] / row["allgather_s"]
             results.append(row)
             print(_format_row(row), flush=True)
 
@@ -196,7 +226,8 @@ def run(quick: bool = False, out_dir: str = "bench_results", strategy=None) -> d
 
 HEADER = (
     f"{'ids':>10} {'density':>8} {'ids/rep':>8} {'distinct':>8} | {'allgather':>9} {'dense':>9} {'auto':>9} "
-    f"{'tf':>9} {'floor':>9} | {'auto/best':>9} {'tf/auto':>8} {'tf/floor':>8} {'noise':>6} {'chose':>9} | "
+    f"{'tf':>9} {'floor':>9} {'ag coll':>9} | {'auto/best':>9} {'tf/auto':>8} {'tf/floor':>8} {'noise':>6} "
+    f"{'coll/ag':>7} {'chose':>9} | "
     f"{'MB gather':>9} {'MB dense':>9} {'MB tf':>9}"
 )
 
@@ -206,8 +237,9 @@ def _format_row(r: dict) -> str:
     return (
         f"{r['distribution']:>10} {r['density']:>8.0e} {r['ids_per_replica']:>8} {r['max_distinct_per_replica']:>8} | "
         f"{r['allgather_s'] * 1e3:>7.1f}ms {r['dense_s'] * 1e3:>7.1f}ms {r['auto_s'] * 1e3:>7.1f}ms "
-        f"{r['tf_default_s'] * 1e3:>7.1f}ms {r['floor_s'] * 1e3:>7.1f}ms | {r['auto_vs_best']:>9.2f} "
-        f"{r['tf_default_vs_auto']:>8.2f} {r['tf_default_vs_floor']:>8.2f} {r['noise']:>6.2f} "
+        f"{r['tf_default_s'] * 1e3:>7.1f}ms {r['floor_s'] * 1e3:>7.1f}ms {r['allgather_collective_s'] * 1e3:>7.1f}ms | "
+        f"{r['auto_vs_best']:>9.2f} {r['tf_default_vs_auto']:>8.2f} {r['tf_default_vs_floor']:>8.2f} "
+        f"{r['noise']:>6.2f} {r['collective_vs_allgather']:>7.2f} "
         f"{r['auto_chose']:>9} | {r['bytes_allgather'] * mb:>9.2f} {r['bytes_dense'] * mb:>9.2f} "
         f"{r['bytes_tf_default'] * mb:>9.2f}"
     )
