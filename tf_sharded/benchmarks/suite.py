@@ -62,6 +62,7 @@ def _plot(name: str, reports: List[Dict], out: str) -> str:
             ("allgather_s", "allgather"),
             ("dense_s", "dense"),
             ("auto_s", "auto"),
+            ("allgather_collective_s", "allgather, collective transport"),
             ("tf_default_s", "TF default"),
             ("floor_s", "floor (lookup only)"),
         ):
