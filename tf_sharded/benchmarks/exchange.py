@@ -129,28 +129,16 @@ def run(quick: bool = False, out_dir: str = "bench_results", strategy=None) -> d
         return {name: statistics.median(t) for name, t in times.items()}
 
     with strategy.scope():
+        # Table name -> its exchange: the three modes, a second identical all-gather table (the noise) and
+        # one for the collective transport.
+        exchanges = {"allgather": "allgather", "dense": "dense", "auto": "auto"}
+        exchanges.update(allgather_again="allgather", allgather_collective="allgather")
         tables = {
-            mode: strategy.create_sharded_variable(
-                f"bench_{mode}", [rows, dim], initializer="uniform", exchange=mode, placement="device", seed=1
+            name: strategy.create_sharded_variable(
+                f"bench_{name}", [rows, dim], initializer="uniform", exchange=mode, placement="device", seed=1
             )
-            for mode in ("allgather", "dense", "auto")
+            for name, mode in exchanges.items()
         }
-        tables["allgather_again"] = strategy.create_sharded_variable(
-            "bench_allgather_again",
-            [rows, dim],
-            initializer="uniform",
-            exchange="allgather",
-            placement="device",
-            seed=1,
-        )
-        tables["allgather_collective"] = strategy.create_sharded_variable(
-            "bench_allgather_collective",
-            [rows, dim],
-            initializer="uniform",
-            exchange="allgather",
-            placement="device",
-            seed=1,
-        )
         optimizers = {mode: keras.optimizers.SGD(0.1) for mode in tables}
         embedding = keras.layers.Embedding(rows, dim)
         embedding.build((None,))
