@@ -368,6 +368,31 @@ class ExchangeTest(tf.test.TestCase):
                 ref_optimizer.apply_gradients([(tape.gradient(loss, reference), reference)])
                 self.assertAllClose(table.numpy(), reference.numpy(), atol=1e-5, msg=f"{name} {size}")
 
+    def test_eager_strategy_run_matches_reference(self):
+        # Outside tf.function nothing is traced: "auto" decides per step (here the densified merge in process).
+        strategy = mirrored()
+        values = table_values(50, 3)
+        arrays = [np.array([1, 1, 2]), np.array([2, 3]), np.zeros([0], np.int64), np.arange(40)]
+        reference, ref_optimizer = tf.Variable(values), keras.optimizers.SGD(0.1)
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(tf.nn.embedding_lookup(reference, a) ** 2) for a in arrays])
+        ref_optimizer.apply_gradients([(tape.gradient(loss, reference), reference)])
+        for mode in MODES:
+            for name in TRANSPORTS:
+                with strategy.scope():
+                    table = strategy.create_sharded_variable(uid("e"), [50, 3], initializer=values, exchange=mode)
+                    optimizer = keras.optimizers.SGD(0.1)
+
+                def fn(ids, table=table, optimizer=optimizer):
+                    with tf.GradientTape() as tape:
+                        loss = tf.reduce_sum(tfs.embedding_lookup(table, ids) ** 2)
+                    optimizer.apply_gradients(zip(tape.gradient(loss, list(table.variables)), table.variables))
+                    return loss
+
+                with transport(name):
+                    strategy.run(fn, args=(per_replica(strategy, arrays),))
+                self.assertAllClose(table.numpy(), reference.numpy(), atol=1e-6, msg=f"{mode} {name}")
+
     def test_custom_loop_reduction_without_keras(self):
         strategy = mirrored()
         with strategy.scope():
