@@ -458,6 +458,24 @@ class MirroredCheckpointAndArgumentTest(tf.test.TestCase):
         b = tfs.create_sharded_variable(uid("s"), [30, 4], seed=7)
         self.assertAllEqual(a.numpy(), b.numpy())
 
+    def test_chunked_init_writes_each_copy(self):
+        # A mirrored variable's own scatter in cross-replica context reads it back whole, so each chunk's write
+        # copied the shard (B3: ~2 shard copies left pooled per table). Initialisation writes each copy instead.
+        from tensorflow.python.distribute import values as tf_values
+
+        strategy = mirrored()
+        refuse = mock.patch.object(tf_values.MirroredVariable, "scatter_update", side_effect=AssertionError("whole"))
+        for scheme in ("div", "mod"):
+            with mock.patch.object(tfs.creation, "CHUNK_ELEMENTS", 64), refuse, strategy.scope():
+                table = strategy.create_sharded_variable(
+                    uid("ch"), [100, 4], partitions=2, scheme=scheme, seed=3, placement="device"
+                )
+            plain = tfs.create_sharded_variable(uid("ch"), [100, 4], partitions=2, scheme=scheme, seed=3)
+            for shard, want in zip(table.variables, plain.variables):
+                self.assertLen(shard.values, 4)
+                for copy in shard.values:
+                    self.assertAllEqual(copy.numpy(), want.numpy(), msg=scheme)
+
     def test_bad_arguments(self):
         strategy = mirrored()
         with strategy.scope():

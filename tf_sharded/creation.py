@@ -126,6 +126,20 @@ def _shard_value(init, layout, shard: int, full_shape, dtype, start: int, stop: 
     return init.rows(rows, full_shape, dtype)
 
 
+def _write_rows(var, rows: tf.IndexedSlices) -> None:
+    """`var.scatter_update(rows)`, on each copy of a mirrored variable separately.
+
+    A mirrored variable's own scatter in cross-replica context reads the
+    variable back, so the next chunk's write copies the whole shard
+    (copy-on-write) once per chunk: in B3 that left ~2 shard copies pooled
+    by the allocator per table.
+    """
+    copies = var.values if isinstance(var, tf.distribute.DistributedValues) else (var,)
+    for copy in copies:
+        with tf.device(copy.device):
+            copy.scatter_update(rows)
+
+
 def _fill_scattered(var, init, layout, shard: int, full_shape, dtype) -> None:
     """A callable with `partition_offset` on a non-contiguous layout.
 
@@ -140,7 +154,7 @@ def _fill_scattered(var, init, layout, shard: int, full_shape, dtype) -> None:
         values = init.call([stop - start] + inner, dtype, start)
         shard_of, local = layout.route(tf.range(start, stop, dtype=tf.int64))
         mine = tf.where(tf.equal(shard_of, shard))[:, 0]
-        var.scatter_update(tf.IndexedSlices(tf.gather(values, mine), tf.gather(local, mine), var.shape))
+        _write_rows(var, tf.IndexedSlices(tf.gather(values, mine), tf.gather(local, mine), var.shape))
 
 
 def build_sharded_variable(
@@ -204,7 +218,7 @@ def build_sharded_variable(
                     for start in range(0, rows, chunk_rows):
                         stop = min(rows, start + chunk_rows)
                         chunk = _shard_value(init, layout, i, full_shape, dtype, start, stop)
-                        var.scatter_update(tf.IndexedSlices(chunk, tf.range(start, stop, dtype=tf.int64)))
+                        _write_rows(var, tf.IndexedSlices(chunk, tf.range(start, stop, dtype=tf.int64)))
             shards.append(var)
     table = ShardedVariable(shards, layout, request.name, full_shape, dtype, strategy)
     # Kept so that optimizer slots can be built beside each shard (`build_like`).
