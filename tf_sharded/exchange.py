@@ -341,7 +341,8 @@ def dense_exchange(grad, ctx, rows: int) -> tf.Tensor:
     return ctx.all_reduce(tf.distribute.ReduceOp.SUM, grad)
 
 
-def _row_bytes(values: tf.Tensor) -> int:
+def _row_bytes(values) -> int:
+    """Bytes per row of a tensor or table."""
     return values.dtype.size * max(1, values.shape[1:].num_elements() or 1)
 
 
@@ -351,20 +352,14 @@ def _adaptive_in_process(grad, ctx, rows, premerged, merge_factor, decided):
     row_bytes = _row_bytes(values)
 
     def merge(all_indices, all_values):
+        hashed = lambda: _merge(all_indices, all_values)  # noqa: E731
+        mapped = lambda: _map_merge(all_indices, all_values, rows)  # noqa: E731
         if decided is not None:
-            use_gather = tf.constant(decided == "allgather")
-        else:
-            gathered = tf.cast(tf.size(all_indices), tf.float64)
-            gather_cost, dense_cost = _local_costs(rows, row_bytes, gathered, merge_factor)
-            use_gather = gather_cost <= dense_cost
-        if decided == "allgather":
-            return _merge(all_indices, all_values) + (use_gather,)
-        if decided == "dense":
-            return _map_merge(all_indices, all_values, rows) + (use_gather,)
-        merged = tf.cond(
-            use_gather, lambda: _merge(all_indices, all_values), lambda: _map_merge(all_indices, all_values, rows)
-        )
-        return tuple(merged) + (use_gather,)
+            return (hashed() if decided == "allgather" else mapped()) + (tf.constant(decided == "allgather"),)
+        gathered = tf.cast(tf.size(all_indices), tf.float64)
+        gather_cost, dense_cost = _local_costs(rows, row_bytes, gathered, merge_factor)
+        use_gather = gather_cost <= dense_cost
+        return tuple(tf.cond(use_gather, hashed, mapped)) + (use_gather,)
 
     with tf.name_scope("tfs_auto_merge"):
         merged_indices, merged_values, use_gather, _ = _merge_on_one_device(ctx, indices, values, merge)
@@ -435,7 +430,7 @@ def exchange_gradient(grad, table, shard: int, ctx=None, static_ids: Optional[in
     if policy.mode == "allgather":
         return allgather_exchange(grad, ctx, premerged)[0]
     local = in_process(ctx)
-    row_bytes = table.dtype.size * max(1, table.shape[1:].num_elements() or 1)
+    row_bytes = _row_bytes(table)
     decided = None
     if policy.ids_per_step is not None:
         decided = choose(rows, row_bytes, ctx.num_replicas_in_sync, policy.ids_per_step, in_process=local)
