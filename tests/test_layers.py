@@ -41,13 +41,14 @@ class MirroredFitTest(tf.test.TestCase):
     def test_fit_matches_single_device_reference_for_each_exchange(self):
         strategy = mirrored()
         calls = []
-        original = tfs.exchange.exchange_gradient
+        # Every shard's exchange starts with its trace-time choice (grouped all-gathers included).
+        original = tfs.exchange._trace_time_choice
 
         def spy(grad, table, shard, *args, **kwargs):
             calls.append((table.name, shard))
             return original(grad, table, shard, *args, **kwargs)
 
-        tfs.exchange.exchange_gradient = spy
+        tfs.exchange._trace_time_choice = spy
         try:
             for mode in ("allgather", "dense", "auto"):
                 calls.clear()
@@ -63,7 +64,7 @@ class MirroredFitTest(tf.test.TestCase):
                 # Keras's gradient aggregation went through the table's exchange, per replica and shard.
                 self.assertEqual({s for _, s in calls}, {0, 1}, msg=mode)
         finally:
-            tfs.exchange.exchange_gradient = original
+            tfs.exchange._trace_time_choice = original
 
     def test_fit_with_steps_per_execution_under_mirrored(self):
         # Keras 3's own steps_per_execution > 1 fails under MirroredStrategy (keras-team/keras#19246);

@@ -368,6 +368,56 @@ class ExchangeTest(tf.test.TestCase):
                 ref_optimizer.apply_gradients([(tape.gradient(loss, reference), reference)])
                 self.assertAllClose(table.numpy(), reference.numpy(), atol=1e-5, msg=f"{name} {size}")
 
+    def test_same_width_shards_share_one_exchange(self):
+        # Three width-4 tables (2 shards each) and one width-8 table: one all-gather per row shape, and the
+        # tables trained as on one device (ids collide across tables and shards only if the offsets are wrong).
+        strategy = mirrored()
+        widths = {"a": 4, "b": 4, "c": 4, "d": 8}
+        values = {k: table_values(30, w, seed=i) for i, (k, w) in enumerate(widths.items())}
+        arrays = [np.array([0, 1, 1, 29]), np.array([15, 14, 0]), np.zeros([0], np.int64), np.array([29, 28, 2, 3])]
+        references = {k: tf.Variable(v) for k, v in values.items()}
+        with tf.GradientTape() as tape:
+            loss = tf.add_n(
+                [tf.reduce_sum(tf.nn.embedding_lookup(references[k], a) ** 2) for k in widths for a in arrays]
+            )
+        keras.optimizers.SGD(0.1).apply_gradients(
+            zip(tape.gradient(loss, list(references.values())), references.values())
+        )
+        for name in TRANSPORTS:
+            with strategy.scope():
+                tables = {
+                    k: strategy.create_sharded_variable(
+                        uid(k), [30, w], initializer=values[k], exchange="allgather", partitions=2, scheme="mod"
+                    )
+                    for k, w in widths.items()
+                }
+                optimizer = keras.optimizers.SGD(0.1)
+            variables = [v for t in tables.values() for v in t.variables]
+
+            @tf.function
+            def step(ids):
+                def fn(ids):
+                    with tf.GradientTape() as tape:
+                        loss = tf.add_n([tf.reduce_sum(tfs.embedding_lookup(t, ids) ** 2) for t in tables.values()])
+                    optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+                    return loss
+
+                return strategy.run(fn, args=(ids,))
+
+            ids = per_replica(strategy, arrays)
+            with transport(name):
+                step(ids)
+            for k in widths:
+                self.assertAllClose(tables[k].numpy(), references[k].numpy(), atol=1e-6, msg=f"{name} {k}")
+            graph_def = step.get_concrete_function(ids).graph.as_graph_def()
+            nodes = list(graph_def.node) + [n for fn in graph_def.library.function for n in fn.node_def]
+            if name == "collective":
+                # Per row shape and replica, TF's variable-length gather: one of the lengths, one of the data.
+                self.assertEqual(sum(n.op == "CollectiveGatherV2" for n in nodes), 2 * 2 * 4)
+            else:
+                # One merge per row shape, on one device (not one per shard, not one per replica).
+                self.assertEqual(sum(n.op == "Unique" and "tfs_hash_merge" in n.name for n in nodes), 2)
+
     def test_eager_strategy_run_matches_reference(self):
         # Outside tf.function nothing is traced: "auto" decides per step (here the densified merge in process).
         strategy = mirrored()
