@@ -128,5 +128,22 @@ class BenchmarkSuiteTest(tf.test.TestCase):
             self.assertLessEqual(row["rows_gathered"], 4 * row["max_distinct_per_replica"])
 
 
+class MergeSweepTest(tf.test.TestCase):
+    def test_quick_merge_sweep_writes_json(self):
+        out = tempfile.mkdtemp()
+        proc = run_python(["-m", "tf_sharded.benchmarks.exchange", "--quick", "--out", out], timeout=300)
+        self.assertEqual(proc.returncode, 0, msg=proc.stderr[-3000:])
+        with open(os.path.join(out, "exchange_merges.json")) as f:
+            report = json.load(f)
+        self.assertEqual(report["benchmark"], "exchange_merges")
+        self.assertLen(report["results"], 2)
+        for row in report["results"]:
+            for key in ("hash_s", "densified_s", "densify_s"):
+                self.assertGreater(row[key], 0)
+            self.assertIn(row["model_chose"], ("allgather", "dense"))
+            self.assertIn(row["faster"], ("allgather", "dense"))
+            self.assertLessEqual(row["rows_gathered"], row["rows"] * row["fraction"])
+
+
 if __name__ == "__main__":
     tf.test.main()

@@ -56,8 +56,9 @@ MERGE_FACTOR`, `k1 = LOCAL_MERGE_FACTOR`):
 receiving it; on a single host, where a collective is a memory copy, it
 dominates, and on a real network the transfer term does. `k1` is a hash
 merge's cost per byte relative to a segment sum's. Both defaults come from
-`python -m tf_sharded bench exchange` and the merge sweep in RFC.md §11 on a
-2-core CPU machine. A declared `ids_per_step` fixes the choice at trace time
+`python -m tf_sharded bench exchange` (`k`) and the merge sweep
+`python -m tf_sharded.benchmarks.exchange` (`k1`, RFC.md §5a) on a 2-core CPU
+machine. A declared `ids_per_step` fixes the choice at trace time
 instead.
 """
 
@@ -253,7 +254,7 @@ def _map_merge(indices: tf.Tensor, values: tf.Tensor, rows: int):
     """`_merge` through a table-sized position map instead of a hash table; rows come out sorted.
 
     Cheaper than hashing once the gathered rows are a large fraction of the
-    table (RFC.md §11): two passes over `rows` int32s, no probing.
+    table (RFC.md §5a): two passes over `rows` int32s, no probing.
     """
     dtype = tf.int32 if rows < 2**31 else tf.int64
     at = tf.cast(indices, dtype)

@@ -237,11 +237,70 @@ def format_rows(report: dict) -> list:
     return [HEADER] + [_format_row(r) for r in report["results"]]
 
 
+def merge_sweep(quick: bool = False, out_dir: str = "bench_results", repeats: int = 9) -> dict:
+    """The in-process merges on one device: hash vs densified (position map) vs densifying into the table.
+
+    What `tfs.exchange.LOCAL_MERGE_FACTOR` is fitted to. Rows gathered are
+    4 replicas' distinct uniform ids, 5-50% of the table; the three are timed
+    interleaved in one process (medians), with the in-process model's choice.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    from tf_sharded import exchange
+
+    tables = [(20_000, 8)] if quick else [(1_000_000, 32), (1_000_000, 8), (100_000, 16)]
+    fractions = [0.05, 0.5] if quick else [0.05, 0.1, 0.2, 0.3, 0.4, 0.5]
+    rng = np.random.default_rng(0)
+    results = []
+    for rows, dim in tables:
+        merges = {
+            "hash": tf.function(exchange._merge),
+            "densified": tf.function(lambda i, v, rows=rows: exchange._map_merge(i, v, rows)),
+            "densify": tf.function(lambda i, v, rows=rows: tf.math.unsorted_segment_sum(v, tf.cast(i, tf.int32), rows)),
+        }
+        for fraction in fractions:
+            per_replica = int(fraction * rows) // REPLICAS
+            ids = np.concatenate([np.unique(rng.integers(0, rows, per_replica)) for _ in range(REPLICAS)])
+            indices, values = tf.constant(ids), tf.random.normal([len(ids), dim])
+            times = {name: [] for name in merges}
+            for repeat in range(repeats + 1):
+                for name, merge in merges.items():
+                    t0 = time.perf_counter()
+                    [t.numpy() for t in tf.nest.flatten(merge(indices, values))]
+                    if repeat:  # the first round traces
+                        times[name].append(time.perf_counter() - t0)
+            row = {"rows": rows, "dim": dim, "fraction": fraction, "rows_gathered": len(ids)}
+            row.update({f"{name}_s": statistics.median(t) for name, t in times.items()})
+            distinct = len(ids) / REPLICAS
+            row["model_chose"] = exchange.choose(rows, dim * 4, REPLICAS, distinct, in_process=True)
+            row["faster"] = "allgather" if row["hash_s"] <= row["densified_s"] else "dense"
+            results.append(row)
+            print(
+                f"{rows:>9} x {dim:<3} {fraction:>5.0%} {len(ids):>8} gathered | hash {row['hash_s'] * 1e3:6.1f} ms  "
+                f"densified {row['densified_s'] * 1e3:6.1f} ms  densify {row['densify_s'] * 1e3:6.1f} ms | "
+                f"faster {row['faster']:>9}  model {row['model_chose']:>9}",
+                flush=True,
+            )
+    report = {"benchmark": "exchange_merges", "quick": quick, "replicas": REPLICAS, "results": results}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "exchange_merges.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    return report
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tf_sharded bench exchange", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small table, two densities (for tests)")
-    parser.add_argument("--out", default="bench_results", help="directory for exchange.json")
+    parser = argparse.ArgumentParser(
+        prog="python -m tf_sharded.benchmarks.exchange",
+        description="The in-process merge sweep behind LOCAL_MERGE_FACTOR (the B2 sweep: python -m tf_sharded "
+        "bench exchange)",
+    )
+    parser.add_argument("--quick", action="store_true", help="one small table, two fractions (for tests)")
+    parser.add_argument("--out", default="bench_results", help="directory for exchange_merges.json")
     args = parser.parse_args(argv)
-    print(HEADER)
-    run(quick=args.quick, out_dir=args.out)
+    merge_sweep(quick=args.quick, out_dir=args.out)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
