@@ -445,8 +445,12 @@ def exchange_gradient(grad, table, shard: int, ctx=None, static_ids: Optional[in
     at trace time and the per-step decision is skipped.
     """
     ctx = ctx or tf.distribute.get_replica_context()
+    return _exchange_as(grad, table, shard, ctx, _trace_time_choice(grad, table, shard, ctx, static_ids))
+
+
+def _exchange_as(grad, table, shard: int, ctx, choice: str):
+    """One shard's exchange once its trace-time `choice` is known."""
     rows = table.layout.shard_sizes[shard]
-    choice = _trace_time_choice(grad, table, shard, ctx, static_ids)
     if choice == "dense":
         return dense_exchange(grad, ctx, rows)
     premerged = single_lookup(table)
@@ -555,13 +559,12 @@ def all_reduce_gradients(
     gathered = {}  # (dtype, row shape) -> [(pair index, table, shard)]: exchanged together
     for i, (table, shard) in ours:
         g, v = pairs[i]
-        static = bounds.get(id(table))
+        choice = _trace_time_choice(g, table, shard, ctx, bounds.get(id(table)))
         row_shape = g.values.shape[1:] if isinstance(g, tf.IndexedSlices) else None
-        if row_shape is not None and row_shape.is_fully_defined():
-            if _trace_time_choice(g, table, shard, ctx, static) == "allgather":
-                gathered.setdefault((g.values.dtype, tuple(row_shape.as_list())), []).append((i, table, shard))
-                continue
-        result[i] = (exchange_gradient(g, table, shard, ctx, static), v)
+        if choice == "allgather" and row_shape.is_fully_defined():
+            gathered.setdefault((g.values.dtype, tuple(row_shape.as_list())), []).append((i, table, shard))
+        else:
+            result[i] = (_exchange_as(g, table, shard, ctx, choice), v)
     for members in gathered.values():
         grads = [(pairs[i][0], table.layout.shard_sizes[shard], single_lookup(table)) for i, table, shard in members]
         for (i, _, _), summed in zip(members, grouped_allgather(grads, ctx)):
