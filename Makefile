@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[app,bench,test]"
 	touch $(STAMP)
 
 # The main job on its embedded default: DLRM on synthetic Criteo-shaped data, a local cluster of

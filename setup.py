@@ -5,7 +5,15 @@ setup(
     version="0.1.0",
     description="Sharded embedding tables for TensorFlow 2 distribution strategies",
     python_requires=">=3.9,<3.13",
-    packages=["tf_sharded", "tf_sharded.benchmarks", "tf_sharded.strategy"],
+    packages=[
+        "tf_sharded",
+        "tf_sharded.app",
+        "tf_sharded.benchmarks",
+        "tf_sharded.exchange",
+        "tf_sharded.keras",
+        "tf_sharded.strategy",
+        "tf_sharded.table",
+    ],
     # The hooks live in strategy/ but install inside the library's namespace.
     package_dir={"tf_sharded": "tf_sharded", "tf_sharded.strategy": "strategy"},
     install_requires=[
@@ -14,13 +22,20 @@ setup(
         "numpy<2",
         "absl-py",
         "keras==3.15.1",  # tf_sharded routes Keras optimizer internals; see _compat.py
-        "portpicker==1.6.0",
-        "pyarrow==16.1.0",  # writes Parquet in `data synthesize`; pyarrow >= 17 needs NumPy 2
-        "matplotlib==3.9.2",  # the benchmark suite's plots
-        "psutil==7.2.2",  # process memory in the suite's B3 and the cluster tests
+        "portpicker==1.6.0",  # tfs.cluster's local clusters
     ],
     extras_require={
+        # the training application (python -m tf_sharded train / data / inspect)
+        "app": ["pyarrow==16.1.0"],  # writes Parquet in `data synthesize`; pyarrow >= 17 needs NumPy 2
+        # the benchmark suite (python -m tf_sharded bench)
+        "bench": [
+            "pyarrow==16.1.0",
+            "matplotlib==3.9.2",  # plots
+            "psutil==7.2.2",  # process memory (B3)
+        ],
         "test": [
+            "pytest-timeout==2.4.0",
+            "psutil==7.2.2",  # the cluster tests check that tasks are cleaned up
             "pytest==9.2.0",
             "hypothesis==6.170.15",
             "ruff==0.17.5",

@@ -1,17 +1,26 @@
-"""Default strategy and `OneDeviceStrategy`: one table, optionally in local shards."""
+"""Default strategy and `OneDeviceStrategy`: one table, optionally in local shards, on the strategy's device."""
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_sharded import _compat, creation
-from tf_sharded.strategy import register
+from tf_sharded import _compat
+from tf_sharded.partition import resolve_spec
+from tf_sharded.strategy import StrategyFamily, register
+from tf_sharded.strategy.common import refuse_mirrored_arguments
+from tf_sharded.table.builder import ShardPlacement, build_sharded_variable
 
 
-@register(_compat.default_strategy_type(), tf.distribute.OneDeviceStrategy)
-def create(strategy: tf.distribute.Strategy, request: creation.VariableRequest):
+def create(strategy: tf.distribute.Strategy, config, variable_factory=None):
     """All shards on the strategy's device; one shard unless `partitions` says more."""
-    request.reject_exchange(type(strategy).__name__)
-    spec = request.resolve_spec(default_shards=1)
+    refuse_mirrored_arguments(config, type(strategy).__name__)
+    spec = resolve_spec(config.partitions, config.shape, config.dtype, config.scheme, default_shards=1)
     with strategy.scope():
-        return creation.build_sharded_variable(request, spec, [None] * spec.num_shards, strategy)
+        return build_sharded_variable(
+            config, spec, strategy, ShardPlacement([None] * spec.num_shards), variable_factory=variable_factory
+        )
+
+
+FAMILY = register(
+    StrategyFamily(name="default", create=create), _compat.default_strategy_type(), tf.distribute.OneDeviceStrategy
+)

@@ -1,4 +1,4 @@
-"""ParameterServerStrategy: shards round-robin over the parameter servers.
+"""ParameterServerStrategy: shards round-robin over the parameter servers, steps scheduled on workers.
 
 Shard variables are created through the strategy's own variable creator (so
 TensorFlow sees them as created in its scope), pinned to their ps task by
@@ -12,8 +12,11 @@ import weakref
 
 import tensorflow as tf
 
-from tf_sharded import _compat, creation
-from tf_sharded.strategy import register
+from tf_sharded import _compat
+from tf_sharded.partition import resolve_spec
+from tf_sharded.strategy import FitLoop, StrategyFamily, register
+from tf_sharded.strategy.common import refuse_mirrored_arguments
+from tf_sharded.table.builder import ShardPlacement, build_sharded_variable, colocate_scope
 
 # Per strategy: how many shards have been placed, so that tables start on
 # different ps tasks and small tables do not all pile onto ps 0.
@@ -32,26 +35,36 @@ def ps_device(task: int) -> str:
     return f"/job:ps/replica:0/task:{task}/device:CPU:0"
 
 
-def default_num_shards(strategy, request) -> int:
+def default_num_shards(strategy, config) -> int:
     """From the strategy's `variable_partitioner`, else one shard per ps."""
     partitioner = _compat.ps_variable_partitioner(strategy)
-    num_ps = _compat.ps_num_ps(strategy)
     if partitioner is None:
-        return num_ps
-    result = partitioner(tf.TensorShape(request.shape), request.dtype)
+        return _compat.ps_num_ps(strategy)
+    result = partitioner(tf.TensorShape(config.shape), config.dtype)
     return int(list(result)[0])
 
 
-@register(tf.distribute.experimental.ParameterServerStrategy)
-def create(strategy, request: creation.VariableRequest):
-    request.reject_exchange("ParameterServerStrategy")
-    spec = request.resolve_spec(default_shards=default_num_shards(strategy, request))
+def create(strategy, config, variable_factory=None):
+    refuse_mirrored_arguments(config, "ParameterServerStrategy")
+    spec = resolve_spec(
+        config.partitions, config.shape, config.dtype, config.scheme, default_num_shards(strategy, config)
+    )
     num_ps = _compat.ps_num_ps(strategy)
     start = _PLACED.get(strategy, 0)
     devices = [ps_device((start + i) % num_ps) for i in range(spec.num_shards)]
     _PLACED[strategy] = start + spec.num_shards
-
+    placement = ShardPlacement(devices, scope=lambda i: colocate_scope(_Anchor(devices[i])))
     with strategy.scope():
-        return creation.build_sharded_variable(
-            request, spec, devices, strategy, placement=lambda i: creation.colocate_scope(_Anchor(devices[i]))
-        )
+        return build_sharded_variable(config, spec, strategy, placement, variable_factory=variable_factory)
+
+
+FAMILY = register(
+    StrategyFamily(
+        name="parameter_server",
+        create=create,
+        fit_loop=lambda strategy, steps_per_execution: FitLoop.COORDINATOR,
+        asynchronous_steps=True,
+        dataset_function=True,
+    ),
+    tf.distribute.experimental.ParameterServerStrategy,
+)

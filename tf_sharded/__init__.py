@@ -1,49 +1,56 @@
 """tf_sharded: sharded embedding tables for TensorFlow 2 distribution strategies.
 
-Importing the package installs `create_sharded_variable` on every
-`tf.distribute.Strategy` and routes `tf.nn.embedding_lookup` on sharded
-tables to `tfs.embedding_lookup`.
+Importing the package registers the strategy families (`tf_sharded.strategy`),
+installs `create_sharded_variable` on every `tf.distribute.Strategy`, routes
+`tf.nn.embedding_lookup` on tables to `tfs.embedding_lookup`, and routes Keras
+3 optimizers' gradient reduction through the mirrored exchange
+(`tf_sharded.keras.routing`). The training application (`tfs.data`,
+`tfs.models`) is the `[app]` extra and is imported on first use.
 """
 
-from tf_sharded import (
-    cluster,
-    partitioners,
-    strategy,  # noqa: F401  (registers the strategy hooks)
-)
+from tf_sharded import cluster, exchange, partitioners, strategy
+from tf_sharded.config import Combiner, Exchange, FeatureConfig, Placement, Scheme, TableConfig
 from tf_sharded.creation import create_sharded_variable
 from tf_sharded.creation import install as _install
 from tf_sharded.errors import LayoutMismatchError, ShardedError, UnsupportedStrategyError
-from tf_sharded.lookup import embedding_lookup, embedding_lookup_sparse
+from tf_sharded.keras import layers, optimizers, training
+from tf_sharded.keras.serving import export
+from tf_sharded.keras.training import fit
 from tf_sharded.partition import Layout, PartitionSpec
-from tf_sharded.sharded_variable import ShardedVariable
+from tf_sharded.strategy import default as _default  # noqa: F401  (registers the family)
+from tf_sharded.strategy import mirrored as _mirrored  # noqa: F401
+from tf_sharded.strategy import parameter_server as _parameter_server  # noqa: F401
+from tf_sharded.table import ShardedVariable, Table, embedding_lookup, embedding_lookup_sparse
 
 __version__ = "0.1.0"
 
-_KERAS_MODULES = ("layers", "optimizers", "training", "serving")
-_KERAS_FUNCTIONS = {"fit": "training", "export": "serving"}
+_APP_MODULES = ("data", "models")
 
 
 def __getattr__(name):
-    # Keras is imported on first use of these, not by `import tf_sharded`.
-    if name in _KERAS_MODULES:
+    # The application is an extra (`pip install tf_sharded[app]`): imported on first use.
+    if name in _APP_MODULES:
         import importlib
 
-        return importlib.import_module(f"tf_sharded.{name}")
-    if name in _KERAS_FUNCTIONS:
-        import importlib
-
-        return getattr(importlib.import_module(f"tf_sharded.{_KERAS_FUNCTIONS[name]}"), name)
+        return importlib.import_module(f"tf_sharded.app.{name}")
     raise AttributeError(f"module 'tf_sharded' has no attribute {name!r}")
 
 
 _install()
 
 __all__ = [
+    "Combiner",
+    "Exchange",
+    "FeatureConfig",
     "Layout",
     "LayoutMismatchError",
     "PartitionSpec",
+    "Placement",
+    "Scheme",
     "ShardedError",
     "ShardedVariable",
+    "Table",
+    "TableConfig",
     "UnsupportedStrategyError",
     "cluster",
     "create_sharded_variable",
@@ -55,4 +62,6 @@ __all__ = [
     "layers",
     "optimizers",
     "partitioners",
+    "strategy",
+    "training",
 ]

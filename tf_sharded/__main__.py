@@ -28,24 +28,24 @@ def main(argv=None) -> int:
         print(USAGE)
         return 0 if argv else 2
     if argv[0] == "train":
-        from tf_sharded import app
+        from tf_sharded.app import cli
 
-        return app.main(argv[1:])
+        return cli.main(argv[1:])
     if argv[0] == "data" and len(argv) > 1 and argv[1] == "synthesize":
         return _synthesize(argv[2:])
     if argv[0] == "inspect":
-        from tf_sharded import app
+        from tf_sharded.app import cli
 
         if len(argv) != 2:
             print("usage: python -m tf_sharded inspect CHECKPOINT", file=sys.stderr)
             return 2
         try:
-            return app.inspect_checkpoint(argv[1])
+            return cli.inspect_checkpoint(argv[1])
         except (FileNotFoundError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
     if argv[0] == "demo":
-        from tf_sharded import demo
+        from tf_sharded.app import demo
 
         demo.main()
         return 0
@@ -69,7 +69,7 @@ def _synthesize(argv) -> int:
     args = parser.parse_args(argv)
     if args.rows < 1:
         parser.error(f"--rows must be a positive int, received {args.rows}")
-    from tf_sharded import data
+    from tf_sharded.app import data
 
     files = data.synthesize(args.format, args.rows, args.out, args.max_vocab, args.seed)
     print(f"wrote {args.rows} rows to {len(files)} {args.format} file(s) in {args.out}")

@@ -1,7 +1,11 @@
-"""The one place where tf_sharded touches TensorFlow internals.
+"""The one place where tf_sharded touches TensorFlow and Keras internals.
 
-Everything imported from `tensorflow.python...` lives here, and
-`tests/compat_test.py` fails loudly when a TensorFlow upgrade moves any of it.
+Everything imported from `tensorflow.python...` or `keras.src...`, and every
+private attribute of a TensorFlow or Keras object that tf_sharded reads,
+writes or overrides, is behind a named function or class here.
+`tests/test_compat.py` exercises each one against the pinned versions and
+fails loudly when an upgrade moves it; `tests/test_layout.py` fails when any
+other module reaches for an internal.
 """
 
 from __future__ import annotations
@@ -10,8 +14,10 @@ import contextlib
 import sys
 from typing import Any, Callable, Optional
 
+import tensorflow as tf
 from tensorflow.python.checkpoint import restore as _restore
 from tensorflow.python.trackable import base as _trackable_base
+from tensorflow.python.trackable import trackable_utils as _trackable_utils
 from tensorflow.python.training.saving import saveable_object as _saveable_object
 
 Trackable = _trackable_base.Trackable
@@ -84,6 +90,109 @@ def register_dispatchable_type(cls: type) -> type:
     from tensorflow.python.util import dispatch
 
     return dispatch.register_dispatchable_type(cls)
+
+
+# ----------------------------------------------------------------------------- distributed variables --
+
+
+def _own_attribute(obj, name: str):
+    """`obj.name` or None, never forwarded: a `DistributedValues` hands unknown attributes to a copy of its value,
+    which for a mirrored variable in cross-replica context is a full read of it."""
+    if isinstance(obj, tf.distribute.DistributedValues):
+        return vars(obj).get(name)
+    return getattr(obj, name, None)
+
+
+def local_component(variable):
+    """This replica's (or the primary) copy of a distributed variable; any other variable as it is.
+
+    A `DistributedVariable` has no `sparse_read`, so `tf.gather` on it reads
+    the whole variable; its component shares the handle the tape watches.
+    """
+    if isinstance(variable, tf.distribute.DistributedValues):
+        return variable._get_on_device_or_primary()
+    return variable
+
+
+def distributed_container(component):
+    """The distributed variable a per-replica component belongs to (TF keeps the link on it or its handle)."""
+    for holder in (component, _own_attribute(component, "_handle")):
+        container = _own_attribute(holder, "_distributed_container")
+        if callable(container):
+            return container()
+    return None
+
+
+def uses_merge_call(strategy) -> bool:
+    """Whether a mirrored strategy's replicas meet in `merge_call` (every replica a device of this process)."""
+    return bool(strategy.extended._use_merge_call())
+
+
+def checkpoint_key(path: list) -> str:
+    """The checkpoint key TensorFlow writes for the variable value of the object at `path` (names from the root)."""
+    object_path = "/".join(_trackable_utils.escape_local_name(name) for name in path)
+    return _trackable_utils.checkpoint_key(object_path, VARIABLE_VALUE_KEY)
+
+
+# ------------------------------------------------------------------------------------------- Keras --
+
+
+def keras_variable_value(variable):
+    """The backend variable a Keras 3 variable wraps (None for anything else); never a read or a cast."""
+    import keras
+
+    if isinstance(variable, keras.Variable):
+        return variable._value
+    return None
+
+
+def keras_track(owner, trackable, name: str) -> None:
+    """Makes TensorFlow checkpoints follow `owner.<name>` (Keras's own containers hide what they hold)."""
+    owner._track_trackable(trackable, name=name, overwrite=True)
+
+
+def set_untracked(owner, name: str, value) -> None:
+    """Sets an attribute that Keras's attribute tracking must not wrap or track."""
+    object.__setattr__(owner, name, value)
+
+
+def keras_register_trainable(optimizer, variable) -> None:
+    """Lets a Keras optimizer accept gradients for `variable` without building Keras slots for it."""
+    indices = optimizer._trainable_variables_indices
+    indices[optimizer._var_key(variable)] = len(indices)
+
+
+def keras_uses_weight_decay(optimizer, variable) -> bool:
+    """Whether the optimizer's weight decay applies to `variable` (its exclusions honoured)."""
+    return bool(optimizer._use_weight_decay(variable))
+
+
+class KerasOptimizerHooks:
+    """Mixin before a Keras 3 optimizer: whole-variable weight decay skips what `dense_decay_variables` leaves out."""
+
+    def dense_decay_variables(self, variables):
+        return variables
+
+    def _apply_weight_decay(self, variables):
+        return super()._apply_weight_decay(self.dense_decay_variables(variables))
+
+
+def is_functional_or_sequential(model) -> bool:
+    """Whether `model` is a Keras 3 Functional or Sequential model (which `keras.models.clone_model` can clone)."""
+    import keras
+    from keras.src.models.functional import Functional
+
+    return isinstance(model, (keras.Sequential, Functional))
+
+
+def tf_keras_layers_module():
+    """`tf.keras.layers` as Keras 3 serves it under TensorFlow (None if it cannot be imported)."""
+    import importlib
+
+    try:
+        return importlib.import_module("keras._tf_keras.keras.layers")
+    except ImportError:
+        return None
 
 
 _KERAS_ROUTED = []

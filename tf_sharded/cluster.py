@@ -34,8 +34,8 @@ MODES = ("inprocess", "process")
 # Environment of parameter-server processes (a value already set wins). A ps only gathers and scatters
 # rows, so oneDNN's kernels give it nothing, while TensorFlow's oneDNN CPU allocator keeps freed memory
 # pooled, and glibc's adaptive mmap threshold keeps freed blocks of up to 32 MB in the heap: together
-# they left each ps of `bench memory` ~25% above its shards x (1 + slots), the initialisation
-# temporaries never returned. With these two settings the excess is ~2%.
+# they keep a ps's initialisation temporaries resident after the shards are written. `bench memory`
+# measures the ps footprint against shards x (1 + slots) with these settings (RFC.md §11, B3).
 PS_ENV = {"TF_ENABLE_ONEDNN_OPTS": "0", "MALLOC_MMAP_THRESHOLD_": str(4 << 20)}
 _INPROCESS: Optional[LocalCluster] = None
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, NamedTuple, Optional, Protocol, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -64,7 +64,42 @@ def compute_fans(shape) -> tuple:
     return shape[-2] * receptive, shape[-1] * receptive
 
 
-class RowInitializer:
+class RowChunk(NamedTuple):
+    """Part of a shard's initial value: `compute()` gives `(int64 local rows, their values)`.
+
+    `whole`: the chunk is the entire shard in local order, so it can be the
+    variable's initial value instead of a write after creation.
+    """
+
+    whole: bool
+    compute: Callable[[], Tuple[tf.Tensor, tf.Tensor]]
+
+
+class ShardInitializer(Protocol):
+    """What the table builder asks of every initializer kind: a shard's initial rows, chunk by chunk."""
+
+    def chunks(self, layout, shard: int, full_shape, dtype, chunk_rows: int) -> List[RowChunk]:
+        """Chunks of at most about `chunk_rows` rows that together cover shard `shard` of `layout`."""
+
+
+class _PerRow:
+    """Initializers defined per logical row (`rows(...)`): any layout gives the same table."""
+
+    def rows(self, logical_rows: tf.Tensor, full_shape, dtype) -> tf.Tensor:
+        raise NotImplementedError
+
+    def chunks(self, layout, shard: int, full_shape, dtype, chunk_rows: int) -> List[RowChunk]:
+        n = layout.shard_sizes[shard]
+
+        def compute(start, stop):
+            values = self.rows(layout.logical_rows_tf(shard, start, stop), full_shape, dtype)
+            return tf.range(start, stop, dtype=tf.int64), values
+
+        bounds = [(a, min(n, a + chunk_rows)) for a in range(0, n, chunk_rows)]
+        return [RowChunk(len(bounds) == 1, lambda a=a, b=b: compute(a, b)) for a, b in bounds]
+
+
+class RowInitializer(_PerRow):
     """A deterministic, per-logical-row initializer.
 
     Args:
@@ -116,7 +151,7 @@ class RowInitializer:
         return tf.reshape(tf.cast(values, dtype), out_shape)
 
 
-class ArrayInitializer:
+class ArrayInitializer(_PerRow):
     """A full-shape initial value given as a NumPy array or tensor."""
 
     def __init__(self, value):
@@ -155,6 +190,33 @@ class CallableInitializer:
                 f"Received: a tensor of shape {value.shape.as_list()} from {self.fn!r}"
             )
         return tf.cast(value, dtype)
+
+    def chunks(self, layout, shard: int, full_shape, dtype, chunk_rows: int) -> List[RowChunk]:
+        inner = [int(d) for d in full_shape[1:]]
+        n = layout.shard_sizes[shard]
+        if not self.takes_offset:
+            return [RowChunk(True, lambda: (tf.range(n, dtype=tf.int64), self.call([n] + inner, dtype)))]
+        if layout.scheme == "div" or layout.num_shards == 1:
+
+            def contiguous(start, stop):
+                values = self.call([stop - start] + inner, dtype, layout.offsets[shard] + start)
+                return tf.range(start, stop, dtype=tf.int64), values
+
+            bounds = [(a, min(n, a + chunk_rows)) for a in range(0, n, chunk_rows)]
+            return [RowChunk(len(bounds) == 1, lambda a=a, b=b: contiguous(a, b)) for a, b in bounds]
+
+        # Not contiguous: evaluate on contiguous logical chunks and keep the rows this shard owns,
+        # so that the table equals the div layout's exactly.
+        def scattered(start, stop):
+            values = self.call([stop - start] + inner, dtype, start)
+            shard_of, local = layout.route(tf.range(start, stop, dtype=tf.int64))
+            mine = tf.where(tf.equal(shard_of, shard))[:, 0]
+            return tf.gather(local, mine), tf.gather(values, mine)
+
+        total = int(full_shape[0])
+        return [
+            RowChunk(False, lambda a=a: scattered(a, min(total, a + chunk_rows))) for a in range(0, total, chunk_rows)
+        ]
 
 
 _NAMED = {
@@ -222,7 +284,7 @@ def _from_keras(obj: Any, full_shape, seed: int):
     return None
 
 
-def resolve(initializer: Any, full_shape, dtype, seed: int):
+def resolve(initializer: Any, full_shape, dtype, seed: int) -> ShardInitializer:
     """Turns the user's `initializer=` into one of the initializer kinds above.
 
     Args:
@@ -263,3 +325,8 @@ def resolve(initializer: Any, full_shape, dtype, seed: int):
         "Argument `initializer` must be a name, a Keras initializer, a callable or an array. "
         f"Received: initializer={initializer!r} (of type {type(initializer).__name__})"
     )
+
+
+def is_named(name: str) -> bool:
+    """Whether `name` is one of the initializer names resolved here per logical row."""
+    return name.lower() in _NAMED or name.lower() in _SCALING

@@ -91,13 +91,12 @@ def _epoch_timer():
 def _measure_variant(strategy, embeddings: str, sizes: Dict, steps_per_execution: int = 1) -> Dict:
     """Builds and trains one variant under `strategy`; samples/s per timed epoch, or the error that stopped it."""
     import keras
-    import tensorflow as tf
 
     import tf_sharded as tfs
-    from tf_sharded import data, models
+    from tf_sharded.app import data, models
 
     vocab = data.vocab_sizes(sizes["max_vocab"])
-    ps = isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
+    ps = tfs.strategy.family_of(strategy).dataset_function
 
     def dataset_fn(input_context=None):
         worker = input_context.input_pipeline_id if input_context is not None else 0
@@ -135,7 +134,7 @@ def _measure_variant(strategy, embeddings: str, sizes: Dict, steps_per_execution
 
 def _input_rate(sizes: Dict) -> float:
     """Samples/s of the synthetic input pipeline alone (same batches as training)."""
-    from tf_sharded import data
+    from tf_sharded.app import data
 
     count = sizes["steps"] * sizes["epochs"]
     dataset = data.synthetic_dataset(BATCH, sizes["max_vocab"], seed=0).take(count + 5)

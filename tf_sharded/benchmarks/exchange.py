@@ -7,9 +7,9 @@ default path (Keras 3 `keras.layers.Embedding` + Keras SGD, whose
 `IndexedSlices` are all-gathered with every duplicate kept). All run in the
 same process run; step times are medians, reported with their ratio to TF's
 default. Under `MirroredStrategy` tf_sharded gathers on one device and merges
-once (`tfs.exchange.MERGE_IN_PROCESS`); `allgather_collective` is the same
+once; `allgather_collective` is the same
 table's all-gather over TF's collective with a merge on every replica, the
-transport `MultiWorkerMirroredStrategy` uses.
+transport `MultiWorkerMirroredStrategy` uses (`tfs.strategy.mirrored.transport_scope`).
 
 Bytes are those one replica would receive per step over a collective, from
 the measured distinct ids: allgather `R * max_distinct * (row_bytes + 8)` (padded to the largest
@@ -61,14 +61,12 @@ def _ids(rng, distribution: str, rows: int, count: int):
     return (raw * 2654435761) % rows
 
 
-def _collective(step):
+def _collective(strategy, step):
     """`step` traced (on its first call) with the collective transport instead of the in-process merge."""
-    from unittest import mock
-
-    import tf_sharded as tfs
+    from tf_sharded.strategy import mirrored
 
     def call(batch):
-        with mock.patch.object(tfs.exchange, "MERGE_IN_PROCESS", False):
+        with mirrored.transport_scope(strategy, "collective"):
             return step(batch)
 
     return call
@@ -174,7 +172,7 @@ def run(quick: bool = False, out_dir: str = "bench_results", strategy=None) -> d
                 )
                 for mode, table in tables.items()
             }
-            named["allgather_collective_s"] = _collective(named["allgather_collective_s"])
+            named["allgather_collective_s"] = _collective(strategy, named["allgather_collective_s"])
             named["tf_default_s"] = make_step(lambda: embedding.trainable_variables, embedding, keras_optimizer)
             # The floor: the same step with the lookup only (no gradient, no exchange, no update).
             named["floor_s"] = make_step(
@@ -247,7 +245,7 @@ def merge_sweep(quick: bool = False, out_dir: str = "bench_results", repeats: in
     import numpy as np
     import tensorflow as tf
 
-    from tf_sharded import exchange
+    from tf_sharded.exchange import cost, transports
 
     tables = [(20_000, 8)] if quick else [(1_000_000, 32), (1_000_000, 8), (100_000, 16)]
     fractions = [0.05, 0.5] if quick else [0.05, 0.1, 0.2, 0.3, 0.4, 0.5]
@@ -255,8 +253,8 @@ def merge_sweep(quick: bool = False, out_dir: str = "bench_results", repeats: in
     results = []
     for rows, dim in tables:
         merges = {
-            "hash": tf.function(exchange._merge),
-            "densified": tf.function(lambda i, v, rows=rows: exchange._map_merge(i, v, rows)),
+            "hash": tf.function(transports.hash_merge),
+            "densified": tf.function(lambda i, v, rows=rows: transports.map_merge(i, v, rows)),
             "densify": tf.function(lambda i, v, rows=rows: tf.math.unsorted_segment_sum(v, tf.cast(i, tf.int32), rows)),
         }
         for fraction in fractions:
@@ -273,7 +271,7 @@ def merge_sweep(quick: bool = False, out_dir: str = "bench_results", repeats: in
             row = {"rows": rows, "dim": dim, "fraction": fraction, "rows_gathered": len(ids)}
             row.update({f"{name}_s": statistics.median(t) for name, t in times.items()})
             distinct = len(ids) / REPLICAS
-            row["model_chose"] = exchange.choose(rows, dim * 4, REPLICAS, distinct, in_process=True)
+            row["model_chose"] = cost.choose(rows, dim * 4, REPLICAS, distinct, in_process=True)
             row["faster"] = "allgather" if row["hash_s"] <= row["densified_s"] else "dense"
             results.append(row)
             print(

@@ -74,7 +74,7 @@ def run(quick: bool = False) -> Dict:
     import tensorflow as tf
 
     import tf_sharded as tfs
-    from tf_sharded import data
+    from tf_sharded.app import data
     from tf_sharded.benchmarks.ps_lookup import _ids
 
     max_vocab = 50_000 if quick else None
@@ -161,7 +161,7 @@ def _mirrored_child(placement: str, quick: bool) -> Dict:
 
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    from tf_sharded import data
+    from tf_sharded.app import data
     from tf_sharded.benchmarks.ps_lookup import _ids
 
     vocab = data.vocab_sizes(50_000 if quick else 1_000_000)

@@ -64,7 +64,7 @@ def run(quick: bool = False, mode: str = "inprocess", rounds: int = None) -> Dic
     import tensorflow as tf
 
     import tf_sharded as tfs
-    from tf_sharded import data
+    from tf_sharded.app import data
 
     max_vocab = 20_000 if quick else 1_000_000
     vocab = data.vocab_sizes(max_vocab)

@@ -9,85 +9,16 @@ contiguous row slices, so any layout can restore any other.
 
 from __future__ import annotations
 
-import weakref
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 from tf_sharded import _compat
-from tf_sharded.errors import LayoutMismatchError
 from tf_sharded.partition import Layout, PartitionSpec
-
-MAX_IDS_RANK = 3
-
-
-def check_ids(ids, num_rows: int, table_name: str, arg: str = "ids", max_rank: Optional[int] = MAX_IDS_RANK):
-    """Validates row ids and returns `(ids_int64, flat_ids_int64)`.
-
-    Static problems (dtype, rank) raise at once; value problems (negative or
-    out-of-range ids) raise `tf.errors.InvalidArgumentError` from an assertion
-    that every use of the ids depends on, eagerly and inside `tf.function`.
-    """
-    if isinstance(ids, (tf.SparseTensor, tf.RaggedTensor)):
-        raise TypeError(
-            f"Argument `{arg}` must be a dense integer tensor. Received: a "
-            f"{type(ids).__name__}. For multi-hot ids use tfs.embedding_lookup_sparse."
-        )
-    if not isinstance(ids, tf.Tensor):
-        array = np.asarray(ids)
-        if array.dtype.kind not in "iu":
-            raise TypeError(
-                f"Argument `{arg}` must hold integers (int32 or int64). Received: {arg} of "
-                f"dtype {array.dtype} for table '{table_name}'"
-            )
-        ids = tf.convert_to_tensor(array.astype(np.int64) if array.dtype.kind == "u" else array)
-    if ids.dtype not in (tf.int32, tf.int64):
-        raise TypeError(
-            f"Argument `{arg}` must be an int32 or int64 tensor. Received: {arg} of dtype "
-            f"{ids.dtype.name} for table '{table_name}'"
-        )
-    rank = ids.shape.rank
-    if max_rank is not None and rank is not None and rank > max_rank:
-        raise ValueError(
-            f"Argument `{arg}` must have rank 0 to {max_rank}. Received: {arg} of rank {rank} "
-            f"(shape {ids.shape.as_list()}) for table '{table_name}'"
-        )
-    ids = tf.cast(ids, tf.int64)
-    flat = tf.reshape(ids, [-1])
-    if tf.executing_eagerly():
-        values = flat.numpy()
-        if values.size and (values.min() < 0 or values.max() >= num_rows):
-            bad = values[(values < 0) | (values >= num_rows)]
-            raise tf.errors.InvalidArgumentError(
-                None,
-                None,
-                f"Argument `{arg}` must hold row ids in [0, {num_rows}) for table '{table_name}'. "
-                f"Received: {bad.size} id(s) outside it, e.g. {bad[:5].tolist()}",
-            )
-        return ids, flat
-    low = tf.reduce_min(tf.concat([flat, [0]], 0))
-    high = tf.reduce_max(tf.concat([flat, [0]], 0))
-    ok = tf.logical_and(low >= 0, high < num_rows)
-    # The raw op: `tf.debugging.Assert` wraps int64 data in a `cond` (an `If` per check, costly per step).
-    check = tf.raw_ops.Assert(
-        condition=ok,
-        data=[
-            f"Argument `{arg}` must hold row ids in [0, {num_rows}) for table '{table_name}'. Received: smallest id",
-            low,
-            "largest id",
-            high,
-        ],
-        summarize=4,
-    )
-    with tf.control_dependencies([check]):
-        return tf.identity(ids), tf.identity(flat)
-
-
-def _slice_spec(full_shape, start: int, length: int) -> str:
-    dims = " ".join(str(int(d)) for d in full_shape)
-    rest = "".join(":-" for _ in full_shape[1:])
-    return f"{dims} {start},{length}{rest}"
+from tf_sharded.table import saveable
+from tf_sharded.table.ids import check_ids
+from tf_sharded.table.protocol import MAX_IDS_RANK, implements_table, register_shards
 
 
 def gather_rows(variable, ids) -> tf.Tensor:
@@ -98,47 +29,10 @@ def gather_rows(variable, ids) -> tf.Tensor:
     Its component shares the handle the tape watches, so gradients still reach
     the mirrored variable.
     """
-    if isinstance(variable, tf.distribute.DistributedValues):
-        variable = variable._get_on_device_or_primary()
-    return tf.gather(variable, ids)
+    return tf.gather(_compat.local_component(variable), ids)
 
 
-def _own_attr(obj, name: str):
-    """`obj.name` or None, never forwarded: a `DistributedValues` hands unknown attributes to a copy of
-    its value, which for a mirrored variable in cross-replica context is a full read of it."""
-    if isinstance(obj, tf.distribute.DistributedValues):
-        return vars(obj).get(name)
-    return getattr(obj, name, None)
-
-
-def shard_owner(variable) -> Optional[Tuple[ShardedVariable, int]]:
-    """`(table, shard index)` if `variable` is a shard of a `ShardedVariable`, else None.
-
-    Accepts the shard itself, a Keras variable wrapping it, or one replica's
-    component of a mirrored shard.
-    """
-    for candidate in (variable, _own_attr(variable, "_value")):
-        if candidate is None:
-            continue
-        tag = _own_attr(candidate, "_tfs_shard_of")
-        if tag is None:
-            container = _distributed_container(candidate)
-            tag = _own_attr(container, "_tfs_shard_of") if container is not None else None
-        if tag is not None:
-            table = tag[0]()
-            return None if table is None else (table, tag[1])
-    return None
-
-
-def _distributed_container(component):
-    """The mirrored variable a per-replica component belongs to (TF keeps the link on it or its handle)."""
-    for holder in (component, _own_attr(component, "_handle")):
-        container = _own_attr(holder, "_distributed_container")
-        if callable(container):
-            return container()
-    return None
-
-
+@implements_table
 class ShardedVariable(_compat.Trackable):
     """A table split along its rows into shard variables, possibly on many devices.
 
@@ -164,6 +58,10 @@ class ShardedVariable(_compat.Trackable):
         shape,
         dtype,
         strategy: Optional[tf.distribute.Strategy] = None,
+        *,
+        exchange=None,
+        placement: Optional[str] = None,
+        slot_factory: Optional[Callable[[ShardedVariable, str, float], ShardedVariable]] = None,
     ):
         self._variables = tuple(variables)
         self._layout = layout
@@ -171,14 +69,14 @@ class ShardedVariable(_compat.Trackable):
         self._shape = tf.TensorShape(shape)
         self._dtype = tf.as_dtype(dtype)
         self._strategy = strategy
-        self._exchange = None  # an ExchangePolicy under mirrored strategies
-        self._placement = None
+        self._exchange = exchange
+        self._placement = placement
+        self._slot_factory = slot_factory
         for i, v in enumerate(self._variables):
             expected = [layout.shard_sizes[i]] + self._shape.as_list()[1:]
             if v.shape.as_list() != expected:
                 raise ValueError(f"Shard {i} of '{name}' must have shape {expected}. Received: {v.shape.as_list()}")
-        for i, v in enumerate(self._variables):
-            v._tfs_shard_of = (weakref.ref(self), i)
+        register_shards(self, self._variables)
 
     # -------------------------------------------------------------- metadata --
 
@@ -249,8 +147,24 @@ class ShardedVariable(_compat.Trackable):
 
     # ----------------------------------------------------- row-level access --
 
-    def _check(self, ids, arg: str = "ids", max_rank: Optional[int] = MAX_IDS_RANK):
+    def check_ids(self, ids, arg: str = "ids", max_rank: Optional[int] = MAX_IDS_RANK):
+        """Validated ids as `(int64 ids, flat int64 ids)`; see `tf_sharded.table.ids.check_ids`."""
         return check_ids(ids, int(self._shape[0]), self._name, arg, max_rank)
+
+    def shard_rows(self, shard: int) -> int:
+        """Rows held by shard `shard`."""
+        return self._layout.shard_sizes[shard]
+
+    def make_slot(self, name: str, fill: float) -> ShardedVariable:
+        """A non-trainable table of `fill` with this table's layout, shard `i` placed beside shard `i`.
+
+        Optimizer slots are made this way: same partition, same devices (the
+        ps task, the mirrored devices or the worker's host), and checkpointed
+        like any table, so they restore into another layout with it.
+        """
+        if self._slot_factory is None:
+            raise ValueError(f"Table '{self._name}' was not created by a strategy hook and cannot build slots.")
+        return self._slot_factory(self, name, fill)
 
     def _partition_rows(self, rows: tf.Tensor):
         """Splits int64 logical rows by owning shard.
@@ -279,10 +193,8 @@ class ShardedVariable(_compat.Trackable):
         return tf.dynamic_stitch(positions, parts)
 
     def sparse_read(self, ids, name: Optional[str] = None) -> tf.Tensor:
-        """Rows at `ids` (any shape); same as `tfs.embedding_lookup(self, ids)`."""
-        from tf_sharded.lookup import embedding_lookup
-
-        return embedding_lookup(self, ids, name=name)
+        """Rows at `ids` (any shape); same as `tfs.embedding_lookup(self, ids)` (dispatched by TensorFlow)."""
+        return tf.nn.embedding_lookup(self, ids, name=name)
 
     def _scatter(self, method: str, sparse_delta: tf.IndexedSlices, use_locking=False, name=None):
         if not isinstance(sparse_delta, tf.IndexedSlices):
@@ -290,7 +202,7 @@ class ShardedVariable(_compat.Trackable):
                 f"Argument `sparse_delta` of {method} must be a tf.IndexedSlices. Received: "
                 f"{type(sparse_delta).__name__}"
             )
-        _, indices = self._check(sparse_delta.indices, arg="sparse_delta.indices", max_rank=1)
+        _, indices = self.check_ids(sparse_delta.indices, arg="sparse_delta.indices", max_rank=1)
         values = tf.convert_to_tensor(sparse_delta.values, dtype=self._dtype)
         inner = self._shape[1:]
         if values.shape.rank is not None and not values.shape[1:].is_compatible_with(inner):
@@ -395,14 +307,14 @@ class ShardedVariable(_compat.Trackable):
 
     # ------------------------------------------------------------ checkpoints --
 
-    def _checkpoint_chunks(self):
-        """Contiguous logical row ranges saved per shard device: (start, stop, shard)."""
+    def checkpoint_slices(self) -> list:
+        """Contiguous logical row ranges saved from each shard's device: `(start, stop, shard)`."""
         if self._layout.scheme == "div" or self.num_shards == 1:
             return [(o, o + s, i) for i, (o, s) in enumerate(zip(self._layout.offsets, self._layout.shard_sizes))]
         even = PartitionSpec(self.num_shards).bind(int(self._shape[0]))
         return [(o, o + s, i) for i, (o, s) in enumerate(zip(even.offsets, even.shard_sizes))]
 
-    def _read_chunk(self, start: int, stop: int, shard: int) -> tf.Tensor:
+    def read_slice(self, start: int, stop: int, shard: int) -> tf.Tensor:
         v = self._variables[shard]
         with tf.device(v.device):
             if self._layout.scheme == "div" or self.num_shards == 1:
@@ -412,11 +324,12 @@ class ShardedVariable(_compat.Trackable):
     def _gather_saveables_for_checkpoint(self):
         # One SaveableObject with one slice per chunk: TensorFlow restores it
         # only once every slice has been read, so a failed read assigns nothing.
-        return {_compat.VARIABLE_VALUE_KEY: lambda name: _TableSaveable(self, name)}
+        return {_compat.VARIABLE_VALUE_KEY: lambda name: saveable.TableSaveable(self, name)}
 
-    def _restore_chunks(self, values) -> list:
+    def restore_slices(self, values) -> list:
+        """Ops writing the restored slices (in `checkpoint_slices()` order) to the shards that own their rows."""
         ops = []
-        for (start, stop, shard), value in zip(self._checkpoint_chunks(), values):
+        for (start, stop, shard), value in zip(self.checkpoint_slices(), values):
             if self._layout.scheme == "div" or self.num_shards == 1:
                 v = self._variables[shard]
                 with tf.device(v.device):
@@ -429,34 +342,6 @@ class ShardedVariable(_compat.Trackable):
                 with tf.device(v.device):
                     ops.append(v.scatter_update(tf.IndexedSlices(part, local, v.shape)))
         return ops
-
-
-class _TableSaveable(_compat.SaveableObject):
-    """Saves a table as contiguous slices of one full-shape checkpoint entry."""
-
-    def __init__(self, table: ShardedVariable, name: str):
-        pending = _compat.pending_restore(table)
-        if pending is not None:
-            key, saved_shape, saved_dtype = pending
-            if saved_shape is not None and (list(saved_shape) != table.shape.as_list() or saved_dtype != table.dtype):
-                raise LayoutMismatchError(table.name, key, saved_shape, saved_dtype, table.shape, table.dtype)
-        specs = []
-        for start, stop, shard in table._checkpoint_chunks():
-            specs.append(
-                _compat.save_spec(
-                    lambda a=start, b=stop, s=shard: table._read_chunk(a, b, s),
-                    _slice_spec(table.shape, start, stop - start),
-                    name,
-                    table.dtype,
-                    table.variables[shard].device,
-                )
-            )
-        self._table = table
-        super().__init__(table, specs, name)
-
-    def restore(self, restored_tensors, restored_shapes):
-        ops = self._table._restore_chunks(restored_tensors)
-        return tf.group(ops) if not tf.executing_eagerly() else tf.no_op()
 
 
 def _refuse_conversion(value, dtype=None, name=None, as_ref=False):

@@ -13,8 +13,8 @@ from typing import Optional, Sequence
 import keras
 import tensorflow as tf
 
-from tf_sharded.data import CATEGORICAL_KEYS, NUM_DENSE
-from tf_sharded.layers import EmbeddingCollection
+from tf_sharded.app.data import CATEGORICAL_KEYS, NUM_DENSE
+from tf_sharded.keras.collection import EmbeddingCollection
 
 MODELS = ("dlrm", "deepfm")
 

@@ -111,7 +111,7 @@ def _datasets(args, stats):
     """(train dataset function, held-out dataset) for the flags."""
     import tensorflow as tf
 
-    from tf_sharded import data
+    from tf_sharded.app import data
 
     if args.data == "synthetic":
 
@@ -174,7 +174,7 @@ def train(args) -> int:
     import tensorflow as tf
 
     import tf_sharded as tfs
-    from tf_sharded import data, models
+    from tf_sharded.app import data, models
 
     strategy, description = _strategy(args.strategy)
     if strategy is None:
@@ -194,7 +194,7 @@ def train(args) -> int:
         )
     steps_per_epoch = min(args.steps, args.steps_per_epoch)
     epochs = math.ceil(args.steps / steps_per_epoch)
-    ps = isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
+    ps = tfs.strategy.family_of(strategy).dataset_function
     dataset = train_fn if ps else train_fn(None)
     print(
         f"training {args.model} on {args.data} under {description}: {args.steps} steps of {args.batch_size}", flush=True
@@ -240,7 +240,7 @@ def inspect_checkpoint(path: str) -> int:
         directory = os.path.dirname(path)
     reader = tf.train.load_checkpoint(path)
     shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
-    from tf_sharded.training import LAYOUT_FILE
+    from tf_sharded.keras.checkpoints import LAYOUT_FILE
 
     layout_file = os.path.join(directory, LAYOUT_FILE)
     layouts = {"tables": {}}
@@ -282,7 +282,7 @@ def main(argv: List[str]) -> int:
     except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
         print(f"error: cannot read input: {e}", file=sys.stderr)
     except Exception as e:  # noqa: BLE001  (reported, then a non-zero exit)
-        from tf_sharded.data import MalformedInputError
+        from tf_sharded.app.data import MalformedInputError
 
         # Inside tf.data the reader's error reaches here wrapped in a TensorFlow error.
         malformed = isinstance(e, MalformedInputError) or MalformedInputError.__name__ in str(e)

@@ -25,19 +25,18 @@ from typing import Dict, List, Optional, Tuple
 import keras
 import tensorflow as tf
 
-from tf_sharded import creation, exchange
-from tf_sharded.sharded_variable import ShardedVariable, shard_owner
+from tf_sharded import _compat, trace
+from tf_sharded.table.protocol import Table, owner_of
 
 
 def _beside(slot_shard, variable):
     """The copy of `slot_shard` on `variable`'s device (mirrored slots have one per replica)."""
-    values = getattr(slot_shard, "_values", None)
-    if not values:
+    if not isinstance(slot_shard, tf.distribute.DistributedValues):
         return slot_shard
-    for component in values:
+    for component in slot_shard.values:
         if component.device == variable.device:
             return component
-    return values[0]
+    return slot_shard.values[0]
 
 
 def _touched(gradient, dtype, unique_rows: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
@@ -60,16 +59,7 @@ def _touched(gradient, dtype, unique_rows: bool = False) -> Tuple[tf.Tensor, tf.
     return rows, tf.cast(tf.gather(gradient, rows), dtype)
 
 
-def _known_unique(table) -> bool:
-    """Whether the step being traced looked `table` up exactly once, so each shard's rows are distinct.
-
-    A lookup de-duplicates its ids; only several lookups of one table can
-    repeat a row. Eagerly nothing is recorded, so this is False there.
-    """
-    return not tf.executing_eagerly() and exchange.single_lookup(table)
-
-
-class _TableSlots:
+class _TableSlots(_compat.KerasOptimizerHooks):
     """Mixin placed before a Keras optimizer: sharded slots and lazy row updates for tables.
 
     Subclasses list their slots in `_table_slot_fills()` and implement
@@ -93,10 +83,10 @@ class _TableSlots:
         if self.built:
             return
         variables = list(variables)
-        tables: List[ShardedVariable] = []
+        tables: List[Table] = []
         dense = []
         for v in variables:
-            tag = shard_owner(v)
+            tag = owner_of(v)
             if tag is None:
                 dense.append(v)
             elif not any(t is tag[0] for t in tables):
@@ -112,23 +102,28 @@ class _TableSlots:
         # position in `dense`; table shards are registered after them (so that
         # Keras accepts their gradients) and no Keras slot list reaches them.
         super().build(dense)
+        decayed = set()  # (id(table), shard) of the shards weight decay applies to, exclusions honoured
         for v in variables:
-            if shard_owner(v) is not None:
-                self._trainable_variables_indices[self._var_key(v)] = len(self._trainable_variables_indices)
+            tag = owner_of(v)
+            if tag is not None:
+                _compat.keras_register_trainable(self, v)
+                if self.weight_decay is not None and _compat.keras_uses_weight_decay(self, v):
+                    decayed.add((id(tag[0]), tag[1]))
         # Not tracked: the shards are checkpointed by their table, and slots by name below.
-        object.__setattr__(self, "_tfs_variables", variables)
-        object.__setattr__(self, "_tfs_slots", {})
-        object.__setattr__(self, "_tfs_tables", tables)
+        _compat.set_untracked(self, "_tfs_variables", variables)
+        _compat.set_untracked(self, "_tfs_slots", {})
+        _compat.set_untracked(self, "_tfs_tables", tables)
+        _compat.set_untracked(self, "_tfs_decayed", decayed)
         for k, table in enumerate(tables):
             slots = {}
             for slot, fill in self._table_slot_fills():
-                slots[slot] = creation.build_like(table, f"{table.name}/{slot}", fill)
+                slots[slot] = table.make_slot(f"{table.name}/{slot}", fill)
                 # Keyed by the table's position, as Keras keys its own slots.
-                self._track_trackable(slots[slot], name=f"table_slots_{k}_{slot}", overwrite=True)
+                _compat.keras_track(self, slots[slot], f"table_slots_{k}_{slot}")
             self._tfs_slots[id(table)] = slots
         self.built = True
 
-    def table_slot(self, table: ShardedVariable, name: str) -> ShardedVariable:
+    def table_slot(self, table: Table, name: str) -> Table:
         """The slot `name` (e.g. "momentum") of `table`, a `ShardedVariable` with the table's layout.
 
         Raises:
@@ -161,30 +156,35 @@ class _TableSlots:
             trainable_variables = self._tfs_variables
         return super().apply(grads, trainable_variables)
 
-    def _apply_weight_decay(self, variables):
+    def dense_decay_variables(self, variables):
         # A table's decay is applied to its touched rows in `update_step`.
-        return super()._apply_weight_decay([v for v in variables if shard_owner(v) is None])
+        return [v for v in variables if owner_of(v) is None]
 
     # -------------------------------------------------------------- updating --
 
     def update_step(self, gradient, variable, learning_rate):
-        tag = shard_owner(variable)
+        tag = owner_of(variable)
         if tag is None:
             return super().update_step(gradient, variable, learning_rate)
         table, shard = tag
         slots = {name: _beside(t.variables[shard], variable) for name, t in self._tfs_slots[id(table)].items()}
         lr = tf.cast(learning_rate, variable.dtype)
-        decay = self.weight_decay is not None and self._use_weight_decay(variable)
+        decay = self._decays(variable)
         with tf.device(variable.device):
             if self._linear and not decay and isinstance(gradient, tf.IndexedSlices):
                 # A scatter sums duplicate rows itself: no merge needed.
                 variable.scatter_sub(tf.IndexedSlices(tf.cast(gradient.values, variable.dtype) * lr, gradient.indices))
                 return
-            rows, grad = _touched(gradient, variable.dtype, unique_rows=_known_unique(table))
+            rows, grad = _touched(gradient, variable.dtype, unique_rows=trace.single_lookup(table))
             if decay:
                 wd = tf.cast(self.weight_decay, variable.dtype)
                 variable.scatter_sub(tf.IndexedSlices(tf.gather(variable, rows) * wd * lr, rows))
             self._update_rows(variable, rows, grad, slots, lr)
+
+    def _decays(self, variable) -> bool:
+        """Whether weight decay applies to a shard (recorded at build; a mirrored copy counts as its shard)."""
+        table, shard = owner_of(variable)
+        return self.weight_decay is not None and (id(table), shard) in self._tfs_decayed
 
     @staticmethod
     def _write(variable, rows, values):

@@ -29,7 +29,7 @@ NUM_DENSE = 13
 NUM_CATEGORICAL = 26
 DENSE_KEYS = [f"I{i}" for i in range(1, NUM_DENSE + 1)]
 CATEGORICAL_KEYS = [f"C{i}" for i in range(1, NUM_CATEGORICAL + 1)]
-# Criteo Kaggle vocabularies (shared/REFERENCE.md).
+# Distinct values per categorical column of the Criteo Kaggle (Display Advertising Challenge) training set.
 KAGGLE_VOCAB = [
     1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
     27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,

@@ -9,17 +9,34 @@ so nothing on the backward path is dense or table-sized.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Dict, Optional, Sequence, Union
 
 import tensorflow as tf
 
-from tf_sharded import exchange
-from tf_sharded.sharded_variable import ShardedVariable, gather_rows
+from tf_sharded import trace
+from tf_sharded.config import Combiner
+from tf_sharded.table.protocol import is_table
+from tf_sharded.table.sharded_variable import ShardedVariable, gather_rows
 
-COMBINERS = ("sum", "mean", "sqrtn")
+_SUBSTITUTES = threading.local()
 
-# id(table) -> one plain variable holding the whole table, while `tfs.export` traces a model.
-EXPORT_SUBSTITUTES: dict = {}
+
+@contextlib.contextmanager
+def substituted(tables: Dict[int, Any]):
+    """Inside the block (this thread), lookups of table `t` read `tables[id(t)]`, one plain whole-table variable.
+
+    `tfs.export` traces the model this way, so the SavedModel holds plain
+    variables and `tf.gather` instead of shards.
+    """
+    saved = getattr(_SUBSTITUTES, "tables", {})
+    _SUBSTITUTES.tables = {**saved, **tables}
+    try:
+        yield
+    finally:
+        _SUBSTITUTES.tables = saved
 
 
 def _clip_rows(rows: tf.Tensor, max_norm: float, inner_axes) -> tf.Tensor:
@@ -77,7 +94,7 @@ def _lookup_group(members, max_norm):
     bases, starts, shards, total = {}, [], [], 0
     for table in tables:
         bases[id(table)] = total
-        starts.extend(total + o for o in table._layout.offsets[:-1])
+        starts.extend(total + o for o in table.layout.offsets[:-1])
         shards.extend(table.variables)
         total += table.shape[0]
     counts = {}
@@ -85,8 +102,8 @@ def _lookup_group(members, max_norm):
         n, before = flat_ids.shape[0], counts.get(id(table), 0)
         counts[id(table)] = None if n is None or before is None else before + n
     for table in tables:
-        exchange.note_lookup(table, counts[id(table)])
-    keys = tf.concat([table._layout.keys(flat_ids) + bases[id(table)] for table, flat_ids in members], 0)
+        trace.note_lookup(table, counts[id(table)])
+    keys = tf.concat([table.layout.keys(flat_ids) + bases[id(table)] for table, flat_ids in members], 0)
     uniq, idx = tf.unique(keys, out_idx=tf.int32)
     if len(shards) == 1:
         shard, local = tf.zeros_like(uniq, tf.int32), uniq
@@ -136,7 +153,7 @@ def lookup_many(pairs, max_norm: Optional[float] = None) -> list:
     results = [None] * len(pairs)
     groups = {}
     for i, (table, flat_ids) in enumerate(pairs):
-        plain = EXPORT_SUBSTITUTES.get(id(table))
+        plain = getattr(_SUBSTITUTES, "tables", {}).get(id(table))
         if plain is not None:
             rows = tf.gather(plain, flat_ids)
             inner_axes = list(range(1, table.shape.rank))
@@ -149,14 +166,105 @@ def lookup_many(pairs, max_norm: Optional[float] = None) -> list:
     return results
 
 
-def _lookup_flat(table: ShardedVariable, flat_ids: tf.Tensor, max_norm: Optional[float]) -> tf.Tensor:
-    """Rows for int64 ids of rank 1, with a sparse, per-shard gradient."""
-    return lookup_many([(table, flat_ids)], max_norm)[0]
+@dataclasses.dataclass(frozen=True)
+class FeatureLookup:
+    """One feature's ids into one table, for `lookup_features`.
+
+    Attributes:
+      table: the table.
+      ids: dense ids (any rank up to 3) when `combiner` is None; else
+        `tf.RaggedTensor` / `tf.SparseTensor` ids of shape `[batch, None]`.
+      combiner: None (one row per id) or "sum" / "mean" / "sqrtn".
+      weights: per-id weights with the structure of `ids` (combiner only).
+      arg: the argument name errors use for `ids`.
+    """
+
+    table: Any
+    ids: Any
+    combiner: Optional[str] = None
+    weights: Any = None
+    arg: str = "ids"
 
 
-def embedding_lookup(
-    params: ShardedVariable, ids, max_norm: Optional[float] = None, name: Optional[str] = None
-) -> tf.Tensor:
+def multi_hot_components(ids, arg: str):
+    """`(values, row_ids, num_rows, kind)` of `[batch, None]` SparseTensor or RaggedTensor ids."""
+    if isinstance(ids, tf.RaggedTensor):
+        if ids.ragged_rank != 1:
+            raise ValueError(f"Argument `{arg}` must be a 2-D RaggedTensor. Received: ragged_rank={ids.ragged_rank}")
+        return ids.values, ids.value_rowids(), ids.nrows(), "ragged"
+    if isinstance(ids, tf.SparseTensor):
+        if ids.shape.rank is not None and ids.shape.rank != 2:
+            raise ValueError(f"Argument `{arg}` must be a 2-D SparseTensor. Received: rank {ids.shape.rank}")
+        return ids.values, ids.indices[:, 0], ids.dense_shape[0], "sparse"
+    raise TypeError(
+        f"Argument `{arg}` must be a tf.SparseTensor or tf.RaggedTensor of shape [batch, None]. "
+        f"Received: {type(ids).__name__}. For dense ids use tfs.embedding_lookup."
+    )
+
+
+def _prepare(request: FeatureLookup):
+    """`(flat int64 ids, finish)`: the ids to look up and how their rows become the feature's output."""
+    table, arg = request.table, request.arg
+    if request.combiner is None:
+        ids64, flat = table.check_ids(request.ids, arg=arg)
+        inner = table.shape[1:]
+
+        def reshape(rows):
+            out = tf.reshape(rows, tf.concat([tf.shape(ids64), tf.constant(inner.as_list(), tf.int32)], 0))
+            if ids64.shape.rank is not None:
+                out.set_shape(ids64.shape.concatenate(inner))
+            return out
+
+        return flat, reshape
+    combiner = Combiner.parse(request.combiner, "combiner")
+    values, row_ids, num_rows, kind = multi_hot_components(request.ids, arg)
+    _, flat = table.check_ids(values, arg=arg, max_rank=1)
+    row_ids, num_rows = tf.cast(row_ids, tf.int32), tf.cast(num_rows, tf.int32)
+    if request.weights is None:
+        weights = tf.ones_like(flat, dtype=table.dtype)
+    else:
+        w_values, _, _, w_kind = multi_hot_components(request.weights, "weights")
+        if w_kind != kind:
+            raise TypeError(f"Argument `weights` must have the same structure as `{arg}` ({kind}). Received: {w_kind}")
+        weights = tf.cast(w_values, table.dtype)
+        check = tf.debugging.assert_equal(
+            tf.size(weights), tf.size(flat), message="Argument `weights` must have one weight per id"
+        )
+        with tf.control_dependencies([check]):
+            weights = tf.identity(weights)
+    return flat, lambda rows: combine(rows, row_ids, num_rows, weights, combiner)
+
+
+def lookup_features(requests: Sequence[FeatureLookup], max_norm: Optional[float] = None) -> list:
+    """Outputs of several features at once: one lookup per table over all its features, fused across tables.
+
+    Each table's ids from every feature that reads it are de-duplicated once,
+    and tables of one dtype and row shape share one id space (`lookup_many`).
+    """
+    prepared = [_prepare(r) for r in requests]
+    by_table: Dict[int, list] = {}
+    for i, request in enumerate(requests):
+        by_table.setdefault(id(request.table), []).append(i)
+    groups = list(by_table.values())
+    pairs = [(requests[g[0]].table, tf.concat([prepared[i][0] for i in g], 0)) for g in groups]
+    outputs = [None] * len(requests)
+    for members, rows in zip(groups, lookup_many(pairs, max_norm)):
+        if len(members) == 1:
+            pieces = [rows]
+        else:
+            sizes = tf.stack([tf.size(prepared[i][0], out_type=tf.int32) for i in members])
+            pieces = tf.split(rows, sizes, num=len(members))
+        for i, piece in zip(members, pieces):
+            outputs[i] = prepared[i][1](piece)
+    return outputs
+
+
+def _check_max_norm(max_norm) -> None:
+    if max_norm is not None and (not isinstance(max_norm, (int, float)) or max_norm <= 0):
+        raise ValueError(f"Argument `max_norm` must be a positive number or None. Received: max_norm={max_norm!r}")
+
+
+def embedding_lookup(params, ids, max_norm: Optional[float] = None, name: Optional[str] = None) -> tf.Tensor:
     """Looks up rows of a sharded table; the result has shape `ids.shape + row_shape`.
 
     `tf.nn.embedding_lookup(table, ids)` dispatches here when `table` is a
@@ -187,38 +295,15 @@ def embedding_lookup(
     >>> tfs.embedding_lookup(table, [[5, 0], [5, 5]]).numpy().tolist()
     [[[10.0, 11.0], [0.0, 1.0]], [[10.0, 11.0], [10.0, 11.0]]]
     """
-    if not isinstance(params, ShardedVariable):
+    if not is_table(params):
         return tf.nn.embedding_lookup(params, ids, max_norm=max_norm, name=name)
-    if max_norm is not None and (not isinstance(max_norm, (int, float)) or max_norm <= 0):
-        raise ValueError(f"Argument `max_norm` must be a positive number or None. Received: max_norm={max_norm!r}")
+    _check_max_norm(max_norm)
     with tf.name_scope(name or f"{params.name}_lookup"):
-        ids64, flat = params._check(ids)
-        rows = _lookup_flat(params, flat, max_norm)
-        out_shape = tf.concat([tf.shape(ids64), tf.constant(params.shape.as_list()[1:], tf.int32)], 0)
-        out = tf.reshape(rows, out_shape)
-        if ids64.shape.rank is not None:
-            out.set_shape(ids64.shape.concatenate(params.shape[1:]))
-        return out
-
-
-def _components(ids, arg: str):
-    """(values, row_ids, num_rows, structure) of SparseTensor / RaggedTensor ids."""
-    if isinstance(ids, tf.RaggedTensor):
-        if ids.ragged_rank != 1:
-            raise ValueError(f"Argument `{arg}` must be a 2-D RaggedTensor. Received: ragged_rank={ids.ragged_rank}")
-        return ids.values, ids.value_rowids(), ids.nrows(), "ragged"
-    if isinstance(ids, tf.SparseTensor):
-        if ids.shape.rank is not None and ids.shape.rank != 2:
-            raise ValueError(f"Argument `{arg}` must be a 2-D SparseTensor. Received: rank {ids.shape.rank}")
-        return ids.values, ids.indices[:, 0], ids.dense_shape[0], "sparse"
-    raise TypeError(
-        f"Argument `{arg}` must be a tf.SparseTensor or tf.RaggedTensor of shape [batch, None]. "
-        f"Received: {type(ids).__name__}. For dense ids use tfs.embedding_lookup."
-    )
+        return lookup_features([FeatureLookup(params, ids)], max_norm)[0]
 
 
 def embedding_lookup_sparse(
-    params: ShardedVariable,
+    params,
     ids: Union[tf.SparseTensor, tf.RaggedTensor],
     weights: Union[tf.SparseTensor, tf.RaggedTensor, None] = None,
     combiner: str = "mean",
@@ -248,32 +333,15 @@ def embedding_lookup_sparse(
     >>> tfs.embedding_lookup_sparse(table, ids, combiner="sum").numpy().ravel().tolist()
     [5.0, 3.0, 0.0]
     """
-    if combiner not in COMBINERS:
-        raise ValueError(f"Argument `combiner` must be one of {COMBINERS}. Received: combiner={combiner!r}")
-    if not isinstance(params, ShardedVariable):
+    combiner = Combiner.parse(combiner, "combiner")
+    if not is_table(params):
         raise TypeError(
             f"Argument `params` must be a tfs.ShardedVariable. Received: {type(params).__name__}. "
             "For plain tables use tf.nn.embedding_lookup_sparse."
         )
-    values, row_ids, num_rows, kind = _components(ids, "ids")
+    _check_max_norm(max_norm)
     with tf.name_scope(name or f"{params.name}_lookup_sparse"):
-        _, flat = params._check(values, arg="ids", max_rank=1)
-        rows = _lookup_flat(params, flat, max_norm)
-        row_ids = tf.cast(row_ids, tf.int32)
-        num_rows = tf.cast(num_rows, tf.int32)
-        if weights is None:
-            w = tf.ones_like(flat, dtype=params.dtype)
-        else:
-            w_values, _, _, w_kind = _components(weights, "weights")
-            if w_kind != kind:
-                raise TypeError(
-                    f"Argument `weights` must have the same structure as `ids` ({kind}). Received: {w_kind}"
-                )
-            w = tf.cast(w_values, params.dtype)
-            tf.debugging.assert_equal(
-                tf.size(w), tf.size(flat), message="Argument `weights` must have one weight per id"
-            )
-        return combine(rows, row_ids, num_rows, w, combiner)
+        return lookup_features([FeatureLookup(params, ids, combiner, weights)], max_norm)[0]
 
 
 def combine(rows: tf.Tensor, row_ids: tf.Tensor, num_rows, weights: tf.Tensor, combiner: str) -> tf.Tensor:

@@ -11,30 +11,19 @@ needs neither tf_sharded nor the strategy nor the cluster.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Dict
 
 import keras
 import tensorflow as tf
 
-from tf_sharded import lookup
-from tf_sharded.sharded_variable import ShardedVariable, shard_owner
+from tf_sharded.table.lookup import substituted
+from tf_sharded.table.protocol import Table, owner_of
 
 
-@contextlib.contextmanager
-def _substituted(mapping: Dict[int, tf.Variable]):
-    lookup.EXPORT_SUBSTITUTES.update(mapping)
-    try:
-        yield
-    finally:
-        for key in mapping:
-            lookup.EXPORT_SUBSTITUTES.pop(key, None)
-
-
-def _tables_of(model) -> Dict[int, ShardedVariable]:
+def _tables_of(model) -> Dict[int, Table]:
     tables = {}
     for v in model.variables:
-        tag = shard_owner(v)
+        tag = owner_of(v)
         if tag is not None:
             tables[id(tag[0])] = tag[0]
     return tables
@@ -91,11 +80,11 @@ def export(model: keras.Model, path: str, input_signature: Any = None) -> str:
             key: tf.Variable(table.read_value(), trainable=False, name=table.name.replace("/", "_"))
             for key, table in _tables_of(model).items()
         }
-        copies = [(v, tf.Variable(v.numpy(), trainable=False)) for v in model.variables if shard_owner(v) is None]
+        copies = [(v, tf.Variable(v.numpy(), trainable=False)) for v in model.variables if owner_of(v) is None]
 
     def serve(inputs):
         mapping = [(v, copy.read_value()) for v, copy in copies]
-        with keras.StatelessScope(state_mapping=mapping), _substituted(plain_tables):
+        with keras.StatelessScope(state_mapping=mapping), substituted(plain_tables):
             outputs = model(inputs, training=False)
         return outputs if isinstance(outputs, dict) else {"output_0": outputs} if tf.is_tensor(outputs) else outputs
 

@@ -14,8 +14,6 @@ checkpoints that a rerun resumes from. Under every other strategy it calls
 
 from __future__ import annotations
 
-import json
-import os
 import time
 import weakref
 from typing import Callable, List, Optional, Union
@@ -24,93 +22,10 @@ import keras
 import tensorflow as tf
 
 from tf_sharded.errors import positive_int
+from tf_sharded.keras.checkpoints import Checkpoints, PeriodicCheckpoint
+from tf_sharded.strategy import FitLoop, family_of
 
 DatasetSource = Union[Callable[[tf.distribute.InputContext], tf.data.Dataset], tf.data.Dataset]
-
-
-def _is_ps(strategy) -> bool:
-    return isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
-
-
-class _Checkpoints:
-    """A CheckpointManager over the model and its optimizer, restoring the latest on start."""
-
-    def __init__(self, model, directory: Optional[str], max_to_keep: int = 3, step=None):
-        self.manager = None
-        if directory is None:
-            return
-        extra = {"step": step} if step is not None else {}
-        self.checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, **extra)
-        self.directory = directory
-        self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=max_to_keep)
-        if self.manager.latest_checkpoint:
-            self.checkpoint.restore(self.manager.latest_checkpoint).assert_existing_objects_matched()
-
-    def save(self, step: int) -> Optional[str]:
-        if self.manager is None:
-            return None
-        path = self.manager.save(checkpoint_number=step)
-        write_layouts(self.checkpoint, self.directory)
-        return path
-
-
-LAYOUT_FILE = "tf_sharded_layout.json"
-
-
-def table_keys(root) -> dict:
-    """`{checkpoint key: table}` for every `ShardedVariable` reachable from checkpoint `root`.
-
-    Walks the object graph breadth-first as TensorFlow does when it names
-    checkpoint entries, so the keys are those `tf.train.list_variables` shows.
-    """
-    from tf_sharded.sharded_variable import ShardedVariable
-
-    view = tf.train.TrackableView(root)
-    seen, keys, queue = {id(root)}, {}, [(root, "")]
-    while queue:
-        obj, path = queue.pop(0)
-        for name, child in view.children(obj).items():
-            if id(child) in seen:
-                continue
-            seen.add(id(child))
-            child_path = f"{path}/{name.replace('/', '.S')}" if path else name.replace("/", ".S")
-            if isinstance(child, ShardedVariable):
-                keys[f"{child_path}/.ATTRIBUTES/VARIABLE_VALUE"] = child
-            queue.append((child, child_path))
-    return keys
-
-
-def write_layouts(root, directory: str) -> str:
-    """Writes, beside a checkpoint, the layout each table was saved from (read by `tf_sharded inspect`)."""
-    tables = {
-        key: {
-            "table": t.name,
-            "partition": repr(t.partition),
-            "devices": list(t.devices),
-            "strategy": type(t.strategy).__name__ if t.strategy is not None else None,
-        }
-        for key, t in table_keys(root).items()
-    }
-    path = os.path.join(directory, LAYOUT_FILE)
-    with open(path, "w") as f:
-        json.dump({"tables": tables}, f, indent=1)
-    return path
-
-
-class _PeriodicCheckpoint(keras.callbacks.Callback):
-    def __init__(self, checkpoints: _Checkpoints, every: Optional[int]):
-        super().__init__()
-        self._checkpoints, self._every = checkpoints, every
-
-    def on_train_batch_end(self, batch, logs=None):
-        if not self._every:
-            return  # reading the step count syncs with the device: only when it can matter
-        step = int(self.model.optimizer.iterations.numpy())
-        if step % self._every == 0:
-            self._checkpoints.save(step)
-
-    def on_epoch_end(self, epoch, logs=None):
-        self._checkpoints.save(int(self.model.optimizer.iterations.numpy()))
 
 
 def _first_batch(source: DatasetSource):
@@ -192,12 +107,9 @@ def fit(
     if checkpoint_every is not None:
         checkpoint_every = positive_int("checkpoint_every", checkpoint_every)
     strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else model.distribute_strategy
-    # Keras 3's own steps_per_execution > 1 fails under MirroredStrategy (keras-team/keras#19246): own loop.
-    own_loop = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or (
-        isinstance(strategy, tf.distribute.MirroredStrategy) and getattr(model, "steps_per_execution", 1) > 1
-    )
-    if _is_ps(strategy) or own_loop:
-        if steps_per_epoch is None and isinstance(dataset, tf.data.Dataset) and not _is_ps(strategy):
+    loop = family_of(strategy).fit_loop(strategy, getattr(model, "steps_per_execution", 1) or 1)
+    if loop != FitLoop.KERAS:
+        if steps_per_epoch is None and isinstance(dataset, tf.data.Dataset) and loop == FitLoop.REPLICAS:
             steps_per_epoch = int(dataset.cardinality()) if int(dataset.cardinality()) > 0 else None
         if steps_per_epoch is None:
             raise ValueError(
@@ -217,11 +129,11 @@ def fit(
             verbose,
             positive_int("log_every", log_every),
         )
-    checkpoints = _Checkpoints(model, checkpoint_dir) if checkpoint_dir else None
+    checkpoints = Checkpoints(model, checkpoint_dir) if checkpoint_dir else None
     callbacks = list(callbacks or [])
     initial_epoch = 0
     if checkpoints is not None:
-        callbacks.append(_PeriodicCheckpoint(checkpoints, checkpoint_every))
+        callbacks.append(PeriodicCheckpoint(checkpoints, checkpoint_every))
         if steps_per_epoch:
             initial_epoch = int(model.optimizer.iterations.numpy()) // steps_per_epoch
     data = dataset(tf.distribute.InputContext()) if callable(dataset) else dataset
@@ -235,14 +147,14 @@ def fit(
     )
 
 
-# Per model, under ParameterServerStrategy: a step counter on a ps. Workers update asynchronously and Keras
+# Per model, where workers apply steps asynchronously (parameter servers): a step counter on a ps. Keras
 # increments `optimizer.iterations` with a read-then-assign, which loses counts when two workers race;
 # `assign_add` on a resource variable does not.
 _STEP_COUNTERS = weakref.WeakKeyDictionary()
 
 
 def _step_counter(model, strategy) -> Optional[tf.Variable]:
-    if not _is_ps(strategy):
+    if not family_of(strategy).asynchronous_steps:
         return None
     if model not in _STEP_COUNTERS:
         with strategy.scope():
@@ -280,7 +192,7 @@ class _Runner:
 
     def __init__(self, strategy, dataset, step_fn):
         self.strategy = strategy
-        self.ps = _is_ps(strategy)
+        self.ps = family_of(strategy).fit_loop(strategy, 1) == FitLoop.COORDINATOR
         if self.ps:
             self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
             source = dataset if callable(dataset) else (lambda: dataset)
@@ -359,7 +271,7 @@ def _fit_loop(
         model.optimizer.build(model.trainable_variables)
     model.reset_metrics()
     counter = _step_counter(model, strategy)
-    checkpoints = _Checkpoints(model, checkpoint_dir, step=counter)
+    checkpoints = Checkpoints(model, checkpoint_dir, step=counter)
     global_step = _steps_done(model, counter)
     initial_epoch = min(epochs, global_step // steps_per_epoch)
     runner = _Runner(strategy, dataset, train_function(model, strategy))
@@ -421,4 +333,4 @@ def steps_done(model: keras.Model) -> int:
     return _steps_done(model, counter)
 
 
-__all__ = ["fit", "steps_done", "train_function", "table_keys", "write_layouts"]
+__all__ = ["fit", "steps_done", "train_function"]

@@ -1,0 +1,162 @@
+"""`all_reduce_gradients`: sums the gradients of mirrored tables' shards across replicas with each table's exchange.
+
+Shards whose exchange is fixed when the step is traced (all-gather) are
+exchanged together per dtype and row shape; the others go one by one. The
+result is handed back to the caller (a Keras optimizer through
+`tf_sharded.keras.routing`, or the user's own loop); nothing here updates a
+variable.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+import tensorflow as tf
+
+from tf_sharded import trace
+from tf_sharded.exchange.policy import trace_time_choice
+from tf_sharded.exchange.transports import (
+    adaptive_exchange,
+    allgather_exchange,
+    dense_exchange,
+    in_process,
+    local_slices,
+)
+from tf_sharded.table.protocol import owner_of
+
+
+def owner(variable) -> Optional[Tuple[object, int]]:
+    """`(table, shard)` of a shard of a mirrored table (one with an exchange policy), else None."""
+    tag = owner_of(variable)
+    return tag if tag is not None and tag[0].exchange is not None else None
+
+
+def exchange_as(grad, table, shard: int, ctx, choice: str):
+    """One shard's exchange once its trace-time `choice` is known."""
+    rows = table.shard_rows(shard)
+    if choice == "dense":
+        return dense_exchange(grad, ctx, rows)
+    premerged = trace.single_lookup(table)
+    if choice == "allgather":
+        return allgather_exchange(grad, ctx, premerged)[0]
+    return adaptive_exchange(grad, ctx, rows, premerged, decided="dense" if choice == "map" else None)[0]
+
+
+def grouped_allgather(grads: List[Tuple[tf.IndexedSlices, int, bool]], ctx) -> List[tf.IndexedSlices]:
+    """All-gathers several shards' slices as one: one collective (or one in-process merge) for all of them.
+
+    `grads`: `(gradient, shard rows, premerged)` of shards with the same
+    dtype and row shape. Each shard's local rows are offset by the rows of
+    the shards before it, so the ids never collide; the merged result is
+    split back by those offsets. A step over 26 tables then issues one
+    gather instead of 26 (each a shape exchange plus the data over the
+    network under `MultiWorkerMirroredStrategy`).
+    """
+    if len(grads) == 1:
+        grad, _, premerged = grads[0]
+        return [allgather_exchange(grad, ctx, premerged)[0]]
+    bases = [0]
+    for _, rows, _ in grads:
+        bases.append(bases[-1] + rows)
+    indices, values = [], []
+    for (grad, _, premerged), base in zip(grads, bases):
+        local_indices, local_values = local_slices(grad, premerged)
+        indices.append(local_indices + base)
+        values.append(local_values)
+    joint = tf.IndexedSlices(tf.concat(values, 0), tf.concat(indices, 0))
+    merged = allgather_exchange(joint, ctx, premerged=True)[0]
+    member = tf.searchsorted(tf.constant(bases[1:-1], tf.int64), merged.indices, side="right", out_type=tf.int32)
+    local = merged.indices - tf.gather(tf.constant(bases[:-1], tf.int64), member)
+    n = len(grads)
+    parts = zip(tf.dynamic_partition(local, member, n), tf.dynamic_partition(merged.values, member, n))
+    return [tf.IndexedSlices(v, i, grad.dense_shape) for (grad, _, _), (i, v) in zip(grads, parts)]
+
+
+def all_reduce_gradients(
+    grads_and_vars: List[tuple], fallback: Optional[Callable[[List[tuple]], List[tuple]]] = None
+) -> List[tuple]:
+    """Sums gradients across replicas; shards of mirrored tables go through their exchange.
+
+    Call it in replica context (inside `strategy.run`) where you would call
+    `ReplicaContext.all_reduce(SUM, grads)`. Keras 3 optimizers call it for you
+    (`tf_sharded.keras.routing`).
+
+    Args:
+      grads_and_vars: `(gradient, variable)` pairs; `None` gradients pass through.
+      fallback: how the other pairs are reduced (default: `all_reduce(SUM)`).
+
+    Returns:
+      The pairs with summed gradients, in the same order.
+
+    Example:
+
+    >>> import tf_sharded as tfs
+    >>> v = tf.Variable([1.0])
+    >>> tfs.exchange.all_reduce_gradients([(tf.constant([2.0]), v)])[0][0].numpy()
+    array([2.], dtype=float32)
+    """
+    pairs = list(grads_and_vars)
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync == 1:
+        return fallback(pairs) if fallback is not None else pairs
+    ours, others = [], []
+    for i, (g, v) in enumerate(pairs):
+        tag = owner(v) if g is not None else None
+        (ours if tag is not None else others).append((i, tag))
+    result = list(pairs)
+    rest = [pairs[i] for i, _ in others]
+    if not rest:
+        reduced_rest = []
+    elif fallback is not None:
+        reduced_rest = fallback(rest)
+    else:
+        present = [g for g, _ in rest if g is not None]
+        summed = iter(ctx.all_reduce(tf.distribute.ReduceOp.SUM, present) if present else [])
+        reduced_rest = [(None if g is None else next(summed), v) for g, v in rest]
+    for (i, _), pair in zip(others, reduced_rest):
+        result[i] = pair
+    auto = []
+    for _, (table, _) in ours:
+        if table.exchange.mode == "auto" and table.exchange.ids_per_step is None and table not in auto:
+            auto.append(table)
+    bounds = _agree_on_bounds(ctx, auto) if auto else {}
+    replicas, local = ctx.num_replicas_in_sync, in_process(ctx)
+    gathered = {}  # (dtype, row shape) -> [(pair index, table, shard)]: exchanged together
+    for i, (table, shard) in ours:
+        g, v = pairs[i]
+        choice = trace_time_choice(g, table, shard, replicas, local, bounds.get(id(table)))
+        row_shape = g.values.shape[1:] if isinstance(g, tf.IndexedSlices) else None
+        if choice == "allgather" and row_shape.is_fully_defined():
+            gathered.setdefault((g.values.dtype, tuple(row_shape.as_list())), []).append((i, table, shard))
+        else:
+            result[i] = (exchange_as(g, table, shard, ctx, choice), v)
+    for members in gathered.values():
+        grads = [(pairs[i][0], table.shard_rows(shard), trace.single_lookup(table)) for i, table, shard in members]
+        for (i, _, _), summed in zip(members, grouped_allgather(grads, ctx)):
+            result[i] = (summed, pairs[i][1])
+    return result
+
+
+def _agree_on_bounds(ctx, tables) -> dict:
+    """Largest static id count per table over this worker's replicas, the same on all of them.
+
+    Replicas can trace different static shapes (one replica's batch may be
+    statically empty); deciding on their own would send them down different
+    collectives. `merge_call` here runs at trace time only and adds no op.
+    Across workers, per-replica batch shapes are equal in a normal input
+    pipeline; `ids_per_step` removes any doubt.
+    """
+    local = tuple(-1 if trace.traced_ids(t) is None else trace.traced_ids(t) for t in tables)
+
+    def merge(strategy, counts):
+        per_replica = strategy.experimental_local_results(counts)
+        agreed = []
+        for i in range(len(tables)):
+            values = [c[i] for c in per_replica]
+            agreed.append(None if min(values) < 0 else max(values))
+        return tuple(agreed)
+
+    if tf.executing_eagerly():
+        return {}
+    agreed = ctx.merge_call(merge, args=(local,))
+    return {id(t): n for t, n in zip(tables, agreed)}

@@ -1,0 +1,130 @@
+"""`tfs.layers.EmbeddingCollection`: many features over many sharded tables, looked up together."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+
+from tf_sharded import _compat
+from tf_sharded.config import FeatureConfig, TableConfig
+from tf_sharded.keras.layer_tables import create_layer_table, load_table, padded_to_ragged, refuse_multi_hot
+from tf_sharded.partition import PartitionSpec
+from tf_sharded.table.lookup import FeatureLookup, lookup_features
+
+
+@keras.saving.register_keras_serializable(package="tf_sharded")
+class EmbeddingCollection(keras.layers.Layer):
+    """Many features over many sharded tables, looked up together: one fused request per shard holder.
+
+    Tables are declared by config; features name the table they read (several
+    features may share one) and optionally a combiner for multi-hot input.
+    Per step, each table's ids from all its features are de-duplicated once,
+    and the requests of every table to one device (a parameter server, or a
+    replica's device) travel as one tensor of ids and come back as one tensor
+    of rows: the counterpart of a grouped embedding-bag collection.
+
+    Args:
+      tables: `{table name: {"input_dim": int, "output_dim": int, and
+        optionally "embeddings_initializer", "partitions", "scheme",
+        "exchange", "placement", "seed"}}`, or `{table name:
+        tfs.TableConfig}`.
+      features: `{feature name: table name}`, `{feature name: {"table":
+        table name, "combiner": None | "sum" | "mean" | "sqrtn"}}`, or
+        `{feature name: tfs.FeatureConfig}`.
+      **kwargs: standard layer arguments.
+
+    Call it on a dict `{feature name: ids}` (every declared feature); it
+    returns `{feature name: embeddings}`: `ids.shape + [dim]` without a
+    combiner, `[batch, dim]` with one (multi-hot ids as `tf.RaggedTensor`,
+    `tf.SparseTensor` or padded dense ids, negative = padding).
+
+    Example:
+
+    >>> import tf_sharded as tfs
+    >>> layer = tfs.layers.EmbeddingCollection(
+    ...     tables={"user": {"input_dim": 100, "output_dim": 4, "seed": 0},
+    ...             "item": {"input_dim": 50, "output_dim": 4, "partitions": 2, "seed": 1}},
+    ...     features={"user_id": "user", "clicked": {"table": "item", "combiner": "mean"},
+    ...               "candidate": "item"})
+    >>> out = layer({"user_id": tf.constant([3, 7]), "candidate": tf.constant([1, 2]),
+    ...              "clicked": tf.ragged.constant([[1, 2, 3], [4]])})
+    >>> {name: tuple(value.shape) for name, value in sorted(out.items())}
+    {'candidate': (2, 4), 'clicked': (2, 4), 'user_id': (2, 4)}
+    """
+
+    def __init__(self, tables: dict, features: dict, **kwargs):
+        super().__init__(**kwargs)
+        if not isinstance(tables, dict) or not tables:
+            raise ValueError(f"Argument `tables` must be a non-empty dict of table configs. Received: {tables!r}")
+        if not isinstance(features, dict) or not features:
+            raise ValueError(f"Argument `features` must be a non-empty dict. Received: {features!r}")
+        self.table_configs = {name: TableConfig.from_layer_config(name, config) for name, config in tables.items()}
+        self.feature_configs = {
+            feature: FeatureConfig.parse(feature, spec, self.table_configs) for feature, spec in features.items()
+        }
+        self.tables: dict = {}
+
+    def build(self, input_shape=None):
+        if self.built:
+            return
+        for name, config in self.table_configs.items():
+            self.tables[name] = create_layer_table(self, dataclasses.replace(config, name=f"{self.name}/{name}"), name)
+            # Keras wraps `self.tables` in its own container, which TensorFlow checkpoints do not follow.
+            _compat.keras_track(self, self.tables[name], f"tables_{name}")
+        self.built = True
+
+    def call(self, inputs):
+        if not isinstance(inputs, dict) or set(inputs) != set(self.feature_configs):
+            got = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
+            raise ValueError(
+                f"Layer '{self.name}' needs a dict with exactly the features {sorted(self.feature_configs)}. "
+                f"Received: {got}"
+            )
+        requests = []
+        for feature, spec in self.feature_configs.items():
+            ids, who = inputs[feature], f"Feature '{feature}' of layer '{self.name}'"
+            if spec.combiner is None:
+                refuse_multi_hot(ids, who)
+            else:
+                ids = padded_to_ragged(ids, spec.combiner, False, who)
+            requests.append(FeatureLookup(self.tables[spec.table], ids, spec.combiner, arg=f"inputs['{feature}']"))
+        return dict(zip(self.feature_configs, lookup_features(requests)))
+
+    def compute_output_shape(self, input_shape):
+        shapes = {}
+        for feature, spec in self.feature_configs.items():
+            dim = self.table_configs[spec.table].shape[1]
+            shape = tuple(input_shape[feature]) if isinstance(input_shape, dict) else (None,)
+            shapes[feature] = (shape[0], dim) if spec.combiner else shape + (dim,)
+        return shapes
+
+    def save_own_variables(self, store):
+        for name, table in self.tables.items():
+            store[name] = table.numpy()
+
+    def load_own_variables(self, store):
+        for name, table in self.tables.items():
+            load_table(table, store, name, self.name)
+
+    def get_config(self):
+        config = super().get_config()
+        tables = {}
+        for name, table_config in self.table_configs.items():
+            table_config = table_config.to_layer_config()
+            init = table_config.get("embeddings_initializer")
+            if init is not None and not isinstance(init, (str, dict)):
+                table_config["embeddings_initializer"] = keras.initializers.serialize(init)
+            if isinstance(table_config.get("partitions"), PartitionSpec):
+                table_config["partitions"] = table_config["partitions"].to_config()
+            tables[name] = table_config
+        config.update({"tables": tables, "features": {f: s.to_config() for f, s in self.feature_configs.items()}})
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        for table_config in config["tables"].values():
+            if isinstance(table_config.get("partitions"), dict):
+                table_config["partitions"] = PartitionSpec.from_config(table_config["partitions"])
+        return cls(**config)

@@ -1,0 +1,177 @@
+"""`tfs.layers.Embedding`: a drop-in `keras.layers.Embedding` whose table is a `tfs.ShardedVariable`.
+
+It creates its table through the current strategy's `create_sharded_variable`
+hook, so the same model code shards under `ParameterServerStrategy` and
+mirrors under the mirrored strategies. Its shards are Keras variables owned by
+the layer (what Keras 3 trains, saves and counts), while lookups go straight
+to the shards and never concatenate the table.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import keras
+
+from tf_sharded.config import Combiner, TableConfig
+from tf_sharded.errors import positive_int
+from tf_sharded.keras.layer_tables import create_layer_table, load_table, padded_to_ragged, refuse_multi_hot
+from tf_sharded.partition import PartitionSpec
+from tf_sharded.table.lookup import FeatureLookup, lookup_features
+from tf_sharded.table.sharded_variable import ShardedVariable
+
+
+@keras.saving.register_keras_serializable(package="tf_sharded")
+class Embedding(keras.layers.Layer):
+    """Drop-in `keras.layers.Embedding` whose table is a `tfs.ShardedVariable`.
+
+    Args:
+      input_dim: vocabulary size.
+      output_dim: embedding dimension.
+      embeddings_initializer: Keras initializer (name or object) or any
+        initializer `tfs.create_sharded_variable` accepts; named and Keras
+        initializers give the same table for every layout.
+      embeddings_regularizer: optional Keras regularizer, applied to the rows
+        a batch looks up (a whole-table penalty would read every row each step).
+      mask_zero: as in Keras (single-hot input); with a `combiner`, id 0 is
+        treated as padding instead.
+      combiner: None (one vector per id) or "sum" / "mean" / "sqrtn" to combine
+        multi-hot input given as `tf.RaggedTensor`, `tf.SparseTensor`, or padded
+        dense ids (negative ids are padding).
+      partitions, scheme, exchange, placement, seed: passed to
+        `create_sharded_variable`.
+      **kwargs: standard layer arguments (`name`, `dtype`, `trainable`, ...).
+
+    Example:
+
+    >>> import keras, tf_sharded as tfs
+    >>> layer = tfs.layers.Embedding(100, 4, partitions=2, seed=0)
+    >>> layer(tf.constant([[1, 2], [3, 99]])).shape
+    TensorShape([2, 2, 4])
+    >>> [tuple(w.shape) for w in layer.trainable_weights]
+    [(50, 4), (50, 4)]
+    >>> bags = tfs.layers.Embedding(100, 4, combiner="mean", seed=0)
+    >>> bags(tf.ragged.constant([[1, 2, 3], [7]])).shape
+    TensorShape([2, 4])
+    """
+
+    def __init__(
+        self,
+        input_dim: int,
+        output_dim: int,
+        embeddings_initializer: Any = "uniform",
+        embeddings_regularizer: Any = None,
+        embeddings_constraint: Any = None,
+        mask_zero: bool = False,
+        combiner: Optional[str] = None,
+        partitions: Any = None,
+        scheme: Optional[str] = None,
+        exchange: Optional[str] = None,
+        placement: Optional[str] = None,
+        seed: Optional[int] = None,
+        **kwargs,
+    ):
+        kwargs.pop("input_length", None)  # accepted by Keras 2; meaningless here too
+        super().__init__(**kwargs)
+        self.input_dim = positive_int("input_dim", input_dim)
+        self.output_dim = positive_int("output_dim", output_dim)
+        combiner = Combiner.parse_optional(combiner, "combiner", say_none=True)
+        if embeddings_constraint is not None:
+            raise ValueError(
+                "Argument `embeddings_constraint` is not supported by tfs.layers.Embedding: a constraint "
+                "projects the whole table after every step. Received: "
+                f"embeddings_constraint={embeddings_constraint!r}. Use max_norm on the lookup instead."
+            )
+        if isinstance(partitions, dict):
+            partitions = PartitionSpec.from_config(partitions)
+        self.embeddings_initializer = embeddings_initializer
+        self.embeddings_regularizer = keras.regularizers.get(embeddings_regularizer)
+        self.mask_zero = bool(mask_zero)
+        self.combiner = combiner
+        self.partitions = partitions
+        self.scheme = scheme
+        self.exchange = exchange
+        self.placement = placement
+        self.seed = seed
+        self.supports_masking = self.mask_zero and combiner is None
+        self.embeddings: Optional[ShardedVariable] = None
+
+    def build(self, input_shape=None):
+        if self.built:
+            return
+        config = TableConfig(
+            self.name,
+            (self.input_dim, self.output_dim),
+            initializer=self.embeddings_initializer,
+            partitions=self.partitions,
+            scheme=self.scheme,
+            seed=self.seed,
+            exchange=self.exchange,
+            placement=self.placement,
+        )
+        self.embeddings = create_layer_table(self, config, "embeddings")
+        self.built = True
+
+    def call(self, inputs):
+        who = f"Layer '{self.name}'"
+        if self.combiner is None:
+            refuse_multi_hot(inputs, who)
+            request = FeatureLookup(self.embeddings, inputs, arg="inputs")
+        else:
+            ids = padded_to_ragged(inputs, self.combiner, self.mask_zero, who)
+            request = FeatureLookup(self.embeddings, ids, self.combiner, arg="inputs")
+        out = lookup_features([request])[0]
+        if self.embeddings_regularizer is not None:
+            self.add_loss(self.embeddings_regularizer(out))
+        return out
+
+    def save_own_variables(self, store):
+        # The logical table, whatever the layout, under the key keras.layers.Embedding uses: files load into
+        # any other layout, and weights move between this layer and Keras's in both directions.
+        store["0"] = self.embeddings.numpy()
+
+    def load_own_variables(self, store):
+        load_table(self.embeddings, store, "0", self.name)
+
+    def compute_mask(self, inputs, mask=None):
+        if not self.supports_masking:
+            return None
+        return keras.ops.not_equal(inputs, 0)
+
+    def compute_output_shape(self, input_shape):
+        if self.combiner is not None:
+            return (input_shape[0], self.output_dim)
+        return tuple(input_shape) + (self.output_dim,)
+
+    def get_config(self):
+        config = super().get_config()
+        partitions = self.partitions.to_config() if isinstance(self.partitions, PartitionSpec) else self.partitions
+        initializer = self.embeddings_initializer
+        if not isinstance(initializer, str):
+            initializer = keras.initializers.serialize(initializer)
+        config.update(
+            {
+                "input_dim": self.input_dim,
+                "output_dim": self.output_dim,
+                "embeddings_initializer": initializer,
+                "embeddings_regularizer": keras.regularizers.serialize(self.embeddings_regularizer)
+                if self.embeddings_regularizer is not None
+                else None,
+                "mask_zero": self.mask_zero,
+                "combiner": self.combiner,
+                "partitions": partitions,
+                "scheme": self.scheme,
+                "exchange": self.exchange,
+                "placement": self.placement,
+                "seed": self.seed,
+            }
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        initializer = config.get("embeddings_initializer")
+        if isinstance(initializer, dict):
+            config["embeddings_initializer"] = keras.initializers.deserialize(initializer)
+        return cls(**config)

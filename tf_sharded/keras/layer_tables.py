@@ -1,0 +1,87 @@
+"""What the Keras layers share: tables created as the layer's own weights, multi-hot input, weight files."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+import tensorflow as tf
+
+from tf_sharded import _compat, initializers
+from tf_sharded.config import TableConfig
+from tf_sharded.creation import create_table
+
+
+def keras_initializer(initializer):
+    """A Keras initializer object for names tf_sharded does not resolve per row itself; anything else as is."""
+    if isinstance(initializer, dict):
+        return keras.initializers.deserialize(initializer)
+    if isinstance(initializer, str) and not initializers.is_named(initializer):
+        return keras.initializers.get(initializer)
+    return initializer
+
+
+def create_layer_table(layer: keras.layers.Layer, config: TableConfig, prefix: str):
+    """Creates `config`'s table under the current strategy with its shards as `layer`'s own Keras variables.
+
+    Keras then trains, counts and saves them. Created outside Keras's
+    StatelessScope, where a new variable would only be deferred.
+    """
+    config = dataclasses.replace(
+        config, dtype=layer.variable_dtype, trainable=layer.trainable, initializer=keras_initializer(config.initializer)
+    )
+
+    def factory(index, initial_value_fn, shape, dtype, trainable):
+        weight = layer.add_weight(
+            shape=tuple(shape),
+            initializer=lambda shape, dtype: initial_value_fn(),
+            dtype=dtype,
+            trainable=trainable,
+            name=f"{prefix}_part_{index}",
+            # Without autocast `.value` is the variable itself even when built inside a call's autocast
+            # scope; lookups gather rows and cast nothing.
+            autocast=False,
+        )
+        return weight.value
+
+    with _compat.outside_keras_stateless_scope():
+        return create_table(tf.distribute.get_strategy(), config, variable_factory=factory)
+
+
+def padded_to_ragged(ids, combiner: str, mask_zero: bool, who: str):
+    """Ragged / sparse ids as they are; padded dense ids [batch, n] as ragged (negative, or 0 with mask_zero, = pad)."""
+    if isinstance(ids, (tf.RaggedTensor, tf.SparseTensor)):
+        return ids
+    ids = tf.convert_to_tensor(ids)
+    if ids.shape.rank != 2:
+        raise ValueError(
+            f"{who} with combiner={combiner!r} needs multi-hot ids of shape [batch, ids] (padded dense, ragged "
+            f"or sparse). Received: shape {ids.shape.as_list()}"
+        )
+    keep = ids >= 0
+    if mask_zero:
+        keep = tf.logical_and(keep, tf.not_equal(ids, 0))
+    return tf.ragged.boolean_mask(ids, keep)
+
+
+def refuse_multi_hot(ids, who: str) -> None:
+    """Multi-hot ids where the feature has no combiner: a TypeError, as for `tfs.embedding_lookup`."""
+    if isinstance(ids, (tf.RaggedTensor, tf.SparseTensor)):
+        raise TypeError(
+            f"{who} received multi-hot input ({type(ids).__name__}) but has combiner=None. "
+            "Pass combiner='sum', 'mean' or 'sqrtn' to combine each example's ids."
+        )
+
+
+def load_table(table, store, key: str, layer: str) -> None:
+    """Assigns a weight file's entry `key` (a full-shape array) to `table`, after checking its shape."""
+    if key not in store:
+        raise ValueError(f"Layer '{layer}': the saved file has no '{key}' entry. Received keys: {list(store.keys())}")
+    value = store[key]
+    shape = list(value.shape)
+    if shape != table.shape.as_list():
+        raise ValueError(
+            f"Layer '{layer}': saved '{key}' has shape {shape}, the layer's table has shape "
+            f"{table.shape.as_list()}. Received a file saved from another model configuration."
+        )
+    table.assign(value[...])

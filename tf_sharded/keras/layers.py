@@ -1,0 +1,7 @@
+"""`tfs.layers`: the Keras 3 layers and the one-line model switches."""
+
+from tf_sharded.keras.collection import EmbeddingCollection
+from tf_sharded.keras.conversion import shard_embeddings, sharded_embeddings
+from tf_sharded.keras.embedding import Embedding
+
+__all__ = ["Embedding", "EmbeddingCollection", "shard_embeddings", "sharded_embeddings"]

@@ -1,0 +1,41 @@
+"""Keras 3 optimizers under mirrored strategies: table gradients go through the exchange, host shards update once.
+
+Keras sums replica gradients itself and applies them with
+`extended.update`, which takes only distributed variables. Installed when
+`tf_sharded.keras` is imported (`import tf_sharded` does), this routes both
+steps (see `_compat.route_keras_gradient_reduction`): the reduction through
+`tfs.exchange.all_reduce_gradients`, and the update of host-placed shards
+(one plain variable per worker) through `apply_updates`. Everything else is
+handed back to Keras unchanged.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tf_sharded import _compat
+from tf_sharded.exchange.reduce import all_reduce_gradients, owner
+
+
+def apply_updates(optimizer, distribution, grads_and_vars, learning_rate, fallback) -> None:
+    """Keras update step: host-placed shards are updated once, the rest by `fallback`.
+
+    After the exchange every replica holds the same gradient for a shard, so a
+    single-copy (host) shard takes the first replica's and applies it once.
+    """
+    host, rest = [], []
+    for g, v in grads_and_vars:
+        tag = owner(v)
+        is_host = tag is not None and tag[0].placement == "host" and g is not None
+        (host if is_host else rest).append((g, v))
+    if rest:
+        fallback(rest)
+    for g, v in host:
+        local = distribution.experimental_local_results(g)[0]
+        with tf.device(v.device):
+            optimizer.update_step(local, v, learning_rate)
+
+
+def install() -> None:
+    """Routes Keras 3 optimizers (idempotent)."""
+    _compat.route_keras_gradient_reduction(all_reduce_gradients, apply_updates)
