@@ -2,14 +2,16 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 
+import numpy as np
 import portpicker
 import tensorflow as tf
 
-from tests.subprocs import ROOT, run_python
+from tests.harness.subprocs import ROOT, run_python
 
 TINY = [
     "--steps",
@@ -50,12 +52,45 @@ class ApplicationTest(tf.test.TestCase):
             ("multi_worker", "deepfm", "1"),
             ("parameter_server", "dlrm", "3"),  # 2 steps per epoch at 3 per execution: one execution of 2
         ):
-            proc = train("--strategy", strategy, "--model", model, "--steps_per_execution", per_execution)
+            ckpt = os.path.join(self.get_temp_dir(), strategy)
+            proc = train(
+                "--strategy",
+                strategy,
+                "--model",
+                model,
+                "--steps_per_execution",
+                per_execution,
+                "--checkpoint_dir",
+                ckpt,
+            )
             self.assertEqual(proc.returncode, 0, msg=f"{strategy}: {proc.stderr[-3000:]}")
             line = summary(proc)
             self.assertIn(f"{model} | {strategy}", line)
             self.assertIn("4 steps", line)
-            self.assertRegex(proc.stdout, r"held-out AUC 0\.\d{4}, log-loss \d\.\d{4} on 128 examples")
+            self.metrics_are_those_of_the_saved_model(proc, model, ckpt)
+
+    def metrics_are_those_of_the_saved_model(self, proc, model_name, ckpt):
+        """The printed AUC and log-loss, recomputed here from the checkpoint on the same held-out batches."""
+        from tf_sharded.app import data, models
+
+        reported = re.search(r"held-out AUC (\d\.\d{4}), log-loss (\d+\.\d{4}) on 128 examples", proc.stdout)
+        self.assertIsNotNone(reported, proc.stdout)
+
+        model = models.build(model_name, data.vocab_sizes(500), embedding_dim=16)
+        held_out = data.synthetic_dataset(64, 500, 1, num_batches=2)  # --seed 0 + 1, --eval_steps 2
+        model(next(iter(held_out))[0])
+        tf.train.Checkpoint(model=model).restore(tf.train.latest_checkpoint(ckpt)).expect_partial()
+        p, y = [], []
+        for features, labels in held_out:
+            p.append(tf.sigmoid(model(features, training=False)).numpy().ravel())
+            y.append(labels.numpy().ravel())
+        p, y = np.concatenate(p).astype(np.float64), np.concatenate(y)
+        logloss = -np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))
+        # AUC as the probability that a positive outranks a negative (ties count half).
+        pos, neg = p[y == 1], p[y == 0]
+        auc = (np.sum(pos[:, None] > neg[None, :]) + 0.5 * np.sum(pos[:, None] == neg[None, :])) / (len(pos) * len(neg))
+        self.assertAllClose(float(reported.group(2)), logloss, atol=1e-4)
+        self.assertAllClose(float(reported.group(1)), auc, atol=2e-3)  # Keras's AUC uses 2000 thresholds
 
     def test_files_resume_and_inspect(self):
         out = self.get_temp_dir()

@@ -8,9 +8,10 @@ import os
 import tempfile
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
-from tests.subprocs import run_python
+from tests.harness.subprocs import run_python
 
 ROW_KEYS = {
     "distribution",
@@ -60,6 +61,7 @@ E2E_KEYS = {
 
 
 class BenchmarkSuiteTest(tf.test.TestCase):
+    @pytest.mark.timeout(1200)
     def test_quick_suite_writes_json_and_plots(self):
         out = tempfile.mkdtemp()
         proc = run_python(["-m", "tf_sharded", "bench", "--quick", "--out", out], timeout=900)

@@ -3,7 +3,8 @@
 import tensorflow as tf
 
 import tf_sharded as tfs
-from tests.strategy_bodies import table_values, uid
+from tests.harness.references import table_values
+from tests.harness.strategies import uid
 
 
 def make(values, partitions=2, scheme="div"):

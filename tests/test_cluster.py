@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
-from tests.subprocs import run_python
+from tests.harness.subprocs import run_python
 
 pytestmark = pytest.mark.ps_cluster
 

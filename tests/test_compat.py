@@ -1,43 +1,56 @@
-"""Fails loudly when a TensorFlow upgrade moves an internal tf_sharded relies on."""
+"""Every name in `tf_sharded._compat`, exercised on real TensorFlow and Keras objects.
 
+Each test fails loudly when an upgrade moves or changes the internal behind a
+name. `test_every_compat_name_is_exercised` fails when a name is added to
+`_compat` without a test here.
+"""
+
+import ast
+import inspect
+import pathlib
+
+import keras
+import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
+from tests.harness import strategies
 from tf_sharded import _compat
 
+EXERCISED = set()
 
-class CompatTest(tf.test.TestCase):
-    def test_keras_stateless_scope_is_left_for_table_creation(self):
-        import keras
 
-        with keras.StatelessScope():
-            with _compat.outside_keras_stateless_scope():
-                inside = keras.Variable(1.0)
-            from keras.src.backend.common.stateless_scope import in_stateless_scope
+def exercises(*names):
+    EXERCISED.update(names)
 
-            self.assertTrue(in_stateless_scope())
-        self.assertIsInstance(inside.value, tf.Variable)  # created for real, not deferred
+    def mark(fn):
+        return fn
 
+    return mark
+
+
+class PinnedVersionsTest(tf.test.TestCase):
+    @exercises()
     def test_tensorflow_and_keras_versions_are_the_pinned_ones(self):
-        import keras
-
         self.assertEqual(tf.__version__, "2.16.2")
-        # _compat routes TFOptimizer._all_reduce_sum_gradients / _distributed_tf_update_step.
         self.assertEqual(keras.__version__, "3.15.1")
-        from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
 
-        for name in ("_all_reduce_sum_gradients", "_distributed_tf_update_step", "update_step"):
-            self.assertTrue(hasattr(keras_tf_optimizer.TFOptimizer, name), name)
 
+class CheckpointInternalsTest(tf.test.TestCase):
+    @exercises("Trackable", "VARIABLE_VALUE_KEY", "CheckpointPosition", "SaveableObject", "save_spec")
     def test_trackable_and_saveable_classes(self):
         self.assertIs(_compat.Trackable, tf.__internal__.tracking.Trackable)
         self.assertEqual(_compat.VARIABLE_VALUE_KEY, "VARIABLE_VALUE")
         spec = _compat.save_spec(lambda: tf.zeros([2]), "4 0,2", "k", tf.float32, "/cpu:0")
         self.assertEqual((spec.slice_spec, spec.name, spec.dtype), ("4 0,2", "k", tf.float32))
         self.assertAllEqual(spec.tensor, [0.0, 0.0])
+        saveable = _compat.SaveableObject(tf.zeros([2]), [spec], "k")
+        self.assertEqual(saveable.name, "k")
         for attr in ("object_proto", "checkpoint", "trackable"):
             self.assertTrue(hasattr(_compat.CheckpointPosition, attr), attr)
 
+    @exercises("pending_restore")
     def test_pending_restore_sees_the_checkpoint(self):
         seen = []
         original = _compat.pending_restore
@@ -48,6 +61,7 @@ class CompatTest(tf.test.TestCase):
 
         table = tfs.create_sharded_variable("compat_t", [6, 2], partitions=2)
         path = tf.train.Checkpoint(t=table).save(self.get_temp_dir() + "/c")
+        self.assertIsNone(original(table))  # not restoring
         _compat.pending_restore = spy
         try:
             tf.train.Checkpoint(t=table).restore(path)
@@ -55,34 +69,219 @@ class CompatTest(tf.test.TestCase):
             _compat.pending_restore = original
         self.assertIn(("t/.ATTRIBUTES/VARIABLE_VALUE", [6, 2], tf.float32), seen)
 
-    def test_strategy_internals(self):
+    @exercises("checkpoint_key")
+    def test_checkpoint_key_matches_what_tensorflow_writes(self):
+        root = tf.Module()
+        root.sub = tf.Module()
+        setattr(root.sub, "odd/name.x", tf.Variable([1.0]))
+        path = tf.train.Checkpoint(model=root).save(self.get_temp_dir() + "/k")
+        written = {name for name, _ in tf.train.list_variables(path)}
+        self.assertIn(_compat.checkpoint_key(["model", "sub", "odd/name.x"]), written)
+
+
+class DistributeInternalsTest(tf.test.TestCase):
+    @exercises("default_strategy_type")
+    def test_default_strategy_type(self):
         self.assertIs(type(tf.distribute.get_strategy()), _compat.default_strategy_type())
+        self.assertNotEqual(_compat.default_strategy_type(), tf.distribute.MirroredStrategy)
 
-        class FakeExtended:
-            _variable_partitioner = "p"
-            _num_ps = 3
+    @exercises("register_dispatchable_type")
+    def test_dispatch_registration(self):
+        table = tfs.create_sharded_variable("compat_d", [6, 2], initializer="ones", partitions=3)
+        self.assertAllEqual(tf.nn.embedding_lookup(table, [5]), [[1.0, 1.0]])
 
-        class FakeStrategy:
-            extended = FakeExtended()
+        class Plain:
+            pass
 
-        self.assertEqual(_compat.ps_variable_partitioner(FakeStrategy()), "p")
-        self.assertEqual(_compat.ps_num_ps(FakeStrategy()), 3)
-        import inspect
+        self.assertIs(_compat.register_dispatchable_type(Plain), Plain)
 
+    @exercises("_own_attribute", "local_component", "distributed_container")
+    def test_plain_variables_pass_through(self):
+        v = tf.Variable([1.0])
+        self.assertIs(_compat.local_component(v), v)
+        self.assertIsNone(_compat.distributed_container(v))
+        self.assertIsNone(_compat._own_attribute(v, "no_such_attribute"))
+
+
+@pytest.mark.mirrored
+class MirroredInternalsTest(tf.test.TestCase):
+    @exercises("local_component", "distributed_container", "_own_attribute")
+    def test_components_and_containers(self):
+        strategy = strategies.mirrored()
+        with strategy.scope():
+            mirrored = tf.Variable([[1.0], [2.0]])
+        component = _compat.local_component(mirrored)
+        self.assertNotIsInstance(component, tf.distribute.DistributedValues)
+        self.assertIn(component, mirrored.values)
+        for each in mirrored.values:
+            self.assertIs(_compat.distributed_container(each), mirrored)
+        # Reading an unknown attribute never reads the variable through the container.
+        self.assertIsNone(_compat._own_attribute(mirrored, "_handle"))
+
+        @tf.function
+        def in_replica():
+            return strategy.run(lambda: tf.identity(_compat.local_component(mirrored).device))
+
+        devices = strategy.experimental_local_results(in_replica())
+        self.assertEqual([d.numpy().decode() for d in devices], [v.device for v in mirrored.values])
+
+    @exercises("single_device")
+    def test_single_device_places_a_plain_variable_under_mirrored(self):
+        strategy = strategies.mirrored()
+
+        def creator(next_creator, **kwargs):
+            kwargs["colocate_with"] = _compat.single_device("/cpu:3")
+            return next_creator(**kwargs)
+
+        with strategy.scope(), tf.variable_creator_scope(creator):
+            plain = tf.Variable([1.0])
+        self.assertNotIsInstance(plain, tf.distribute.DistributedValues)
+        self.assertEqual(tf.DeviceSpec.from_string(plain.device).device_index, 3)
+
+    @exercises("uses_merge_call", "in_multi_worker_mode")
+    def test_merge_call_and_multi_worker_mode(self):
+        strategy = strategies.mirrored()
+        self.assertTrue(_compat.uses_merge_call(strategy))
+        self.assertFalse(_compat.in_multi_worker_mode(strategy))
+
+
+class ParameterServerInternalsTest(tf.test.TestCase):
+    @exercises("ps_variable_partitioner", "ps_num_ps")
+    def test_ps_extended_attributes(self):
+        # A real strategy needs a cluster connection (last in the suite); the
+        # constructor's source is what these two names read, so guard that.
         from tensorflow.python.distribute import parameter_server_strategy_v2 as ps
 
         init_src = inspect.getsource(ps.ParameterServerStrategyV2Extended.__init__)
-        self.assertIn("self._variable_partitioner", init_src)
+        self.assertIn("self._variable_partitioner = variable_partitioner", init_src)
         self.assertIn("self._num_ps", init_src)
         # Shards rely on the PS creator honouring `colocate_with` (and not partitioning).
         self.assertIn(
             '"colocate_with" in kwargs', inspect.getsource(ps.ParameterServerStrategyV2Extended._create_variable)
         )
 
-    def test_dispatch_registration(self):
-        table = tfs.create_sharded_variable("compat_d", [6, 2], initializer="ones", partitions=3)
-        self.assertAllEqual(tf.nn.embedding_lookup(table, [5]), [[1.0, 1.0]])
+
+@pytest.mark.ps_cluster
+class ParameterServerClusterTest(tf.test.TestCase):
+    @exercises("ps_variable_partitioner", "ps_num_ps")
+    def test_on_a_real_strategy(self):
+        cluster = tfs.cluster.local_cluster(num_workers=2, num_ps=2)  # the process's one in-process cluster
+        partitioner = tfs.partitioners.FixedShards(3)
+        strategy = cluster.strategy(variable_partitioner=partitioner)
+        self.assertEqual(_compat.ps_num_ps(strategy), 2)
+        self.assertIs(_compat.ps_variable_partitioner(strategy), partitioner)
 
 
-if __name__ == "__main__":
-    tf.test.main()
+class KerasInternalsTest(tf.test.TestCase):
+    @exercises("keras_variable_value")
+    def test_keras_variable_value(self):
+        variable = keras.Variable(np.ones([2, 2], np.float32))
+        self.assertIsInstance(_compat.keras_variable_value(variable), tf.Variable)
+        self.assertIsNone(_compat.keras_variable_value(tf.Variable(1.0)))
+
+    @exercises("keras_track")
+    def test_keras_track_puts_hidden_objects_in_checkpoints(self):
+        layer = keras.layers.Layer()
+        hidden = {"v": tf.Variable([3.0])}
+        layer.hidden = hidden
+        _compat.keras_track(layer, hidden["v"], "hidden_v")
+        path = tf.train.Checkpoint(layer=layer).save(self.get_temp_dir() + "/t")
+        names = [n for n, _ in tf.train.list_variables(path)]
+        self.assertIn("layer/hidden_v/.ATTRIBUTES/VARIABLE_VALUE", names)
+
+    @exercises("set_untracked")
+    def test_set_untracked_skips_keras_tracking(self):
+        layer = keras.layers.Layer()
+        _compat.set_untracked(layer, "side", [tf.Variable([1.0])])
+        layer.tracked = [tf.Variable([2.0])]
+        self.assertIs(type(layer.side), list)
+        self.assertIsNot(type(layer.tracked), list)  # Keras wraps what it tracks
+
+    @exercises("keras_register_trainable")
+    def test_register_trainable_lets_apply_gradients_accept_a_variable(self):
+        optimizer = keras.optimizers.SGD(0.5)
+        built = keras.Variable(np.zeros([1], np.float32))
+        optimizer.build([built])
+        extra = tf.Variable([1.0])
+        _compat.keras_register_trainable(optimizer, extra)
+        self.assertIn(optimizer._var_key(extra), optimizer._trainable_variables_indices)
+
+    @exercises("keras_uses_weight_decay", "KerasOptimizerHooks")
+    def test_weight_decay_hooks(self):
+        class Hooked(_compat.KerasOptimizerHooks, keras.optimizers.AdamW):
+            def dense_decay_variables(self, variables):
+                return [v for v in variables if v.name != "skip"]
+
+        optimizer = Hooked(learning_rate=0.0, weight_decay=0.5)
+        keep = keras.Variable(np.ones([2], np.float32), name="keep")
+        skip = keras.Variable(np.ones([2], np.float32), name="skip")
+        optimizer.exclude_from_weight_decay(var_names=["nothing"])
+        self.assertTrue(_compat.keras_uses_weight_decay(optimizer, keep))
+        optimizer.apply_gradients([(tf.zeros([2]), keep), (tf.zeros([2]), skip)])
+        # lr 0 leaves Adam's step at zero; decay is applied as v -= v * wd * lr == 0 too, so use lr > 0:
+        optimizer.learning_rate.assign(0.1)
+        optimizer.apply_gradients([(tf.zeros([2]), keep), (tf.zeros([2]), skip)])
+        self.assertAllClose(keep.numpy(), [1 - 0.1 * 0.5] * 2)
+        self.assertAllClose(skip.numpy(), [1.0, 1.0])
+        excluded = keras.optimizers.AdamW(weight_decay=0.5)
+        excluded.exclude_from_weight_decay(var_names=["keep"])
+        self.assertFalse(_compat.keras_uses_weight_decay(excluded, keep))
+
+    @exercises("is_functional_or_sequential")
+    def test_model_kinds(self):
+        inputs = keras.Input([2])
+        functional = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+        self.assertTrue(_compat.is_functional_or_sequential(functional))
+        self.assertTrue(_compat.is_functional_or_sequential(keras.Sequential([keras.layers.Dense(1)])))
+
+        class Sub(keras.Model):
+            def call(self, x):
+                return x
+
+        self.assertFalse(_compat.is_functional_or_sequential(Sub()))
+
+    @exercises("tf_keras_layers_module")
+    def test_tf_keras_layers_module_is_what_tf_keras_serves(self):
+        module = _compat.tf_keras_layers_module()
+        self.assertIs(module.Embedding, tf.keras.layers.Embedding)
+
+    @exercises("route_keras_gradient_reduction", "_KERAS_ROUTED")
+    def test_keras_optimizer_steps_are_routed_once(self):
+        from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
+
+        cls = keras_tf_optimizer.TFOptimizer
+        self.assertLen(_compat._KERAS_ROUTED, 1)  # `import tf_sharded` installed it
+        original_reduce, original_update = _compat._KERAS_ROUTED[0]
+        self.assertEqual(list(inspect.signature(original_reduce).parameters), ["self", "grads_and_vars"])
+        self.assertEqual(
+            list(inspect.signature(original_update).parameters),
+            ["self", "distribution", "grads_and_vars", "learning_rate"],
+        )
+        self.assertIsNot(cls._all_reduce_sum_gradients, original_reduce)
+        _compat.route_keras_gradient_reduction(None, None)  # idempotent
+        self.assertLen(_compat._KERAS_ROUTED, 1)
+        self.assertTrue(hasattr(cls, "update_step"))
+
+    @exercises("outside_keras_stateless_scope")
+    def test_keras_stateless_scope_is_left_for_table_creation(self):
+        from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+        with keras.StatelessScope():
+            with _compat.outside_keras_stateless_scope():
+                self.assertFalse(in_stateless_scope())
+                inside = keras.Variable(1.0)
+            self.assertTrue(in_stateless_scope())
+        self.assertIsInstance(inside.value, tf.Variable)  # created for real, not deferred
+
+
+def test_every_compat_name_is_exercised():
+    tree = ast.parse(pathlib.Path(_compat.__file__).read_text())
+    defined = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.Assign):
+            defined.update(t.id for t in node.targets if isinstance(t, ast.Name) and not t.id.startswith("_restore"))
+    defined -= {n for n in defined if n.startswith("_") and n not in ("_own_attribute", "_KERAS_ROUTED")}
+    missing = sorted(defined - EXERCISED)
+    assert not missing, f"_compat names with no test in tests/test_compat.py: {missing}"

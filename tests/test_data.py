@@ -5,7 +5,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from tf_sharded import data
+from tf_sharded.app import data
 
 
 def collect(dataset):

@@ -2,7 +2,7 @@
 
 import tensorflow as tf
 
-from tests.strategy_bodies import StrategyBodies
+from tests.harness.bodies import StrategyBodies
 
 
 class DefaultStrategyEagerTest(StrategyBodies, tf.test.TestCase):

@@ -4,7 +4,7 @@ import re
 
 import tensorflow as tf
 
-from tests.subprocs import run_python
+from tests.harness.subprocs import run_python
 
 
 class DemoTest(tf.test.TestCase):

@@ -7,7 +7,7 @@ import subprocess
 
 import tensorflow as tf
 
-from tests.subprocs import ROOT
+from tests.harness.subprocs import ROOT
 
 DEPLOY = os.path.join(ROOT, "deploy", "kubernetes")
 

@@ -3,45 +3,8 @@
 import tensorflow as tf
 
 import tf_sharded as tfs
-from tests.strategy_bodies import uid
-
-# Ops allowed to consume a shard's resource handle: row gathers and row scatters.
-ROW_OPS = {
-    "VariableShape",
-    "ResourceGather",
-    "ResourceScatterAdd",
-    "ResourceScatterSub",
-    "ResourceScatterUpdate",
-    "ResourceScatterMax",
-    "ResourceScatterMin",
-}
-
-
-def all_graphs(graph_def):
-    yield graph_def.node
-    for fn in graph_def.library.function:
-        yield fn.node_def
-
-
-def whole_table_reads(concrete_fn, rows):
-    """Ops that touch a shard handle other than by rows, or produce >= `rows` rows."""
-    problems = []
-    graph = concrete_fn.graph
-    handles = {t.name for t in graph.internal_captures if t.dtype == tf.resource}
-    for op in graph.get_operations():
-        for t in op.inputs:
-            if t.name in handles and op.type not in ROW_OPS:
-                problems.append(f"{op.type} reads {t.name}")
-        for out in op.outputs:
-            dims = out.shape.as_list() if out.shape.rank else []
-            if dims and dims[0] is not None and dims[0] >= rows:
-                problems.append(f"{op.type} {op.name} produces shape {dims}")
-    # Nested bodies (cond branches, gradient functions) must not read variables either.
-    for nodes in all_graphs(graph.as_graph_def()):
-        for node in nodes:
-            if node.op == "ReadVariableOp":
-                problems.append(f"{node.op} {node.name}")
-    return problems
+from tests.harness.graphs import whole_table_reads
+from tests.harness.strategies import uid
 
 
 class GraphTest(tf.test.TestCase):

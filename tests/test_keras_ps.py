@@ -10,21 +10,18 @@ import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
-from tests.subprocs import run_python
-from tests.test_graph import ROW_OPS
-from tests.test_parameter_server import ps_strategy
-from tests.test_serving import serve_elsewhere
+from tests.harness.graphs import ROW_OPS
+from tests.harness.models import IDS, LABELS, make_model, single_device_reference
+from tests.harness.serving import serve_elsewhere
+from tests.harness.strategies import ps_strategy
+from tests.harness.subprocs import run_python
 
 pytestmark = pytest.mark.ps_cluster
-
-ROWS, DIM = 60, 4
-IDS = np.array([[1, 1, 7], [59, 3, 3], [7, 20, 1], [0, 0, 0]])
-LABELS = np.array([[1.0], [0.0], [1.0], [0.5]], np.float32)
 
 # Rebuilds the model on a 3-ps process cluster, restores, prints the logical table and slot checksums.
 RESTORE_ON_3_PS = """
 import sys, numpy as np, keras, tensorflow as tf, tf_sharded as tfs
-from tests.test_keras_ps import make_model
+from tests.harness.models import make_model
 with tfs.cluster.LocalCluster(num_workers=1, num_ps=3, mode="process") as cluster:
     strategy = cluster.strategy()
     with strategy.scope():
@@ -37,34 +34,6 @@ with tfs.cluster.LocalCluster(num_workers=1, num_ps=3, mode="process") as cluste
     np.save(sys.argv[2] + "/momentum.npy", model.optimizer.table_slot(emb, "momentum").numpy())
     print("devices", sorted({v.device for v in model.optimizer.table_slot(emb, "momentum").variables}))
 """
-
-
-def make_model(partitions=3, table0=None, steps_per_execution=1):
-    inp = keras.Input((3,), dtype="int64", name="ids")
-    init = keras.initializers.Constant(table0) if table0 is not None else "uniform"
-    x = tfs.layers.Embedding(
-        ROWS, DIM, combiner="mean", partitions=partitions, seed=5, name="emb", embeddings_initializer=init
-    )(inp)
-    out = keras.layers.Dense(1, kernel_initializer="ones", name="dense")(x)
-    model = keras.Model(inp, out)
-    model.compile(
-        optimizer=tfs.optimizers.SGD(0.3, momentum=0.5),
-        loss="mse",
-        metrics=["mae"],
-        steps_per_execution=steps_per_execution,
-    )
-    return model
-
-
-def single_device_reference(table0, steps):
-    """The same model with keras.layers.Embedding and Keras SGD, trained `steps` steps on one device."""
-    ref_inp = keras.Input((3,), dtype="int64")
-    ref_emb = keras.layers.Embedding(ROWS, DIM, embeddings_initializer=keras.initializers.Constant(table0))
-    ref_out = keras.layers.Dense(1, kernel_initializer="ones")(keras.layers.GlobalAveragePooling1D()(ref_emb(ref_inp)))
-    reference = keras.Model(ref_inp, ref_out)
-    reference.compile(optimizer=keras.optimizers.SGD(0.3, momentum=0.5), loss="mse")
-    reference.fit(IDS, LABELS, batch_size=len(IDS), epochs=steps, shuffle=False, verbose=0)
-    return ref_emb.embeddings.numpy(), reference.layers[-1].kernel.numpy()
 
 
 def dataset_fn(input_context=None):

@@ -2,7 +2,7 @@
 
 import tensorflow as tf
 
-from tf_sharded import data, models
+from tf_sharded.app import data, models
 
 
 class ModelsTest(tf.test.TestCase):

@@ -8,13 +8,13 @@ import sys
 import portpicker
 import tensorflow as tf
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.harness.subprocs import ROOT
 
 WORKER = """
 import json, os, sys
 import numpy as np, tensorflow as tf, keras
 import tf_sharded as tfs
-from tests.strategy_bodies import squared_norm_step
+from tests.harness.steps import squared_norm_step
 
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
 assert strategy.num_replicas_in_sync == 2

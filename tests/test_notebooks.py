@@ -7,7 +7,7 @@ import nbformat
 import tensorflow as tf
 from nbclient import NotebookClient
 
-from tests.subprocs import ROOT
+from tests.harness.subprocs import ROOT
 
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "colab", "*.ipynb")))
 

@@ -10,14 +10,11 @@ import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
-from tests.strategy_bodies import StrategyBodies, table_values, uid
+from tests.harness.bodies import StrategyBodies
+from tests.harness.references import table_values
+from tests.harness.strategies import ps_strategy, uid
 
 pytestmark = pytest.mark.ps_cluster
-
-
-def ps_strategy():
-    cluster = tfs.cluster.local_cluster(num_workers=2, num_ps=2)
-    return cluster.strategy()
 
 
 class ParameterServerCoordinatorTest(StrategyBodies, tf.test.TestCase):

@@ -9,7 +9,6 @@ single-device `tf.Variable` reference computed in the same test.
 
 from __future__ import annotations
 
-import itertools
 import os
 import tempfile
 
@@ -17,42 +16,10 @@ import numpy as np
 import tensorflow as tf
 
 import tf_sharded as tfs
+from tests.harness.references import table_values
+from tests.harness.strategies import bound, uid
 
 SCHEMES = ("div", "mod", "balanced")
-_COUNTER = itertools.count()
-
-
-def uid(prefix: str) -> str:
-    return f"{prefix}_{next(_COUNTER)}"
-
-
-def bound(fn, **kwargs):
-    """`fn` with keyword arguments fixed (scheduled functions take no defaults)."""
-
-    def wrapper(*args):
-        return fn(*args, **kwargs)
-
-    return wrapper
-
-
-def squared_norm_step(strategy, table, optimizer):
-    """A `tf.function` training `table` on `sum(rows ** 2)` with a Keras optimizer, per replica."""
-
-    @tf.function
-    def step(ids):
-        def fn(ids):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(tfs.embedding_lookup(table, ids) ** 2)
-            optimizer.apply_gradients(zip(tape.gradient(loss, list(table.variables)), table.variables))
-            return loss
-
-        return strategy.run(fn, args=(ids,))
-
-    return step
-
-
-def table_values(rows: int, dim: int, seed: int = 0) -> np.ndarray:
-    return np.random.RandomState(seed).uniform(-1, 1, size=(rows, dim)).astype(np.float32)
 
 
 class StrategyBodies:
@@ -60,6 +27,10 @@ class StrategyBodies:
 
     rows, dim = 23, 4
     eager = False  # True: `run` executes the python function eagerly.
+    table_kwargs = {}  # Extra arguments for every table (e.g. a mirrored placement).
+    # Partition schemes the looping bodies cover. The scheme is the layout's business (the same under every
+    # strategy, and covered for all three elsewhere); strategies that trace slowly run one.
+    schemes = SCHEMES
 
     def make(self, values=None, partitions=3, scheme="div", **kwargs):
         values = table_values(self.rows, self.dim) if values is None else values
@@ -70,7 +41,7 @@ class StrategyBodies:
                 initializer=values,
                 partitions=partitions,
                 scheme=scheme,
-                **kwargs,
+                **{**self.table_kwargs, **kwargs},
             )
 
     def call(self, fn, *args):
@@ -89,7 +60,7 @@ class StrategyBodies:
             np.array([[1, 2], [2, 1], [22, 0]]),
             np.array([[[3, 3], [4, 11]], [[0, 0], [22, 21]]]),
         ]
-        for scheme in SCHEMES:
+        for scheme in self.schemes:
             table = self.make(values, scheme=scheme)
             for ids in id_sets:
                 for dtype in (tf.int32, tf.int64):
@@ -168,7 +139,7 @@ class StrategyBodies:
             np.array([[13, 2, 2], [22, 22, 0]]),
         ]
         labels = np.array([[1.0], [0.0]], np.float32)
-        for scheme in SCHEMES:
+        for scheme in self.schemes:
             table = self.make(values, scheme=scheme)
             with self.strategy.scope():
                 dense = tf.Variable(dense0)
@@ -226,7 +197,7 @@ class StrategyBodies:
             tf.constant(np.random.RandomState(3).randn(4, self.dim).astype(np.float32)),
             tf.constant([21, 3, 8, 0], tf.int64),
         )
-        for scheme in SCHEMES:
+        for scheme in self.schemes:
             for method in ("scatter_add", "scatter_sub", "scatter_update", "scatter_max", "scatter_min"):
                 table = self.make(values, scheme=scheme)
                 reference = tf.Variable(values)
@@ -242,7 +213,7 @@ class StrategyBodies:
     def test_assign_family_and_read_value(self):
         values = table_values(self.rows, self.dim)
         other = table_values(self.rows, self.dim, seed=5)
-        for scheme in SCHEMES:
+        for scheme in self.schemes:
             table = self.make(values, scheme=scheme)
 
             def assigns(a, b, t):

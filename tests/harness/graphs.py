@@ -1,0 +1,49 @@
+"""Checks on traced graphs: which ops touch a table's shards."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+# Ops allowed to consume a shard's resource handle: row gathers and row scatters.
+ROW_OPS = {
+    "VariableShape",
+    "ResourceGather",
+    "ResourceScatterAdd",
+    "ResourceScatterSub",
+    "ResourceScatterUpdate",
+    "ResourceScatterMax",
+    "ResourceScatterMin",
+}
+
+
+def all_graphs(graph_def):
+    """The node lists of a graph and of every function in its library."""
+    yield graph_def.node
+    for fn in graph_def.library.function:
+        yield fn.node_def
+
+
+def op_types(concrete_fn) -> set:
+    """Every op type in a concrete function, nested functions included."""
+    return {node.op for nodes in all_graphs(concrete_fn.graph.as_graph_def()) for node in nodes}
+
+
+def whole_table_reads(concrete_fn, rows):
+    """Ops that touch a shard handle other than by rows, or produce >= `rows` rows."""
+    problems = []
+    graph = concrete_fn.graph
+    handles = {t.name for t in graph.internal_captures if t.dtype == tf.resource}
+    for op in graph.get_operations():
+        for t in op.inputs:
+            if t.name in handles and op.type not in ROW_OPS:
+                problems.append(f"{op.type} reads {t.name}")
+        for out in op.outputs:
+            dims = out.shape.as_list() if out.shape.rank else []
+            if dims and dims[0] is not None and dims[0] >= rows:
+                problems.append(f"{op.type} {op.name} produces shape {dims}")
+    # Nested bodies (cond branches, gradient functions) must not read variables either.
+    for nodes in all_graphs(graph.as_graph_def()):
+        for node in nodes:
+            if node.op == "ReadVariableOp":
+                problems.append(f"{node.op} {node.name}")
+    return problems

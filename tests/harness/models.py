@@ -1,0 +1,38 @@
+"""A small Keras model with one sharded embedding, and the same model on one device with plain Keras."""
+
+import keras
+import numpy as np
+
+import tf_sharded as tfs
+
+ROWS, DIM = 60, 4
+IDS = np.array([[1, 1, 7], [59, 3, 3], [7, 20, 1], [0, 0, 0]])
+LABELS = np.array([[1.0], [0.0], [1.0], [0.5]], np.float32)
+
+
+def make_model(partitions=3, table0=None, steps_per_execution=1):
+    inp = keras.Input((3,), dtype="int64", name="ids")
+    init = keras.initializers.Constant(table0) if table0 is not None else "uniform"
+    x = tfs.layers.Embedding(
+        ROWS, DIM, combiner="mean", partitions=partitions, seed=5, name="emb", embeddings_initializer=init
+    )(inp)
+    out = keras.layers.Dense(1, kernel_initializer="ones", name="dense")(x)
+    model = keras.Model(inp, out)
+    model.compile(
+        optimizer=tfs.optimizers.SGD(0.3, momentum=0.5),
+        loss="mse",
+        metrics=["mae"],
+        steps_per_execution=steps_per_execution,
+    )
+    return model
+
+
+def single_device_reference(table0, steps):
+    """The same model with keras.layers.Embedding and Keras SGD, trained `steps` steps on one device."""
+    ref_inp = keras.Input((3,), dtype="int64")
+    ref_emb = keras.layers.Embedding(ROWS, DIM, embeddings_initializer=keras.initializers.Constant(table0))
+    ref_out = keras.layers.Dense(1, kernel_initializer="ones")(keras.layers.GlobalAveragePooling1D()(ref_emb(ref_inp)))
+    reference = keras.Model(ref_inp, ref_out)
+    reference.compile(optimizer=keras.optimizers.SGD(0.3, momentum=0.5), loss="mse")
+    reference.fit(IDS, LABELS, batch_size=len(IDS), epochs=steps, shuffle=False, verbose=0)
+    return ref_emb.embeddings.numpy(), reference.layers[-1].kernel.numpy()

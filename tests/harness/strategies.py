@@ -1,0 +1,61 @@
+"""The strategies the tests run under, and helpers to feed them.
+
+MirroredStrategy runs on the 4 virtual CPUs `tests/conftest.py` configures.
+One instance per process: two MirroredStrategy objects on the same devices
+reuse collective instance keys and abort each other's collectives.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import tensorflow as tf
+
+import tf_sharded as tfs
+
+DEVICES = [f"/cpu:{i}" for i in range(4)]
+PLACEMENTS = ("device", "host")
+# In process: gather on one device and merge once (MirroredStrategy's default); the collective transport is
+# what MultiWorkerMirroredStrategy uses (markers, per-replica merge), exercised here on the same 4 devices.
+TRANSPORTS = ("in_process", "collective")
+
+_MIRRORED = []
+_COUNTER = itertools.count()
+
+
+def uid(prefix: str) -> str:
+    """A table name not used before in this process."""
+    return f"{prefix}_{next(_COUNTER)}"
+
+
+def bound(fn, **kwargs):
+    """`fn` with keyword arguments fixed (scheduled functions take no defaults)."""
+
+    def wrapper(*args):
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def mirrored() -> tf.distribute.MirroredStrategy:
+    """The process's MirroredStrategy on the 4 virtual CPUs (created once)."""
+    if not _MIRRORED:
+        _MIRRORED.append(tf.distribute.MirroredStrategy(DEVICES))
+    return _MIRRORED[0]
+
+
+def transport(name: str):
+    """Context: the 4-device mirrored strategy exchanges gradients with transport `name`."""
+    return tfs.strategy.mirrored.transport_scope(mirrored(), name)
+
+
+def per_replica(strategy, arrays):
+    """One array per replica (arrays may differ in length; empty ones allowed)."""
+    return strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(arrays[ctx.replica_id_in_sync_group])
+    )
+
+
+def ps_strategy(num_workers: int = 2, num_ps: int = 2, **kwargs):
+    """A ParameterServerStrategy on an in-process cluster (connects this process: mark the test `ps_cluster`)."""
+    return tfs.cluster.local_cluster(num_workers=num_workers, num_ps=num_ps).strategy(**kwargs)
