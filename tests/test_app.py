@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import keras
 import numpy as np
 import portpicker
 import tensorflow as tf
@@ -86,11 +87,12 @@ class ApplicationTest(tf.test.TestCase):
             y.append(labels.numpy().ravel())
         p, y = np.concatenate(p).astype(np.float64), np.concatenate(y)
         logloss = -np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))
-        # AUC as the probability that a positive outranks a negative (ties count half).
-        pos, neg = p[y == 1], p[y == 0]
-        auc = (np.sum(pos[:, None] > neg[None, :]) + 0.5 * np.sum(pos[:, None] == neg[None, :])) / (len(pos) * len(neg))
+        # The app reports Keras's AUC (2000 thresholds, which can differ from the exact one by a few 1e-3):
+        # the same metric on the predictions recomputed here.
+        auc = keras.metrics.AUC(num_thresholds=2000)
+        auc.update_state(y, p)
         self.assertAllClose(float(reported.group(2)), logloss, atol=1e-4)
-        self.assertAllClose(float(reported.group(1)), auc, atol=2e-3)  # Keras's AUC uses 2000 thresholds
+        self.assertAllClose(float(reported.group(1)), float(auc.result()), atol=1e-4)
 
     def test_files_resume_and_inspect(self):
         out = self.get_temp_dir()
