@@ -1,14 +1,8 @@
 """MultiWorkerMirroredStrategy: 2 worker processes on localhost, one TF_CONFIG each (custom loop and tfs.fit)."""
 
-import json
-import os
-import subprocess
-import sys
-
-import portpicker
 import tensorflow as tf
 
-from tests.harness.subprocs import ROOT
+from tests.harness.strategies import run_multi_worker
 
 WORKER = """
 import json, os, sys
@@ -76,35 +70,7 @@ print("MWMS OK", flush=True)
 
 class MultiWorkerMirroredTest(tf.test.TestCase):
     def test_two_workers_match_single_device_reference(self):
-        ports = [portpicker.pick_unused_port() for _ in range(2)]
-        cluster = {"worker": [f"localhost:{p}" for p in ports]}
-        procs = []
-        for i in range(2):
-            env = {
-                **os.environ,
-                "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
-                "TF_CPP_MIN_LOG_LEVEL": "2",
-                "TASK": str(i),
-            }
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", WORKER],
-                    env=env,
-                    cwd=ROOT,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-            )
-        outputs = []
-        try:
-            for p in procs:
-                out, err = p.communicate(timeout=300)
-                outputs.append((p.returncode, out, err))
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
+        outputs = run_multi_worker(WORKER, num_workers=2)
         for rc, out, err in outputs:
             self.assertEqual(rc, 0, msg=out + err[-3000:])
             self.assertIn("MWMS OK", out)

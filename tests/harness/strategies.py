@@ -59,3 +59,50 @@ def per_replica(strategy, arrays):
 def ps_strategy(num_workers: int = 2, num_ps: int = 2, **kwargs):
     """A ParameterServerStrategy on an in-process cluster (connects this process: mark the test `ps_cluster`)."""
     return tfs.cluster.local_cluster(num_workers=num_workers, num_ps=num_ps).strategy(**kwargs)
+
+
+def run_multi_worker(script: str, num_workers: int = 2, timeout: int = 300) -> list:
+    """Runs `script` (Python source) in `num_workers` processes forming a MultiWorkerMirroredStrategy cluster.
+
+    Each process gets its own `TF_CONFIG` (and `TASK`, its index). Returns
+    `(returncode, stdout, stderr)` per worker; every worker is killed if one
+    outlives `timeout`.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import portpicker
+
+    from tests.harness.subprocs import ROOT
+
+    cluster = {"worker": [f"localhost:{portpicker.pick_unused_port()}" for _ in range(num_workers)]}
+    procs = []
+    for i in range(num_workers):
+        env = {
+            **os.environ,
+            "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            "TASK": str(i),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", script],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outputs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            outputs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outputs

@@ -1,0 +1,94 @@
+"""`tfs.fit` and `tf_sharded.keras.checkpoints` under the default strategy, against Keras's own `model.fit`.
+
+The other fit loops are tested where their strategies run: the coordinator
+loop in `test_keras_ps.py`, the replica loop in `test_layers.py` (Mirrored,
+`steps_per_execution > 1`) and `test_multi_worker.py`.
+"""
+
+import json
+import os
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tf_sharded as tfs
+from tf_sharded.keras import checkpoints
+
+ROWS, DIM = 30, 4
+
+
+def model_and_twin():
+    """The same model twice: a sharded one trained by `tfs.fit`, and one with Keras layers for `model.fit`."""
+    table0 = np.random.RandomState(0).uniform(-0.5, 0.5, (ROWS, DIM)).astype(np.float32)
+    kernel0 = np.linspace(-1, 1, DIM)[:, None].astype(np.float32)
+
+    def build(embedding):
+        inp = keras.Input((3,), dtype="int64")
+        x = embedding(inp)
+        if len(x.shape) == 3:
+            x = keras.layers.GlobalAveragePooling1D()(x)
+        out = keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(kernel0))(x)
+        return keras.Model(inp, out)
+
+    ours = build(
+        tfs.layers.Embedding(
+            ROWS, DIM, combiner="mean", partitions=3, embeddings_initializer=keras.initializers.Constant(table0)
+        )
+    )
+    # Plain SGD: a lazy row update equals Keras's dense one (momentum would keep moving untouched rows in Keras).
+    ours.compile(optimizer=tfs.optimizers.SGD(0.2), loss="mse")
+    twin = build(keras.layers.Embedding(ROWS, DIM, embeddings_initializer=keras.initializers.Constant(table0)))
+    twin.compile(optimizer=keras.optimizers.SGD(0.2), loss="mse")
+    return ours, twin
+
+
+def data():
+    rng = np.random.RandomState(1)
+    x, y = rng.randint(0, ROWS, (48, 3)), rng.rand(48, 1).astype(np.float32)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(8)  # 6 steps per epoch
+
+
+def table_of(model):
+    return next(w for w in model.weights if "embedding" in w.path).numpy()
+
+
+class FitTest(tf.test.TestCase):
+    def test_fit_is_keras_fit_step_for_step(self):
+        ours, twin = model_and_twin()
+        got = tfs.fit(ours, data(), epochs=3, verbose=0).history["loss"]
+        want = twin.fit(data(), epochs=3, verbose=0, shuffle=False).history["loss"]
+        self.assertAllClose(got, want, rtol=1e-5)
+        self.assertAllClose(ours.get_layer(index=1).embeddings.numpy(), table_of(twin), atol=1e-6)
+        self.assertEqual(tfs.training.steps_done(ours), 18)
+
+    def test_resume_continues_where_the_checkpoint_stopped(self):
+        directory = os.path.join(self.get_temp_dir(), "resume")
+        first, twin = model_and_twin()
+        tfs.fit(first, data(), epochs=1, steps_per_epoch=6, checkpoint_dir=directory, checkpoint_every=4, verbose=0)
+        # Saved at step 4 (checkpoint_every) and at the epoch end, with the layout manifest beside them.
+        self.assertEqual(tf.train.get_checkpoint_state(directory).all_model_checkpoint_paths[-2:],
+                         [os.path.join(directory, "ckpt-4"), os.path.join(directory, "ckpt-6")])  # fmt: skip
+        with open(os.path.join(directory, checkpoints.LAYOUT_FILE)) as f:
+            layouts = json.load(f)["tables"]
+        self.assertEqual([v["partition"] for v in layouts.values()], ["PartitionSpec(num_shards=3, scheme='div')"])
+
+        again, _ = model_and_twin()  # a fresh process's model: restored, then epochs 2 and 3 only
+        history = tfs.fit(again, data(), epochs=3, steps_per_epoch=6, checkpoint_dir=directory, verbose=0)
+        self.assertLen(history.history["loss"], 2)
+        twin.fit(data(), epochs=3, verbose=0, shuffle=False)
+        self.assertAllClose(again.get_layer(index=1).embeddings.numpy(), table_of(twin), atol=1e-6)
+        self.assertEqual(tfs.training.steps_done(again), 18)
+
+    def test_bad_arguments_are_named(self):
+        ours, _ = model_and_twin()
+        uncompiled = keras.Sequential([keras.layers.Dense(1)])
+        with self.assertRaisesRegex(ValueError, r"Argument `model` must be a compiled keras.Model.*\(not compiled\)"):
+            tfs.fit(uncompiled, data())
+        with self.assertRaisesRegex(ValueError, "Argument `dataset` must be a tf.data.Dataset or a function"):
+            tfs.fit(ours, [1, 2])
+        with self.assertRaisesRegex(ValueError, "Argument `epochs` must be a positive int"):
+            tfs.fit(ours, data(), epochs=0)
+        with self.assertRaisesRegex(ValueError, "Argument `checkpoint_every` must be a positive int"):
+            tfs.fit(ours, data(), checkpoint_every=-1)
+        self.assertEqual(tfs.training.steps_done(ours), 0)  # nothing ran
