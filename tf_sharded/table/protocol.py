@@ -32,9 +32,10 @@ class Table(Protocol):
     Metadata: `name`, `shape` (full logical shape), `dtype`, `variables` (the
     shards, in shard order), `num_shards`, `devices`, `trainable`, `strategy`
     (whose hook made it), `layout` (a `tfs.Layout`: how logical rows map to
-    shards and local rows), and, under mirrored strategies, `exchange` (a
-    `tfs.exchange.ExchangePolicy`) and `placement` ("device" / "host"; both
-    None elsewhere).
+    shards and local rows), `partition` (the `tfs.PartitionSpec` it was
+    created with, which the checkpoint layout manifest records), and, under
+    mirrored strategies, `exchange` (a `tfs.exchange.ExchangePolicy`) and
+    `placement` ("device" / "host"; both None elsewhere).
 
     Example:
 
@@ -54,6 +55,7 @@ class Table(Protocol):
     trainable: bool
     strategy: Any
     layout: Any
+    partition: Any
     exchange: Any
     placement: Optional[str]
 
