@@ -313,18 +313,27 @@ def _fit_loop(
                 if bar is not None and not last:
                     bar.update(step, [*logs.items(), ("samples/s", rate)], finalize=False)
                 if due:
-                    checkpoints.save(global_step)
+                    _save(checkpoints, model, counter, global_step)
         logs = {name: float(value) for name, value in model.get_metrics_result().items()}
         logs["samples_per_second"] = samples / max(time.perf_counter() - start, 1e-9)
         if bar is not None:
             shown = [(k, v) for k, v in logs.items() if k != "samples_per_second"]
             bar.update(steps_per_epoch, shown + [("samples/s", logs["samples_per_second"])], finalize=True)
-        checkpoints.save(global_step)
+        _save(checkpoints, model, counter, global_step)
         callback_list.on_epoch_end(epoch, logs)
         if getattr(model, "stop_training", False):
             break
     callback_list.on_train_end(logs)
     return history
+
+
+def _save(checkpoints, model, counter, global_step: int) -> None:
+    """A checkpoint at `global_step` (every launched step has finished). Where workers race on the
+    optimizer's own step count, it is set to the exact count first, so that a run resumed under another
+    strategy (which reads `optimizer.iterations`) continues from the right step."""
+    if counter is not None:
+        model.optimizer.iterations.assign(global_step)
+    checkpoints.save(global_step)
 
 
 def steps_done(model: keras.Model) -> int:
