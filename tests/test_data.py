@@ -1,16 +1,24 @@
-"""Criteo-shaped data: the synthetic generator, TSV and Parquet readers, malformed input."""
+"""Data: the synthetic generator, Criteo-layout files, and the schema-driven readers of every format."""
 
+import gzip
+import json
 import os
 
 import numpy as np
 import tensorflow as tf
 
-from tf_sharded.app import data
+from tf_sharded.app import data, readers, scan, schema
 
 
 def collect(dataset):
     batches = list(dataset)
-    features = {k: np.concatenate([b[0][k].numpy() for b in batches]) for k in batches[0][0]}
+    features = {}
+    for k in batches[0][0]:
+        parts = [b[0][k] for b in batches]
+        if isinstance(parts[0], tf.RaggedTensor):
+            features[k] = [row for p in parts for row in p.to_list()]
+        else:
+            features[k] = np.concatenate([p.numpy() for p in parts])
     return features, np.concatenate([b[1].numpy() for b in batches])
 
 
@@ -35,13 +43,18 @@ class SyntheticTest(tf.test.TestCase):
         self.assertNotAllEqual(other["C7"], features["C7"][:2048])
 
 
-class FileReaderTest(tf.test.TestCase):
-    def test_tsv_and_parquet_files_read_the_same_records(self):
+def expected_id(text, buckets):
+    """The id a value's text hashes to (schema.py's rule), computed here with TensorFlow's hash directly."""
+    if text == "":
+        return 0
+    return 1 + int(tf.strings.to_hash_bucket_fast([text], buckets - 1)[0])
+
+
+class CriteoFilesTest(tf.test.TestCase):
+    def test_tsv_and_parquet_files_read_the_same_records_as_the_lines_say(self):
         out = self.get_temp_dir()
         tsv = data.synthesize("tsv", 700, os.path.join(out, "tsv"), max_vocab=500, seed=1)
-        pq = data.synthesize("parquet", 700, os.path.join(out, "pq"), max_vocab=500, seed=1)
-        self.assertLen(tsv, 1)
-        self.assertLen(pq, 1)
+        data.synthesize("parquet", 700, os.path.join(out, "pq"), max_vocab=500, seed=1)
         a, la = collect(data.tsv_dataset(os.path.join(out, "tsv"), 128, max_vocab=500))
         b, lb = collect(data.parquet_dataset(os.path.join(out, "pq"), 128, max_vocab=500))
         self.assertEqual(len(la), 700)
@@ -49,32 +62,179 @@ class FileReaderTest(tf.test.TestCase):
         self.assertAllClose(a["dense"], b["dense"])
         for key in data.CATEGORICAL_KEYS:
             self.assertAllEqual(a[key], b[key], msg=key)
-        # Missing values: empty fields read as 0 (dense) and id 0 (categorical).
+        # Every field of the first lines, decoded here by hand.
+        vocab = data.vocab_sizes(500)
         with open(tsv[0]) as f:
-            first = f.readline().rstrip("\n").split("\t")
-        for j, field in enumerate(first[1:14]):
-            self.assertEqual(a["dense"][0, j] == 0, field in ("", "0"))
-        for t, field in enumerate(first[14:]):
-            self.assertEqual(a[data.CATEGORICAL_KEYS[t]][0] == 0, field == "")
+            lines = [f.readline().rstrip("\n").split("\t") for _ in range(5)]
+        for i, fields in enumerate(lines):
+            self.assertEqual(la[i, 0], float(fields[0]))
+            dense = [np.log1p(max(int(x), 0)) if x else 0.0 for x in fields[1:14]]
+            self.assertAllClose(a["dense"][i], dense)
+            for t, x in enumerate(fields[14:]):
+                self.assertEqual(a[data.CATEGORICAL_KEYS[t]][i], expected_id(x, vocab[t]))
 
-    def test_malformed_lines_are_skipped_and_counted_or_fatal_when_strict(self):
-        path = os.path.join(self.get_temp_dir(), "bad.tsv")
-        good = "\t".join(["1"] + ["3"] * 13 + ["a1b2c3d4"] * 26)
-        lines = [good, "1\t2\t3", "2" + good[1:], good.replace("a1b2c3d4", "zz", 1), "", good]
-        with open(path, "w") as f:
-            f.write("\n".join(lines) + "\n")
-        stats = data.ReadStats()
-        _, labels = collect(data.tsv_dataset(path, 8, max_vocab=100, stats=stats))
-        self.assertEqual(len(labels), 2)
-        self.assertEqual((stats.records, stats.skipped), (2, 3))
-        self.assertIn("bad.tsv:2: expected 40 tab-separated fields, found 3", stats.first_error)
-        with self.assertRaisesRegex(Exception, "bad.tsv:2: expected 40 tab-separated fields"):
-            list(data.tsv_dataset(path, 8, max_vocab=100, strict=True))
 
-    def test_missing_files_and_bad_format_are_named(self):
+MOVIES = [
+    "rating,user_id,age,gender,genres,movie_id",
+    '4.0,12,25,M,"Action|Comedy",1193',
+    "3.5,13,31,F,Drama,661",
+    "bad,14,20,M,Drama,914",
+    "5,15,,F,,3408",
+    "2,16,40,M,Comedy|Drama|Horror,1193",
+]
+SCHEMA = {
+    "label": {"name": "rating", "type": "regression"},
+    "features": [
+        {"name": "age", "type": "numeric", "transform": "standardize"},
+        {"name": "user_id", "type": "categorical", "buckets": 100},
+        {"name": "gender", "type": "categorical", "buckets": 4},
+        {"name": "movie_id", "type": "categorical", "buckets": 50, "table": "movie"},
+        {"name": "genres", "type": "multi_hot", "buckets": 20, "combiner": "mean"},
+    ],
+}
+
+
+def write_example_files(out):
+    """The same 5 records (one malformed) as CSV, gzip CSV, TFRecord (typed, genres as a list) and Parquet."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "movies.csv"), "w") as f:
+        f.write("\n".join(MOVIES) + "\n")
+    with gzip.open(os.path.join(out, "movies.csv.gz"), "wt") as f:
+        f.write("\n".join(MOVIES) + "\n")
+    rows = [
+        (4.0, 12, 25.0, "M", ["Action", "Comedy"], 1193),
+        (3.5, 13, 31.0, "F", ["Drama"], 661),
+        (5.0, 15, None, "F", [], 3408),
+        (2.0, 16, 40.0, "M", ["Comedy", "Drama", "Horror"], 1193),
+    ]
+    with tf.io.TFRecordWriter(os.path.join(out, "movies.tfrecord")) as w:
+        for rating, user, age, gender, genres, movie in rows:
+            feature = {
+                "rating": tf.train.Feature(float_list=tf.train.FloatList(value=[rating])),
+                "user_id": tf.train.Feature(int64_list=tf.train.Int64List(value=[user])),
+                "age": tf.train.Feature(float_list=tf.train.FloatList(value=[] if age is None else [age])),
+                "gender": tf.train.Feature(bytes_list=tf.train.BytesList(value=[gender.encode()])),
+                "genres": tf.train.Feature(bytes_list=tf.train.BytesList(value=[g.encode() for g in genres])),
+                "movie_id": tf.train.Feature(int64_list=tf.train.Int64List(value=[movie])),
+            }
+            w.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table(
+        {
+            "rating": [r[0] for r in rows],
+            "user_id": [r[1] for r in rows],
+            "age": [r[2] if r[2] is not None else float("nan") for r in rows],
+            "gender": [r[3] for r in rows],
+            "genres": ["|".join(r[4]) for r in rows],
+            "movie_id": [r[5] for r in rows],
+        }
+    )
+    pq.write_table(table, os.path.join(out, "movies.parquet.snappy"))
+    with open(os.path.join(out, "schema.json"), "w") as f:
+        json.dump(SCHEMA, f)
+
+
+class SchemaReadersTest(tf.test.TestCase):
+    def test_every_format_reads_the_same_features(self):
+        out = self.get_temp_dir()
+        write_example_files(out)
+        s = schema.load(os.path.join(out, "schema.json"))
+        results = {}
+        for name, fmt in (
+            ("movies.csv", "csv"),
+            ("movies.csv.gz", "csv"),
+            ("movies.tfrecord", "tfrecord"),
+            ("movies.parquet.snappy", "parquet"),
+        ):
+            source = readers.open_source(os.path.join(out, name), s)
+            self.assertEqual(source.format, fmt, name)
+            scanned = scan.scan(source, s, source.files)
+            text = fmt == "csv"
+            self.assertEqual((scanned.records, scanned.malformed), (4, 1 if text else 0), name)
+            # age over the records that parse (25, 31, 40; one missing): mean 32, population std sqrt(38).
+            self.assertAllClose(scanned.statistics["age"], (32.0, np.sqrt(38.0)), msg=name)
+            if text:
+                self.assertEqual(scanned.first_error, f"{source.files[0]}:4: label 'rating' is not a number")
+            with_stats = s.with_statistics(scanned.statistics)
+            results[name] = collect(readers.batched(readers.records(source, with_stats, source.files), 3))
+        features, labels = results["movies.csv"]
+        self.assertAllEqual(labels[:, 0], [4.0, 3.5, 5.0, 2.0])
+        self.assertAllClose(features["dense"][:, 0], [(25 - 32) / 38**0.5, (31 - 32) / 38**0.5, 0.0, 8 / 38**0.5])
+        self.assertAllEqual(features["user_id"], [expected_id(str(u), 100) for u in (12, 13, 15, 16)])
+        self.assertAllEqual(features["gender"], [expected_id(g, 4) for g in "MFFM"])
+        genres = [["Action", "Comedy"], ["Drama"], [], ["Comedy", "Drama", "Horror"]]
+        self.assertEqual(features["genres"], [[expected_id(g, 20) for g in row] for row in genres])
+        for name, (other, other_labels) in results.items():
+            self.assertAllEqual(other_labels, labels, msg=name)
+            for key in features:
+                if key == "genres":
+                    self.assertEqual(other[key], features[key], msg=name)
+                else:
+                    self.assertAllClose(other[key], features[key], msg=f"{name} {key}")
+
+    def test_sharding_gives_each_worker_its_files_or_every_other_record(self):
+        files = ["a", "b", "c"]
+        self.assertEqual(readers.shard(files, None), (files, None))
+        two = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=1)
+        self.assertEqual(readers.shard(files, two), (["b"], None))
+        four = tf.distribute.InputContext(num_input_pipelines=4, input_pipeline_id=3)
+        self.assertEqual(readers.shard(files, four), (files, (4, 3)))
+
+    def test_bad_files_and_schemas_are_named(self):
+        out = self.get_temp_dir()
+        write_example_files(out)
+        s = schema.load(os.path.join(out, "schema.json"))
         with self.assertRaisesRegex(FileNotFoundError, "No such file or directory: '/nonexistent.tsv'"):
-            data.tsv_dataset("/nonexistent.tsv", 8)
-        with self.assertRaisesRegex(FileNotFoundError, "No .parquet files in directory"):
-            data.parquet_dataset(self.get_temp_dir(), 8)
-        with self.assertRaisesRegex(ValueError, "Argument `format` must be 'tsv' or 'parquet'"):
-            data.synthesize("csv", 10, self.get_temp_dir())
+            readers.open_source("/nonexistent.tsv", s)
+        wrong = schema.parse({**SCHEMA, "label": {"name": "stars", "type": "regression"}})
+        with self.assertRaisesRegex(readers.InputError, r"movies.csv lacks columns \['stars'\]; it has \['rating'"):
+            readers.open_source(os.path.join(out, "movies.csv"), wrong)
+        with self.assertRaisesRegex(readers.InputError, "movies.tfrecord looks like tfrecord, not --format=csv"):
+            readers.open_source(os.path.join(out, "movies.tfrecord"), s, "csv")
+        empty = os.path.join(out, "empty.csv")
+        open(empty, "w").close()
+        with self.assertRaisesRegex(readers.InputError, "empty.csv: the file is empty"):
+            readers.open_source(empty, s)
+        for bad, message in (
+            ({"label": {"name": "y"}, "features": []}, "`features` must be a non-empty list"),
+            ({"label": {"name": "y"}, "features": [{"name": "a", "type": "dense"}]}, "`type` must be one of"),
+            (
+                {"label": {"name": "y"}, "features": [{"name": "a", "type": "categorical", "buckets": 1}]},
+                r"features\[0\] \('a'\): `buckets` must be an integer >= 2",
+            ),
+            (
+                {
+                    "label": {"name": "y"},
+                    "features": [
+                        {"name": "a", "type": "categorical", "buckets": 8, "table": "t"},
+                        {"name": "b", "type": "categorical", "buckets": 9, "table": "t"},
+                    ],
+                },
+                "features 'a' and 'b' share table 't' but have buckets 8 and 9",
+            ),
+            ({"label": {"name": "y"}, "features": [{"name": "a", "type": "numeric"}]}, "at least one categorical"),
+        ):
+            with self.assertRaisesRegex(schema.SchemaError, message):
+                schema.parse(bad, "s.json")
+
+    def test_infer_writes_a_usable_starting_schema(self):
+        columns = {
+            "clicked": ["0", "1"] * 50,
+            "price": [str(round(1.1**i, 3)) for i in range(100)],  # skewed: log1p
+            "country": ["de", "fr", "us", "jp"] * 25,
+            "tags": ["a|b", "c", "b|d", "a"] * 25,
+        }
+        inferred = schema.infer_from_columns(columns)
+        self.assertEqual(inferred.label, schema.Label("clicked", schema.LabelType.BINARY))
+        kinds = {f.name: (f.type.value, f.transform.value, f.buckets) for f in inferred.features}
+        self.assertEqual(
+            kinds,
+            {
+                "price": ("numeric", "log1p", None),
+                "country": ("categorical", "none", 16),
+                "tags": ("multi_hot", "none", 16),
+            },
+        )
+        self.assertEqual(schema.parse(inferred.to_json()), inferred)

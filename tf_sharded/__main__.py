@@ -7,10 +7,13 @@ import sys
 USAGE = """usage: python -m tf_sharded COMMAND
 
 commands:
-  train [--model dlrm|deepfm] [--data synthetic|PATH] [--strategy parameter_server|mirrored|multi_worker|default]
-        [--steps N] [--batch_size N] [--optimizer sgd|adagrad|adam|ftrl] [--learning_rate X]
-        [--checkpoint_dir DIR] [--eval_steps N] [--max_vocab N] [--strict] ...
-          train a CTR model (python -m tf_sharded train --helpfull for every flag)
+  train [--model dlrm|deepfm|mlp] [--data synthetic|PATH] [--schema FILE] [--format auto|tsv|csv|tfrecord|parquet]
+        [--strategy parameter_server|mirrored|multi_worker|default] [--steps N] [--batch_size N]
+        [--optimizer sgd|adagrad|adam|ftrl] [--learning_rate X] [--checkpoint_dir DIR] [--eval_steps N]
+        [--max_vocab N] [--strict] ...
+          train a model on synthetic data or your files (python -m tf_sharded train --helpfull for every flag)
+  schema infer --data PATH [--label COLUMN] [--out FILE]
+          a starting feature schema (JSON) from a file's first rows
   data synthesize --format tsv|parquet --rows N --out DIR [--max_vocab N] [--seed N]
           write synthetic Criteo-shaped data as files
   inspect CHECKPOINT
@@ -33,6 +36,8 @@ def main(argv=None) -> int:
         return cli.main(argv[1:])
     if argv[0] == "data" and len(argv) > 1 and argv[1] == "synthesize":
         return _synthesize(argv[2:])
+    if argv[0] == "schema" and len(argv) > 1 and argv[1] == "infer":
+        return _infer(argv[2:])
     if argv[0] == "inspect":
         from tf_sharded.app import cli
 
@@ -73,6 +78,37 @@ def _synthesize(argv) -> int:
 
     files = data.synthesize(args.format, args.rows, args.out, args.max_vocab, args.seed)
     print(f"wrote {args.rows} rows to {len(files)} {args.format} file(s) in {args.out}")
+    return 0
+
+
+def _infer(argv) -> int:
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m tf_sharded schema infer")
+    parser.add_argument("--data", required=True, help="a file or directory (its first file is read)")
+    parser.add_argument("--label", default=None, help="the label column (default: the first)")
+    parser.add_argument("--format", default=None, choices=["tsv", "csv", "tfrecord", "parquet"])
+    parser.add_argument("--out", default=None, help="write the schema here (default: print it)")
+    args = parser.parse_args(argv)
+    from tf_sharded.app import readers, scan, schema
+
+    try:
+        columns, lists = scan.sample_columns(args.data, fmt=args.format)
+        inferred = schema.infer_from_columns(columns, label=args.label, list_columns=lists)
+    except (readers.InputError, schema.SchemaError, FileNotFoundError) as e:
+        print(f"error: --data {args.data}: {e}", file=sys.stderr)
+        return 1
+    text = json.dumps(inferred.to_json(), indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+        print(
+            f"wrote a schema for {len(inferred.features)} features to {args.out}; check it, then train with "
+            f"--schema {args.out}"
+        )
+    else:
+        print(text)
     return 0
 
 

@@ -1,13 +1,16 @@
-"""`python -m tf_sharded train`: the CTR training application (DLRM / DeepFM on Criteo-shaped data).
+"""`python -m tf_sharded train`: the training application (DLRM / DeepFM / MLP on a user's files or synthetic data).
 
     python -m tf_sharded train                                  # DLRM, synthetic data, local 2 ps + 2 workers
     python -m tf_sharded train --model deepfm --strategy mirrored --steps 500
-    python -m tf_sharded train --data day_0.tsv --checkpoint_dir /tmp/ctr   # rerun resumes
+    python -m tf_sharded train --data day_0.tsv --checkpoint_dir /tmp/ctr   # Criteo TSV; a rerun resumes
+    python -m tf_sharded train --data ratings/ --schema schema.json --model mlp   # any columns (schema.py)
     TF_CONFIG=... python -m tf_sharded train --strategy parameter_server     # one process per task
 
-It prints a progress bar (step, loss, samples/s), then held-out AUC and
-log-loss, the checkpoint path and a one-line summary; bad flags, unreadable
-files and malformed input give clear messages and a non-zero exit code.
+It prints a progress bar (step, loss, samples/s), then held-out metrics
+(binary label: AUC and log-loss; regression: MSE and RMSE), the checkpoint
+path and a one-line summary. Bad flags, unreadable or unsuitable files and
+malformed input (under `--strict`) are reported in one line naming the flag
+and file, before training, with a non-zero exit code.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import math
 import os
 import sys
 import time
-from typing import List, Optional
+from typing import List
 
 import numpy as np
 from absl import flags
@@ -26,9 +29,18 @@ STRATEGIES = ("parameter_server", "mirrored", "multi_worker", "default")
 
 
 def define_flags(values: flags.FlagValues) -> None:
-    flags.DEFINE_enum("model", "dlrm", ["dlrm", "deepfm"], "Model to train.", flag_values=values)
+    flags.DEFINE_enum("model", "dlrm", ["dlrm", "deepfm", "mlp"], "Model to train.", flag_values=values)
     flags.DEFINE_string(
-        "data", "synthetic", "'synthetic', or a Criteo TSV / Parquet file or directory.", flag_values=values
+        "data",
+        "synthetic",
+        "'synthetic', or a file, directory or glob of TSV / CSV / TFRecord / Parquet files (gzip allowed).",
+        flag_values=values,
+    )
+    flags.DEFINE_string(
+        "schema", None, "Feature schema (JSON; see `schema infer`). Default: Criteo's layout.", flag_values=values
+    )
+    flags.DEFINE_enum(
+        "format", "auto", ["auto", "tsv", "csv", "tfrecord", "parquet"], "Input format.", flag_values=values
     )
     flags.DEFINE_enum(
         "strategy",
@@ -61,7 +73,10 @@ def define_flags(values: flags.FlagValues) -> None:
     flags.DEFINE_integer("max_vocab", 100_000, "Cap on every table's rows.", lower_bound=2, flag_values=values)
     flags.DEFINE_integer("embedding_dim", 16, "Embedding width.", lower_bound=1, flag_values=values)
     flags.DEFINE_boolean(
-        "strict", False, "Fail on the first malformed input line instead of skipping it.", flag_values=values
+        "strict",
+        False,
+        "Fail before training on the first malformed record (default: skip and count).",
+        flag_values=values,
     )
     flags.DEFINE_integer("seed", 0, "Seed of the synthetic data and of the tables.", flag_values=values)
     flags.DEFINE_integer("verbose", 1, "0: summary only; 1: progress bar.", flag_values=values)
@@ -73,22 +88,23 @@ def _strategy(name: str):
     import tf_sharded as tfs
 
     if name == "default":
-        return tf.distribute.get_strategy(), "default"
+        return tf.distribute.get_strategy(), "default", 1
     if name == "mirrored":
         s = tf.distribute.MirroredStrategy()
-        return s, f"mirrored ({s.num_replicas_in_sync} replicas)"
+        return s, f"mirrored ({s.num_replicas_in_sync} replicas)", 1
     if name == "multi_worker":
         s = tf.distribute.MultiWorkerMirroredStrategy()
-        return s, f"multi_worker ({s.num_replicas_in_sync} replicas)"
+        return s, f"multi_worker ({s.num_replicas_in_sync} replicas)", 1
     if os.environ.get("TF_CONFIG"):
         resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
         if resolver.task_type in ("worker", "ps"):
-            return None, resolver  # a server task: serve until the chief is done
+            return None, resolver, 0  # a server task: serve until the chief is done
         s = tf.distribute.ParameterServerStrategy(resolver)
         spec = resolver.cluster_spec().as_dict()
-        return s, f"parameter_server ({len(spec.get('ps', []))} ps, {len(spec.get('worker', []))} workers, TF_CONFIG)"
+        workers = len(spec.get("worker", []))
+        return s, f"parameter_server ({len(spec.get('ps', []))} ps, {workers} workers, TF_CONFIG)", workers
     cluster = tfs.cluster.local_cluster(num_workers=2, num_ps=2)
-    return cluster.strategy(), "parameter_server (local cluster: 2 ps, 2 workers)"
+    return cluster.strategy(), "parameter_server (local cluster: 2 ps, 2 workers)", 2
 
 
 def _serve(resolver) -> int:
@@ -107,66 +123,25 @@ def _serve(resolver) -> int:
     return 0
 
 
-def _datasets(args, stats):
-    """(train dataset function, held-out dataset) for the flags."""
-    import tensorflow as tf
-
-    from tf_sharded.app import data
-
-    if args.data == "synthetic":
-
-        def train_fn(input_context: Optional[tf.distribute.InputContext] = None):
-            worker = input_context.input_pipeline_id if input_context is not None else 0
-            # Each worker reads its own stretch of the (deterministic) stream.
-            return data.synthetic_dataset(args.batch_size, args.max_vocab, args.seed, start=worker * 10_000_000)
-
-        held_out = data.synthetic_dataset(args.batch_size, args.max_vocab, args.seed + 1, num_batches=args.eval_steps)
-        return train_fn, held_out
-    path = args.data
-    files = data.list_files(path, (".tsv", ".txt", ".parquet"))
-    parquet = all(f.endswith(".parquet") for f in files)
-
-    def read(source):
-        if parquet:
-            return data.parquet_dataset(source, args.batch_size, args.max_vocab)
-        return data.tsv_dataset(source, args.batch_size, args.max_vocab, strict=args.strict, stats=stats)
-
-    # The last file (or the last eval_steps batches of a single file) is held out.
-    if len(files) > 1:
-        train_files, held_files = files[:-1], files[-1:]
-        train = read(train_files[0])
-        for f in train_files[1:]:
-            train = train.concatenate(read(f))
-        held_out = read(held_files[0]).take(args.eval_steps)
-    else:
-        full = read(files[0])
-        held_out = full.take(args.eval_steps)
-        train = full.skip(args.eval_steps)
-
-    def train_fn(input_context=None):
-        return train.repeat()
-
-    return train_fn, held_out
-
-
-def _evaluate(model, held_out):
-    """Held-out AUC and log-loss, from the model's predictions (read on this process)."""
+def _evaluate(model, held_out, binary: bool):
+    """Held-out metrics from the model's predictions (read on this process): AUC and log-loss, or MSE and
+    RMSE; and the number of examples."""
     import keras
-    import tensorflow as tf
 
-    probabilities, labels = [], []
+    predictions, labels = [], []
     for features, y in held_out:
-        logits = model(features, training=False)
-        probabilities.append(tf.sigmoid(logits).numpy().ravel())
+        output = model(features, training=False).numpy().ravel()
+        predictions.append(1.0 / (1.0 + np.exp(-output)) if binary else output)
         labels.append(y.numpy().ravel())
-    if not labels:
-        raise ValueError("The held-out data is empty: no AUC can be computed. Use more data or fewer --eval_steps.")
-    p, y = np.concatenate(probabilities), np.concatenate(labels)
+    p, y = np.concatenate(predictions), np.concatenate(labels)
+    if not binary:
+        mse = float(np.mean((p - y) ** 2))
+        return {"MSE": mse, "RMSE": math.sqrt(mse)}, len(y)
     auc = keras.metrics.AUC(num_thresholds=2000)
     auc.update_state(y, p)
     eps = 1e-7
     logloss = float(-np.mean(y * np.log(np.clip(p, eps, 1)) + (1 - y) * np.log(np.clip(1 - p, eps, 1))))
-    return float(auc.result().numpy()), logloss, len(y)
+    return {"AUC": float(auc.result().numpy()), "log-loss": logloss}, len(y)
 
 
 def train(args) -> int:
@@ -174,30 +149,36 @@ def train(args) -> int:
     import tensorflow as tf
 
     import tf_sharded as tfs
-    from tf_sharded.app import data, models
+    from tf_sharded.app import inputs, models
+    from tf_sharded.app.schema import LabelType
 
-    strategy, description = _strategy(args.strategy)
+    inputs.check_writable(args.checkpoint_dir)
+    # `workers`: input pipelines (each parameter-server worker reads its own; else one stream).
+    strategy, description, workers = _strategy(args.strategy)
     if strategy is None:
         return _serve(description)
-    stats = data.ReadStats()
-    train_fn, held_out = _datasets(args, stats)
-    vocab = data.vocab_sizes(args.max_vocab)
+    ps = tfs.strategy.family_of(strategy).dataset_function
+    plan = inputs.plan(args, workers)
+    inputs.save_schema(plan.schema, args.checkpoint_dir)
+    binary = plan.schema.label.type == LabelType.BINARY
     with strategy.scope():
-        model = models.build(args.model, vocab, embedding_dim=args.embedding_dim)
+        model = models.build(args.model, plan.schema, embedding_dim=args.embedding_dim)
         optimizer = tfs.optimizers.get(args.optimizer)
         optimizer.learning_rate = args.learning_rate
-        model.compile(
-            optimizer=optimizer,
-            loss=keras.losses.BinaryCrossentropy(from_logits=True),
-            metrics=[keras.metrics.AUC(from_logits=True, name="auc")],
-            steps_per_execution=args.steps_per_execution,
-        )
+        if binary:
+            loss, metrics = (
+                keras.losses.BinaryCrossentropy(from_logits=True),
+                [keras.metrics.AUC(from_logits=True, name="auc")],
+            )
+        else:
+            loss, metrics = keras.losses.MeanSquaredError(), [keras.metrics.RootMeanSquaredError(name="rmse")]
+        model.compile(optimizer=optimizer, loss=loss, metrics=metrics, steps_per_execution=args.steps_per_execution)
     steps_per_epoch = min(args.steps, args.steps_per_epoch)
     epochs = math.ceil(args.steps / steps_per_epoch)
-    ps = tfs.strategy.family_of(strategy).dataset_function
-    dataset = train_fn if ps else train_fn(None)
+    dataset = plan.train_fn if ps else plan.train_fn(None)
     print(
-        f"training {args.model} on {args.data} under {description}: {args.steps} steps of {args.batch_size}", flush=True
+        f"training {args.model} on {plan.description} under {description}: {args.steps} steps of {args.batch_size}",
+        flush=True,
     )
     start = time.perf_counter()
     history = tfs.fit(
@@ -212,16 +193,17 @@ def train(args) -> int:
     elapsed = time.perf_counter() - start
     trained = len(history.history.get("loss", [])) * steps_per_epoch
     rate = history.history.get("samples_per_second", [float("nan")])[-1] if ps else trained * args.batch_size / elapsed
-    auc, logloss, evaluated = _evaluate(model, held_out)
+    metrics, evaluated = _evaluate(model, plan.held_out, binary)
     checkpoint = tf.train.latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
-    if stats.skipped:
-        print(f"skipped {stats.skipped} malformed line(s); first: {stats.first_error}")
-    print(f"held-out AUC {auc:.4f}, log-loss {logloss:.4f} on {evaluated} examples")
+    if plan.scanned is not None and plan.scanned.malformed:
+        print(f"skipped {plan.scanned.malformed} malformed record(s); first: {plan.scanned.first_error}")
+    shown = ", ".join(f"{name} {value:.4f}" for name, value in metrics.items())
+    print(f"held-out {shown} on {evaluated} examples")
     print(f"checkpoint: {checkpoint or '(none: pass --checkpoint_dir)'}")
     print(
         f"summary: {args.model} | {description} | {tfs.training.steps_done(model)} steps "
-        f"({trained} this run) | batch {args.batch_size} | {rate:,.0f} samples/s | AUC {auc:.4f} | "
-        f"log-loss {logloss:.4f}",
+        f"({trained} this run) | batch {args.batch_size} | {rate:,.0f} samples/s | "
+        + " | ".join(f"{name} {value:.4f}" for name, value in metrics.items()),
         flush=True,
     )
     return 0
@@ -277,15 +259,15 @@ def main(argv: List[str]) -> int:
     except flags.Error as e:
         print(f"error: {e}\n\nflags:\n{values.main_module_help() or values}", file=sys.stderr)
         return 2
+    from tf_sharded.app.readers import InputError
+    from tf_sharded.app.schema import SchemaError
+
     try:
         return train(values)
+    except (InputError, SchemaError) as e:
+        print(f"error: {e}", file=sys.stderr)
     except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
-        print(f"error: cannot read input: {e}", file=sys.stderr)
-    except Exception as e:  # noqa: BLE001  (reported, then a non-zero exit)
-        from tf_sharded.app.data import MalformedInputError
-
-        # Inside tf.data the reader's error reaches here wrapped in a TensorFlow error.
-        malformed = isinstance(e, MalformedInputError) or MalformedInputError.__name__ in str(e)
-        kind = "malformed input" if malformed else type(e).__name__
-        print(f"error: {kind}: {e}", file=sys.stderr)
+        print(f"error: --data: cannot read input: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001  (reported in one line, then a non-zero exit)
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
     return 1

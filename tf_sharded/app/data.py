@@ -1,12 +1,12 @@
-"""Criteo-shaped click data: a synthetic generator, and readers for Criteo TSV and Parquet files.
+"""Criteo-shaped click data: a synthetic generator, Criteo-layout files, and `synthesize` to write them.
 
 A record has a binary label, 13 integer ("dense") features and 26 categorical
 features. In the Criteo Display-Advertising TSV format a line is
 `label \\t i1 .. i13 \\t c1 .. c26`, with integers in decimal, categoricals as
 hexadecimal hash strings, and any field but the label possibly empty
-(missing). Here every categorical value is hashed into its table's
-vocabulary (id 0 is kept for "missing"), and integers become
-`log(1 + max(x, 0))` with missing as 0.
+(missing). Files are read by `readers` with Criteo's schema
+(`schema.criteo`): categorical values hashed into their table (id 0 is kept
+for "missing"), integers as `log(1 + max(x, 0))` with missing as 0.
 
 The synthetic data has the Criteo-Kaggle shape: vocabularies as in the
 Kaggle set (capped by `max_vocab`), ids drawn from a truncated power law
@@ -18,9 +18,8 @@ that learns shows it in held-out AUC. Every batch is a pure function of
 
 from __future__ import annotations
 
-import glob
 import os
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -111,160 +110,24 @@ def synthetic_dataset(
 # ---------------------------------------------------------------------------------------------- files --
 
 
-class MalformedInputError(ValueError):
-    """A malformed record in strict mode (names the file and line)."""
+def criteo_files(path: str, batch_size: int, max_vocab: Optional[int] = None, fmt: Optional[str] = None):
+    """Batches from Criteo-layout file(s) (TSV without a header, or Parquet / TFRecord / CSV with columns
+    `label`, `I1`..`I13`, `C1`..`C26`), read with `readers` and Criteo's schema; malformed records dropped."""
+    from tf_sharded.app import readers, schema
+
+    criteo = schema.criteo(vocab_sizes(max_vocab))
+    source = readers.open_source(path, criteo, fmt)
+    return readers.batched(readers.records(source, criteo, source.files), batch_size)
 
 
-def _hash_hex(value: str, vocab: int) -> int:
-    """A categorical value's id: 0 for missing, else a stable hash into [1, vocab)."""
-    if not value:
-        return 0
-    return 1 + ((int(value, 16) % (1 << 32)) * 40503 + 2654435761) % (1 << 32) % (vocab - 1)
-
-
-def _dense_value(text: str) -> float:
-    return float(np.log1p(max(int(text), 0))) if text else 0.0
-
-
-def parse_tsv_line(line: str, vocab: Sequence[int]) -> Tuple[float, List[float], List[int]]:
-    """(label, 13 dense values, 26 ids) of one Criteo TSV line; ValueError says what is wrong."""
-    fields = line.rstrip("\n").rstrip("\r").split("\t")
-    if len(fields) != 1 + NUM_DENSE + NUM_CATEGORICAL:
-        raise ValueError(f"expected {1 + NUM_DENSE + NUM_CATEGORICAL} tab-separated fields, found {len(fields)}")
-    if fields[0] not in ("0", "1"):
-        raise ValueError(f"label must be 0 or 1, found {fields[0]!r}")
-    try:
-        dense = [_dense_value(f) for f in fields[1 : 1 + NUM_DENSE]]
-    except ValueError:
-        raise ValueError(f"integer features must be decimal integers or empty: {fields[1 : 1 + NUM_DENSE]}") from None
-    try:
-        ids = [_hash_hex(f, v) for f, v in zip(fields[1 + NUM_DENSE :], vocab)]
-    except ValueError:
-        raise ValueError(f"categorical features must be hexadecimal or empty: {fields[1 + NUM_DENSE :]}") from None
-    return float(fields[0]), dense, ids
-
-
-class ReadStats:
-    """Records read and malformed lines skipped by a reader, updated as the data is consumed.
-
-    A line is counted once however often the data is read again (epochs, repeats).
-    """
-
-    def __init__(self):
-        self.records = 0
-        self.bad_lines = set()
-        self.first_error: Optional[str] = None
-
-    @property
-    def skipped(self) -> int:
-        return len(self.bad_lines)
-
-    def __repr__(self):
-        return f"ReadStats(records={self.records}, skipped={self.skipped})"
-
-
-def list_files(path: str, suffixes: Sequence[str]) -> List[str]:
-    """`path` itself, or the files in directory `path` ending in one of `suffixes` (sorted)."""
-    if os.path.isdir(path):
-        files = sorted(f for s in suffixes for f in glob.glob(os.path.join(path, f"*{s}")))
-        if not files:
-            raise FileNotFoundError(f"No {'/'.join(suffixes)} files in directory {path!r}")
-        return files
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"No such file or directory: {path!r}")
-    return [path]
-
-
-def _tsv_records(files: Sequence[str], vocab: Sequence[int], strict: bool, stats: ReadStats) -> Iterator[tuple]:
-    for name in files:
-        with open(name, encoding="utf-8", errors="replace") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    label, dense, ids = parse_tsv_line(line, vocab)
-                except ValueError as e:
-                    message = f"{name}:{number}: {e}"
-                    if strict:
-                        raise MalformedInputError(message) from None
-                    stats.bad_lines.add((name, number))
-                    stats.first_error = stats.first_error or message
-                    continue
-                stats.records += 1
-                yield dense, ids, label
-
-
-def tsv_dataset(
-    path: str, batch_size: int, max_vocab: Optional[int] = None, strict: bool = False, stats: Optional[ReadStats] = None
-) -> tf.data.Dataset:
-    """Batches from Criteo TSV file(s): a file, or a directory of `*.tsv` / `*.txt` files.
-
-    Malformed lines are skipped and counted in `stats` (or raise
-    `MalformedInputError` naming the file and line when `strict`).
-    """
-    files = list_files(path, (".tsv", ".txt"))
-    vocab = vocab_sizes(max_vocab)
-    stats = stats if stats is not None else ReadStats()
-    signature = (
-        tf.TensorSpec([NUM_DENSE], tf.float32),
-        tf.TensorSpec([NUM_CATEGORICAL], tf.int64),
-        tf.TensorSpec([], tf.float32),
-    )
-    records = tf.data.Dataset.from_generator(
-        lambda: _tsv_records(files, vocab, strict, stats), output_signature=signature
-    )
-    return records.batch(batch_size).map(_to_features)
-
-
-def _to_features(dense, ids, labels) -> Batch:
-    features = {"dense": dense}
-    for t, key in enumerate(CATEGORICAL_KEYS):
-        features[key] = ids[:, t]
-    return features, labels[:, None]
+def tsv_dataset(path: str, batch_size: int, max_vocab: Optional[int] = None) -> tf.data.Dataset:
+    """Batches from Criteo TSV file(s): a file, or a directory of them (`criteo_files`)."""
+    return criteo_files(path, batch_size, max_vocab, "tsv")
 
 
 def parquet_dataset(path: str, batch_size: int, max_vocab: Optional[int] = None) -> tf.data.Dataset:
-    """Batches from Parquet file(s) with columns `label`, `I1`..`I13` (int64) and `C1`..`C26` (hex strings).
-
-    Read with tensorflow-io (`tfio.IODataset.from_parquet`); missing values
-    are empty strings (categorical) or -1 (integer, as written by
-    `synthesize`).
-    """
-    import tensorflow_io as tfio
-
-    files = list_files(path, (".parquet",))
-    vocab = vocab_sizes(max_vocab)
-    columns = ["label"] + DENSE_KEYS + CATEGORICAL_KEYS
-    parts = []
-    for name in files:
-        part = tfio.IODataset.from_parquet(name, columns=columns)
-        parts.append(part)
-    records = parts[0]
-    for part in parts[1:]:
-        records = records.concatenate(part)
-
-    def convert(record):
-        dense = tf.stack([tf.cast(record[k], tf.float32) for k in DENSE_KEYS], axis=0)
-        dense = tf.where(dense < 0, 0.0, tf.math.log1p(dense))
-        ids = []
-        for key, size in zip(CATEGORICAL_KEYS, vocab):
-            text = record[key]
-            value = tf.math.floormod(_hex_to_int(text), 1 << 32)
-            hashed = 1 + tf.math.floormod(tf.math.floormod(value * 40503 + 2654435761, 1 << 32), size - 1)
-            ids.append(tf.where(tf.equal(tf.strings.length(text), 0), tf.constant(0, tf.int64), hashed))
-        return dense, tf.stack(ids), tf.cast(record["label"], tf.float32)
-
-    return records.map(convert, num_parallel_calls=tf.data.AUTOTUNE).batch(batch_size).map(_to_features)
-
-
-def _hex_to_int(text: tf.Tensor) -> tf.Tensor:
-    """Hex string (up to 15 digits) to int64; empty gives 0."""
-    digits = tf.strings.unicode_decode(tf.strings.lower(text), "UTF-8")
-    values = tf.where(digits >= ord("a"), digits - ord("a") + 10, digits - ord("0"))
-    values = tf.cast(values, tf.int64)
-    length = tf.size(values, out_type=tf.int64)
-    powers = tf.pow(tf.constant(16, tf.int64), tf.range(length - 1, -1, -1, dtype=tf.int64))
-    return tf.reduce_sum(values * powers)
+    """Batches from Parquet file(s) with columns `label`, `I1`..`I13` and `C1`..`C26` (`criteo_files`)."""
+    return criteo_files(path, batch_size, max_vocab, "parquet")
 
 
 def synthesize(fmt: str, rows: int, out_dir: str, max_vocab: Optional[int] = None, seed: int = 0) -> List[str]:

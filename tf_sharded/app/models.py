@@ -1,47 +1,63 @@
-"""CTR models on Criteo-shaped features, built from `tfs.layers`: DLRM and DeepFM.
+"""Recommendation models built from `tfs.layers`: DLRM, DeepFM and an embedding MLP, for a feature schema.
 
-Inputs are a dict: `"dense"` (`[batch, 13]` float) and `"C1"`..`"C26"`
-(`[batch]` int64 ids). The 26 tables live in one `EmbeddingCollection`, so
-each step sends one fused request per shard holder, and the same model code
-shards under parameter servers and mirrors under mirrored strategies.
+Inputs are a dict: `"dense"` (`[batch, numeric columns]` float, when the
+schema has numeric columns), and per categorical feature `[batch]` int64 ids,
+per multi-hot feature `[batch, None]` ragged ids (`readers.parse_record`
+makes them). The tables live in one `EmbeddingCollection`, so each step sends
+one fused request per shard holder, and the same model code shards under
+parameter servers and mirrors under mirrored strategies. `dlrm(vocab)` and
+`deepfm(vocab)` are the models for Criteo's layout (`schema.criteo`).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import keras
 import tensorflow as tf
 
-from tf_sharded.app.data import CATEGORICAL_KEYS, NUM_DENSE
+from tf_sharded.app.schema import FeatureType, Schema, criteo
 from tf_sharded.keras.collection import EmbeddingCollection
 
-MODELS = ("dlrm", "deepfm")
+MODELS = ("dlrm", "deepfm", "mlp")
 
 
-def _inputs():
-    inputs = {"dense": keras.Input((NUM_DENSE,), name="dense")}
-    for key in CATEGORICAL_KEYS:
-        inputs[key] = keras.Input((), dtype="int64", name=key)
+def _inputs(schema: Schema):
+    inputs = {}
+    if schema.numeric:
+        inputs["dense"] = keras.Input((len(schema.numeric),), name="dense")
+    for f in schema.embedded:
+        ragged = f.type == FeatureType.MULTI_HOT
+        inputs[f.name] = keras.Input((None,) if ragged else (), dtype="int64", name=f.name, ragged=ragged)
     return inputs
 
 
 EMBEDDINGS = ("tfs", "keras")
 
 
-def _embed(ids: dict, vocab: Sequence[int], dim: int, name: str, table_options: Optional[dict], embeddings: str):
-    """The 26 feature vectors: one `EmbeddingCollection` ("tfs"), or one `keras.layers.Embedding` per feature."""
+def _embed(ids: dict, schema: Schema, dim: int, name: str, table_options: Optional[dict], embeddings: str):
+    """One vector per embedded feature: one `EmbeddingCollection` ("tfs"), or one `keras.layers.Embedding`
+    per categorical feature ("keras": TensorFlow's own path, the baseline of `bench e2e`)."""
+    features = schema.embedded
     if embeddings == "keras":
         if table_options:
             raise ValueError(
                 "Argument `table_options` applies to tf_sharded tables only. "
                 f"Received: table_options={table_options!r} with embeddings='keras'"
             )
-        return {
-            key: keras.layers.Embedding(int(size), dim, name=f"{name}_{key}")(ids[key])
-            for key, size in zip(CATEGORICAL_KEYS, vocab)
-        }
-    return _collection(vocab, dim, name, table_options)({key: ids[key] for key in CATEGORICAL_KEYS})
+        if any(f.type != FeatureType.CATEGORICAL for f in features):
+            raise ValueError("Argument `embeddings='keras'` supports categorical features only, not multi_hot")
+        return {f.name: keras.layers.Embedding(f.buckets, dim, name=f"{name}_{f.name}")(ids[f.name]) for f in features}
+    tables = {
+        table: {"input_dim": int(rows), "output_dim": dim, "seed": i, **(table_options or {})}
+        for i, (table, rows) in enumerate(schema.tables().items())
+    }
+    specs = {
+        f.name: {"table": f.table_name, "combiner": f.combiner.value if f.type == FeatureType.MULTI_HOT else None}
+        for f in features
+    }
+    collection = EmbeddingCollection(tables, specs, name=name)
+    return collection({f.name: ids[f.name] for f in features})
 
 
 def _check_embeddings(embeddings: str) -> None:
@@ -49,12 +65,8 @@ def _check_embeddings(embeddings: str) -> None:
         raise ValueError(f"Argument `embeddings` must be one of {EMBEDDINGS}. Received: {embeddings!r}")
 
 
-def _collection(vocab: Sequence[int], dim: int, name: str, table_options: Optional[dict]) -> EmbeddingCollection:
-    tables = {
-        key: {"input_dim": int(size), "output_dim": dim, "seed": i, **(table_options or {})}
-        for i, (key, size) in enumerate(zip(CATEGORICAL_KEYS, vocab))
-    }
-    return EmbeddingCollection(tables, {key: key for key in CATEGORICAL_KEYS}, name=name)
+def _schema(vocab_or_schema) -> Schema:
+    return vocab_or_schema if isinstance(vocab_or_schema, Schema) else criteo(vocab_or_schema)
 
 
 def _mlp(x, units: Sequence[int], name: str, last_activation: Optional[str] = "relu"):
@@ -77,17 +89,19 @@ class DotInteraction(keras.layers.Layer):
 
 
 def dlrm(
-    vocab: Sequence[int],
+    vocab: Union[Sequence[int], Schema],
     embedding_dim: int = 16,
     bottom: Sequence[int] = (512, 256, 64),
     top: Sequence[int] = (512, 256),
     table_options: Optional[dict] = None,
     embeddings: str = "tfs",
 ) -> keras.Model:
-    """DLRM: bottom MLP on the dense features, dot interaction with the 26 embeddings, top MLP, one logit.
+    """DLRM: bottom MLP on the dense features, dot interaction with the embeddings, top MLP, one output.
 
-    The bottom MLP ends in `embedding_dim` units (13-512-256-64-16 with the
-    defaults, as in the reference DLRM for Criteo Kaggle). `embeddings="keras"`
+    `vocab` is a `Schema`, or the table sizes of Criteo's 26 categorical
+    columns. The bottom MLP ends in `embedding_dim` units (13-512-256-64-16
+    with the defaults, as in the reference DLRM for Criteo Kaggle); without
+    numeric columns there is no bottom MLP. `embeddings="keras"`
     builds the same model with one `keras.layers.Embedding` per feature
     (TensorFlow's own path, the baseline of `bench e2e`).
 
@@ -100,10 +114,12 @@ def dlrm(
     TensorShape([2, 1])
     """
     _check_embeddings(embeddings)
-    inputs = _inputs()
-    bottom_out = _mlp(inputs["dense"], list(bottom) + [embedding_dim], "bottom")
-    embedded = _embed(inputs, vocab, embedding_dim, "embeddings", table_options, embeddings)
-    interaction = DotInteraction(name="interaction")([bottom_out] + [embedded[k] for k in CATEGORICAL_KEYS])
+    schema = _schema(vocab)
+    inputs = _inputs(schema)
+    vectors = [_mlp(inputs["dense"], list(bottom) + [embedding_dim], "bottom")] if "dense" in inputs else []
+    embedded = _embed(inputs, schema, embedding_dim, "embeddings", table_options, embeddings)
+    vectors += [embedded[f.name] for f in schema.embedded]
+    interaction = DotInteraction(name="interaction")(vectors)
     logit = _mlp(interaction, list(top) + [1], "top", last_activation=None)
     return keras.Model(inputs, logit, name="dlrm")
 
@@ -119,7 +135,7 @@ class FactorizationMachine(keras.layers.Layer):
 
 
 def deepfm(
-    vocab: Sequence[int],
+    vocab: Union[Sequence[int], Schema],
     embedding_dim: int = 16,
     deep: Sequence[int] = (400, 400, 400),
     table_options: Optional[dict] = None,
@@ -138,30 +154,61 @@ def deepfm(
     TensorShape([2, 1])
     """
     _check_embeddings(embeddings)
-    inputs = _inputs()
-    first = _embed(inputs, vocab, 1, "first_order", table_options, embeddings)
-    fields = _embed(inputs, vocab, embedding_dim, "embeddings", table_options, embeddings)
-    vectors = [fields[k] for k in CATEGORICAL_KEYS]
-    linear = keras.layers.Add(name="linear")(
-        [first[k] for k in CATEGORICAL_KEYS] + [keras.layers.Dense(1, name="dense_linear")(inputs["dense"])]
-    )
+    schema = _schema(vocab)
+    inputs = _inputs(schema)
+    first = _embed(inputs, schema, 1, "first_order", table_options, embeddings)
+    fields = _embed(inputs, schema, embedding_dim, "embeddings", table_options, embeddings)
+    vectors = [fields[f.name] for f in schema.embedded]
+    dense = [inputs["dense"]] if "dense" in inputs else []
+    linear_terms = [first[f.name] for f in schema.embedded]
+    linear_terms += [keras.layers.Dense(1, name="dense_linear")(d) for d in dense]
+    linear = keras.layers.Add(name="linear")(linear_terms) if len(linear_terms) > 1 else linear_terms[0]
     fm = FactorizationMachine(name="fm")(vectors)
-    deep_in = keras.layers.Concatenate(name="deep_input")(vectors + [inputs["dense"]])
+    deep_in = keras.layers.Concatenate(name="deep_input")(vectors + dense)
     deep_out = _mlp(deep_in, list(deep) + [1], "deep", last_activation=None)
     logit = keras.layers.Add(name="logit")([linear, fm, deep_out])
     return keras.Model(inputs, logit, name="deepfm")
 
 
+def mlp(
+    vocab: Union[Sequence[int], Schema],
+    embedding_dim: int = 16,
+    hidden: Sequence[int] = (256, 128),
+    table_options: Optional[dict] = None,
+    embeddings: str = "tfs",
+) -> keras.Model:
+    """An embedding MLP: the embeddings and the numeric columns, concatenated, through an MLP to one output.
+
+    The plain model for a regression label (ratings, watch time).
+
+    Example:
+
+    >>> import tf_sharded as tfs
+    >>> model = tfs.models.mlp(tfs.data.vocab_sizes(100), embedding_dim=4, hidden=(8,))
+    >>> features, labels = next(iter(tfs.data.synthetic_dataset(2, max_vocab=100)))
+    >>> model(features).shape
+    TensorShape([2, 1])
+    """
+    _check_embeddings(embeddings)
+    schema = _schema(vocab)
+    inputs = _inputs(schema)
+    embedded = _embed(inputs, schema, embedding_dim, "embeddings", table_options, embeddings)
+    parts = [embedded[f.name] for f in schema.embedded] + ([inputs["dense"]] if "dense" in inputs else [])
+    joined = keras.layers.Concatenate(name="joined")(parts) if len(parts) > 1 else parts[0]
+    output = _mlp(joined, list(hidden) + [1], "hidden", last_activation=None)
+    return keras.Model(inputs, output, name="mlp")
+
+
 def build(
     name: str,
-    vocab: Sequence[int],
+    vocab: Union[Sequence[int], Schema],
     embedding_dim: int = 16,
     table_options: Optional[dict] = None,
     embeddings: str = "tfs",
 ):
-    """`dlrm` or `deepfm` by name."""
+    """`dlrm`, `deepfm` or `mlp` by name, for a `Schema` or Criteo's table sizes."""
     if name not in MODELS:
         raise ValueError(f"Argument `model` must be one of {MODELS}. Received: {name!r}")
-    return (dlrm if name == "dlrm" else deepfm)(
+    return {"dlrm": dlrm, "deepfm": deepfm, "mlp": mlp}[name](
         vocab, embedding_dim=embedding_dim, table_options=table_options, embeddings=embeddings
     )

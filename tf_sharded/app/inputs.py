@@ -1,0 +1,145 @@
+"""The training application's input: which data trains and which is held out, per worker, from where it
+resumes, and the checks that run before training.
+
+Under parameter servers each worker calls the training dataset function in
+its own process: it opens its share of the files there (a file each when
+there are at least as many files as workers, else every file with the
+records dealt out in turn), so nothing built on the chief is captured.
+
+The input position is part of the training state. A run that resumes from a
+checkpoint of `N` steps skips the batches those steps consumed: `N` batches
+of the single stream under the synchronous strategies; `N / workers` of each
+worker's stream under parameter servers (exact with one worker; with more,
+the coordinator spreads steps over workers as they become free, so a worker
+may have consumed a few batches more or fewer than its share).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Callable, Optional
+
+import tensorflow as tf
+
+from tf_sharded.app import data, readers, scan
+from tf_sharded.app import schema as schemas
+from tf_sharded.app.readers import InputError
+
+SCHEMA_FILE = "tf_sharded_schema.json"
+
+
+@dataclasses.dataclass
+class Plan:
+    """The data of one run: the schema (with statistics), the train function, the held-out batches."""
+
+    schema: schemas.Schema
+    train_fn: Callable[[Optional[tf.distribute.InputContext]], tf.data.Dataset]
+    held_out: tf.data.Dataset
+    scanned: Optional[scan.ScanResult]
+    description: str
+
+
+def steps_in_checkpoint(checkpoint_dir: Optional[str]) -> int:
+    """Steps done by the run whose checkpoints are in `checkpoint_dir` (0 without one): `tfs.fit` numbers
+    each checkpoint by its step."""
+    latest = tf.train.latest_checkpoint(checkpoint_dir) if checkpoint_dir else None
+    return int(latest.rsplit("-", 1)[1]) if latest else 0
+
+
+def plan(args, workers: int) -> Plan:
+    """The data for the flags in `args`; `workers` input pipelines read it (1 but under parameter servers)."""
+    done = steps_in_checkpoint(args.checkpoint_dir)
+    skip = done // workers if workers > 1 else done
+    if args.data == "synthetic":
+        criteo = schemas.criteo(data.vocab_sizes(args.max_vocab))
+
+        def synthetic(context: Optional[tf.distribute.InputContext] = None):
+            worker = context.input_pipeline_id if context is not None else 0
+            # Each worker reads its own stretch of the (deterministic) stream, from where it stopped.
+            start = worker * 10_000_000 + skip
+            return data.synthetic_dataset(args.batch_size, args.max_vocab, args.seed, start=start)
+
+        held_out = data.synthetic_dataset(args.batch_size, args.max_vocab, args.seed + 1, num_batches=args.eval_steps)
+        return Plan(criteo, synthetic, held_out, None, "synthetic")
+    return _files_plan(args, workers, skip)
+
+
+def _saved_schema(checkpoint_dir: Optional[str]) -> Optional[schemas.Schema]:
+    path = os.path.join(checkpoint_dir, SCHEMA_FILE) if checkpoint_dir else None
+    return schemas.load(path) if path and os.path.exists(path) else None
+
+
+def _files_plan(args, workers: int, skip: int) -> Plan:
+    if args.schema:
+        schema = schemas.load(args.schema)
+    else:
+        schema = schemas.criteo(data.vocab_sizes(args.max_vocab))
+    saved = _saved_schema(args.checkpoint_dir)
+    if saved is not None and saved.columns == schema.columns:
+        # A resumed run standardizes with the statistics it started with.
+        schema = schema.with_statistics({f.name: (f.mean, f.std) for f in saved.numeric if f.mean is not None})
+    source = readers.open_source(args.data, schema, None if args.format == "auto" else args.format)
+    files = list(source.files)
+    held_records = 0
+    if len(files) > 1:
+        train_files, held_files = files[:-1], files[-1:]
+    else:
+        train_files, held_files = files, files
+        held_records = args.eval_steps * args.batch_size
+    # One pass before training: malformed records counted (and fatal under --strict), too little data
+    # found, statistics computed; the workers then drop the same records with the same parsing.
+    scanned = scan.scan(source, schema, train_files)
+    if len(files) > 1:
+        held = scan.scan(source, schema, held_files)
+        scanned.malformed += held.malformed
+        scanned.first_error = scanned.first_error or held.first_error
+        held_available, train_records = held.records, scanned.records
+    else:
+        held_available, train_records = min(held_records, scanned.records), scanned.records - held_records
+    if scanned.first_error and args.strict:
+        raise InputError(f"malformed input (--strict): {scanned.first_error}")
+    if held_available == 0 or train_records < args.batch_size:
+        where = f"{held_files[0]} (held out) and {len(train_files)} training file(s)" if len(files) > 1 else files[0]
+        raise InputError(
+            f"--data {args.data}: too little data in {where}: {held_available} held-out and "
+            f"{max(train_records, 0)} training records; training needs at least one batch of --batch_size "
+            f"{args.batch_size}" + ("" if len(files) > 1 else f" after the {held_records} held out (--eval_steps)")
+        )
+    if schema.needs_statistics():
+        schema = schema.with_statistics(scanned.statistics)
+
+    def train_fn(context: Optional[tf.distribute.InputContext] = None):
+        mine, by_record = readers.shard(train_files, context)
+        records = readers.records(source, schema, mine).skip(held_records)
+        if by_record is not None:
+            records = records.shard(*by_record)
+        batches = readers.batched(records.repeat(), args.batch_size, drop_remainder=True)
+        return batches.skip(skip)
+
+    held_out = readers.batched(readers.records(source, schema, held_files), args.batch_size)
+    held_out = held_out.take(args.eval_steps)
+    description = f"{args.data} ({source.format}{', gzip' if source.gzip else ''}, {len(files)} file(s))"
+    return Plan(schema, train_fn, held_out, scanned, description)
+
+
+def save_schema(schema: schemas.Schema, checkpoint_dir: Optional[str]) -> None:
+    """Keeps the schema (with its statistics) beside the checkpoints, for resuming and for serving."""
+    if checkpoint_dir:
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        schemas.save(schema, os.path.join(checkpoint_dir, SCHEMA_FILE))
+
+
+def check_writable(checkpoint_dir: Optional[str]) -> None:
+    """Fails before training when `--checkpoint_dir` cannot be written."""
+    if not checkpoint_dir:
+        return
+    try:
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        probe = os.path.join(checkpoint_dir, ".tf_sharded_write_test")
+        with open(probe, "w") as f:
+            json.dump({}, f)
+        os.remove(probe)
+    except OSError as e:
+        raise InputError(f"--checkpoint_dir {checkpoint_dir}: cannot write there ({e.strerror})") from None
