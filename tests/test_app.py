@@ -144,6 +144,11 @@ class ApplicationTest(tf.test.TestCase):
         bad = train("--model", "xgboost")
         self.assertEqual(bad.returncode, 2)
         self.assertIn("flag --model=xgboost", bad.stderr)
+        for flag in ("--help", "--helpfull"):
+            shown = run_python(["-m", "tf_sharded", "train", flag])
+            self.assertEqual(shown.returncode, 0, shown.stderr[-2000:])
+            self.assertIn("--schema: Feature schema", shown.stdout)
+            self.assertIn("--format: <auto|tsv|csv|tfrecord|parquet>", shown.stdout)
         missing = train("--strategy", "default", "--data", "/nonexistent/day_0.tsv")
         self.assertEqual(missing.returncode, 1)
         self.assertEqual(

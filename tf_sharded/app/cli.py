@@ -69,8 +69,16 @@ def define_flags(values: flags.FlagValues) -> None:
     flags.DEFINE_string(
         "checkpoint_dir", None, "Periodic checkpoints; a rerun resumes from the latest.", flag_values=values
     )
-    flags.DEFINE_integer("eval_steps", 20, "Held-out batches for AUC and log-loss.", lower_bound=1, flag_values=values)
-    flags.DEFINE_integer("max_vocab", 100_000, "Cap on every table's rows.", lower_bound=2, flag_values=values)
+    flags.DEFINE_integer(
+        "eval_steps", 20, "Held-out batches for the reported metrics.", lower_bound=1, flag_values=values
+    )
+    flags.DEFINE_integer(
+        "max_vocab",
+        100_000,
+        "Cap on each table's rows of Criteo's layout (without --schema).",
+        lower_bound=2,
+        flag_values=values,
+    )
     flags.DEFINE_integer("embedding_dim", 16, "Embedding width.", lower_bound=1, flag_values=values)
     flags.DEFINE_boolean(
         "strict",
@@ -254,6 +262,10 @@ def main(argv: List[str]) -> int:
     """Entry point for `train`; returns the exit code."""
     values = flags.FlagValues()
     define_flags(values)
+    if any(a in ("-h", "--help", "--helpshort", "--helpfull") for a in argv):
+        # absl defines its help flags for absl.app programs only; these flags live in their own FlagValues.
+        print(f"usage: python -m tf_sharded train [FLAGS]\n\n{__doc__.strip()}\n\nflags:\n{values.get_help()}")
+        return 0
     try:
         values(["train"] + list(argv))
     except flags.Error as e:
