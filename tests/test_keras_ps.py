@@ -103,6 +103,26 @@ class KerasParameterServerTest(tf.test.TestCase):
         self.assertEqual(again.history, {})
         self.assertEqual(int(model.optimizer.iterations.numpy()), steps)
 
+    def test_saves_trace_once_and_keep_the_last_three(self):
+        with self.strategy.scope():
+            model = make_model()
+        ckpt_dir = os.path.join(self.get_temp_dir(), "saves")
+        logger = tf.get_logger()
+        with self.assertLogs(logger, level="WARNING") as logged:
+            tfs.fit(model, dataset_fn, epochs=1, steps_per_epoch=7, checkpoint_dir=ckpt_dir, checkpoint_every=1,
+                    verbose=0, log_every=1)  # fmt: skip
+            logger.warning("end of fit")  # assertLogs needs one record
+        self.assertEqual([r.getMessage() for r in logged.records if "retracing" in r.getMessage()], [])
+        state = tf.train.get_checkpoint_state(ckpt_dir)
+        self.assertEqual(state.all_model_checkpoint_paths, [os.path.join(ckpt_dir, f"ckpt-{n}") for n in (5, 6, 7)])
+        self.assertEqual(sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".index")),
+                         ["ckpt-5.index", "ckpt-6.index", "ckpt-7.index"])  # fmt: skip
+        local = make_model(partitions=1)
+        local.optimizer.build(local.trainable_variables)
+        restored = tf.train.Checkpoint(model=local, optimizer=local.optimizer)
+        restored.restore(state.model_checkpoint_path).assert_existing_objects_matched()
+        self.assertAllEqual(local.get_layer("emb").embeddings.numpy(), model.get_layer("emb").embeddings.numpy())
+
     def test_steps_per_execution_runs_several_steps_per_dispatch(self):
         with self.strategy.scope():
             model = make_model(steps_per_execution=4)

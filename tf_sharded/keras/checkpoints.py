@@ -19,9 +19,17 @@ from tf_sharded.table.protocol import is_table
 
 
 class Checkpoints:
-    """A CheckpointManager over the model and its optimizer, restoring the latest on start."""
+    """A CheckpointManager over the model and its optimizer, restoring the latest on start.
 
-    def __init__(self, model, directory: Optional[str], max_to_keep: int = 3, step=None):
+    `several_tasks`: the variables live on several tasks (parameter servers).
+    There TensorFlow writes an eager checkpoint by tracing a new function on
+    every save (and warns about the retracing after five); here the write is
+    one function traced once per set of saved objects, and the manager's
+    bookkeeping (the `checkpoint` state file, keeping `max_to_keep`) is done
+    after it.
+    """
+
+    def __init__(self, model, directory: Optional[str], max_to_keep: int = 3, step=None, several_tasks=False):
         self.manager = None
         if directory is None:
             return
@@ -29,15 +37,39 @@ class Checkpoints:
         self.checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, **extra)
         self.directory = directory
         self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=max_to_keep)
+        self._max_to_keep = max_to_keep
+        self._writers = {} if several_tasks else None
         if self.manager.latest_checkpoint:
             self.checkpoint.restore(self.manager.latest_checkpoint).assert_existing_objects_matched()
 
     def save(self, step: int) -> Optional[str]:
         if self.manager is None:
             return None
-        path = self.manager.save(checkpoint_number=step)
+        if self._writers is None:
+            path = self.manager.save(checkpoint_number=step)
+        else:
+            path = self._traced_save(step)
         write_layouts(self.checkpoint, self.directory)
         return path
+
+    def _traced_save(self, step: int) -> str:
+        self.checkpoint.save_counter.assign_add(1)  # as `Checkpoint.save` counts, so that a restore matches it
+        # The object graph is fixed when the function is traced: a new object (a slot created later) needs
+        # its own trace, so the functions are keyed by the number of saved objects.
+        objects = len(tf.train.TrackableView(self.checkpoint).descendants())
+        if objects not in self._writers:
+            self._writers[objects] = tf.function(lambda prefix: self.checkpoint.write(prefix))
+        prefix = os.path.join(self.directory, f"ckpt-{step}")
+        tf.io.gfile.makedirs(self.directory)
+        self._writers[objects](tf.constant(prefix))
+        state = tf.train.get_checkpoint_state(self.directory)
+        kept = [p for p in (state.all_model_checkpoint_paths if state else []) if p != prefix] + [prefix]
+        for old in kept[: -self._max_to_keep]:
+            for f in tf.io.gfile.glob(old + ".*"):
+                tf.io.gfile.remove(f)
+        kept = kept[-self._max_to_keep :]
+        tf.compat.v1.train.update_checkpoint_state(self.directory, prefix, all_model_checkpoint_paths=kept)
+        return prefix
 
 
 LAYOUT_FILE = "tf_sharded_layout.json"

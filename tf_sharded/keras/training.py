@@ -271,7 +271,7 @@ def _fit_loop(
         model.optimizer.build(model.trainable_variables)
     model.reset_metrics()
     counter = _step_counter(model, strategy)
-    checkpoints = Checkpoints(model, checkpoint_dir, step=counter)
+    checkpoints = Checkpoints(model, checkpoint_dir, step=counter, several_tasks=counter is not None)
     global_step = _steps_done(model, counter)
     initial_epoch = min(epochs, global_step // steps_per_epoch)
     runner = _Runner(strategy, dataset, train_function(model, strategy))
