@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -135,10 +136,13 @@ class ApplicationTest(tf.test.TestCase):
 
         pq = synthesize("parquet", 800, os.path.join(out, "pq"))
         self.assertEqual(pq.returncode, 0, pq.stderr[-2000:])
-        for strategy in ("parameter_server", "mirrored"):
-            from_parquet = train("--strategy", strategy, "--data", os.path.join(out, "pq"))
+        # Parquet: under parameter servers with a process per task (each worker process reads its own files).
+        for strategy, extra in (("parameter_server", ["--local_cluster", "process"]), ("mirrored", [])):
+            from_parquet = train("--strategy", strategy, *extra, "--data", os.path.join(out, "pq"))
             self.assertEqual(from_parquet.returncode, 0, f"{strategy}: {from_parquet.stderr[-3000:]}")
             self.assertIn("4 steps (4 this run)", summary(from_parquet))
+            if extra:
+                self.assertIn("(local cluster, a process per task: 2 ps, 2 workers)", summary(from_parquet))
 
     def test_bad_flags_and_unreadable_input(self):
         bad = train("--model", "xgboost")
@@ -298,3 +302,47 @@ class OwnDataTest(tf.test.TestCase):
         # Both learn (well below the label's variance), and the app is as good as plain Keras.
         self.assertLess(keras_mse, 0.5 * variance)
         self.assertLess(app_mse, max(1.15 * keras_mse, keras_mse + 0.02), msg=f"app {app_mse}, keras {keras_mse}")
+
+
+class KillAndResumeTest(tf.test.TestCase):
+    """A run killed with SIGKILL and rerun ends where an uninterrupted run ends: the restore is exact and the
+    input resumes at the batch after the checkpoint (one worker: the same batches in the same order)."""
+
+    FLAGS = ["--strategy", "parameter_server", "--num_workers", "1", "--steps", "90", "--steps_per_epoch", "15",
+             "--batch_size", "256", "--max_vocab", "1000", "--eval_steps", "8", "--verbose", "0"]  # fmt: skip
+
+    def test_killed_run_resumes_to_the_uninterrupted_result(self):
+        whole, killed = (os.path.join(self.get_temp_dir(), name) for name in ("whole", "killed"))
+        uninterrupted = run_python(["-m", "tf_sharded", "train", *self.FLAGS, "--checkpoint_dir", whole])
+        self.assertEqual(uninterrupted.returncode, 0, uninterrupted.stderr[-3000:])
+
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tf_sharded", "train", *self.FLAGS, "--checkpoint_dir", killed],
+            cwd=ROOT,
+            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.time() + 240
+            while not os.path.exists(os.path.join(killed, "ckpt-45.index")) and time.time() < deadline:
+                self.assertIsNone(proc.poll(), "the run ended before it could be killed")
+                time.sleep(0.05)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        done = int(tf.train.latest_checkpoint(killed).rsplit("-", 1)[1])
+        self.assertBetween(done, 30, 75)  # killed mid-run (ckpt-45 may not be recorded yet)
+
+        resumed = run_python(["-m", "tf_sharded", "train", *self.FLAGS, "--checkpoint_dir", killed])
+        self.assertEqual(resumed.returncode, 0, resumed.stderr[-3000:])
+        self.assertIn(f"90 steps ({90 - done} this run)", summary(resumed))
+        a, b = (tf.train.load_checkpoint(tf.train.latest_checkpoint(d)) for d in (whole, killed))
+        tables = [k for k in a.get_variable_to_shape_map() if k.startswith("model/") and "tables_" in k]
+        self.assertLen(tables, 26)
+        for key in tables:
+            self.assertAllClose(b.get_tensor(key), a.get_tensor(key), atol=1e-5, msg=key)
+        auc = [float(re.search(r"held-out AUC (\d\.\d{4})", p.stdout).group(1)) for p in (uninterrupted, resumed)]
+        self.assertAllClose(auc[1], auc[0], atol=2e-4)
+        self.assertGreater(auc[0], 0.6)

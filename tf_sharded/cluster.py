@@ -16,6 +16,7 @@ with fewer, coordinator steps can dead-lock on small machines.
 from __future__ import annotations
 
 import atexit
+import importlib
 import json
 import os
 import signal
@@ -23,7 +24,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
@@ -78,6 +79,11 @@ class LocalCluster:
       num_ps: parameter-server tasks (>= 1).
       mode: "inprocess" or "process".
       start_timeout: seconds to wait for "process" tasks to listen.
+      imports: what each "process" task loads before serving, as "module"
+        (imported) or "module:function" (imported, then the function
+        called): the custom ops a worker's functions run (a dataset read
+        with tensorflow-io, say), which TensorFlow looks up in the process
+        that executes them.
 
     Example (one OS process per task; `cluster.strategy()` would then give a
     `ParameterServerStrategy` connected to it):
@@ -90,7 +96,14 @@ class LocalCluster:
     []
     """
 
-    def __init__(self, num_workers: int = 2, num_ps: int = 2, mode: str = "inprocess", start_timeout: float = 60.0):
+    def __init__(
+        self,
+        num_workers: int = 2,
+        num_ps: int = 2,
+        mode: str = "inprocess",
+        start_timeout: float = 60.0,
+        imports: Sequence[str] = (),
+    ):
         positive_int("num_workers", num_workers)
         positive_int("num_ps", num_ps)
         if mode not in MODES:
@@ -99,6 +112,7 @@ class LocalCluster:
         self.num_ps = num_ps
         self.mode = mode
         self.start_timeout = start_timeout
+        self.imports = tuple(imports)
         self._procs: List[subprocess.Popen] = []
         self._servers = []
         self._started = False
@@ -145,7 +159,14 @@ class LocalCluster:
                         env = {**PS_ENV, **env}
                     self._procs.append(
                         subprocess.Popen(
-                            [sys.executable, "-m", "tf_sharded.cluster", "--serve", str(self.num_workers)],
+                            [
+                                sys.executable,
+                                "-m",
+                                "tf_sharded.cluster",
+                                "--serve",
+                                str(self.num_workers),
+                                *self.imports,
+                            ],  # fmt: skip
                             env=env,
                             stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL,
@@ -218,7 +239,9 @@ class LocalCluster:
         return f"LocalCluster(num_workers={self.num_workers}, num_ps={self.num_ps}, mode={self.mode!r})"
 
 
-def local_cluster(num_workers: int = 2, num_ps: int = 2, mode: str = "inprocess") -> LocalCluster:
+def local_cluster(
+    num_workers: int = 2, num_ps: int = 2, mode: str = "inprocess", imports: Sequence[str] = ()
+) -> LocalCluster:
     """Starts (or returns the running) local cluster.
 
     In-process servers can never be shut down, so this process keeps one
@@ -238,11 +261,16 @@ def local_cluster(num_workers: int = 2, num_ps: int = 2, mode: str = "inprocess"
             return _INPROCESS
         _INPROCESS = LocalCluster(num_workers, num_ps, "inprocess").start()
         return _INPROCESS
-    return LocalCluster(num_workers, num_ps, mode).start()
+    return LocalCluster(num_workers, num_ps, mode, imports=imports).start()
 
 
-def _serve(num_workers: int) -> None:
+def _serve(num_workers: int, imports: Sequence[str] = ()) -> None:
     """Entry point of a "process" task: serve the task named by TF_CONFIG."""
+    for name in imports:
+        module, _, function = name.partition(":")
+        loaded = importlib.import_module(module)
+        if function:
+            getattr(loaded, function)()
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     job, index = resolver.task_type, resolver.task_id
     config = _worker_config(num_workers) if job == "worker" else None
@@ -254,7 +282,7 @@ def _serve(num_workers: int) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "--serve":
-        _serve(int(sys.argv[2]))
+        _serve(int(sys.argv[2]), sys.argv[3:])
     else:
-        print("usage: python -m tf_sharded.cluster --serve NUM_WORKERS", file=sys.stderr)
+        print("usage: python -m tf_sharded.cluster --serve NUM_WORKERS [MODULE ...]", file=sys.stderr)
         sys.exit(2)

@@ -49,6 +49,23 @@ def define_flags(values: flags.FlagValues) -> None:
         "tf.distribute strategy. parameter_server without TF_CONFIG starts a local cluster (2 ps + 2 workers).",
         flag_values=values,
     )
+    flags.DEFINE_integer(
+        "num_workers",
+        2,
+        "Workers of the local parameter-server cluster (without TF_CONFIG).",
+        lower_bound=1,
+        flag_values=values,
+    )
+    flags.DEFINE_integer(
+        "num_ps", 2, "Parameter servers of the local cluster (without TF_CONFIG).", lower_bound=1, flag_values=values
+    )
+    flags.DEFINE_enum(
+        "local_cluster",
+        "inprocess",
+        ["inprocess", "process"],
+        "The local cluster's servers: threads of this process, or one process per task.",
+        flag_values=values,
+    )
     flags.DEFINE_integer("steps", 200, "Training steps.", lower_bound=1, flag_values=values)
     flags.DEFINE_integer(
         "steps_per_epoch", 100, "Steps between checkpoints / progress lines.", lower_bound=1, flag_values=values
@@ -86,38 +103,50 @@ def define_flags(values: flags.FlagValues) -> None:
         "Fail before training on the first malformed record (default: skip and count).",
         flag_values=values,
     )
-    flags.DEFINE_integer("seed", 0, "Seed of the synthetic data and of the tables.", flag_values=values)
+    flags.DEFINE_integer("seed", 0, "Seed of the synthetic data and of every initializer.", flag_values=values)
     flags.DEFINE_integer("verbose", 1, "0: summary only; 1: progress bar.", flag_values=values)
 
 
-def _strategy(name: str):
+def _strategy(args):
+    """(strategy, description, input pipelines, local cluster to stop or None) for `--strategy`."""
     import tensorflow as tf
 
     import tf_sharded as tfs
 
+    name = args.strategy
     if name == "default":
-        return tf.distribute.get_strategy(), "default", 1
+        return tf.distribute.get_strategy(), "default", 1, None
     if name == "mirrored":
         s = tf.distribute.MirroredStrategy()
-        return s, f"mirrored ({s.num_replicas_in_sync} replicas)", 1
+        return s, f"mirrored ({s.num_replicas_in_sync} replicas)", 1, None
     if name == "multi_worker":
         s = tf.distribute.MultiWorkerMirroredStrategy()
-        return s, f"multi_worker ({s.num_replicas_in_sync} replicas)", 1
+        return s, f"multi_worker ({s.num_replicas_in_sync} replicas)", 1, None
     if os.environ.get("TF_CONFIG"):
         resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
         if resolver.task_type in ("worker", "ps"):
-            return None, resolver, 0  # a server task: serve until the chief is done
+            return None, resolver, 0, None  # a server task: serve until the chief is done
         s = tf.distribute.ParameterServerStrategy(resolver)
         spec = resolver.cluster_spec().as_dict()
         workers = len(spec.get("worker", []))
-        return s, f"parameter_server ({len(spec.get('ps', []))} ps, {workers} workers, TF_CONFIG)", workers
-    cluster = tfs.cluster.local_cluster(num_workers=2, num_ps=2)
-    return cluster.strategy(), "parameter_server (local cluster: 2 ps, 2 workers)", 2
+        return s, f"parameter_server ({len(spec.get('ps', []))} ps, {workers} workers, TF_CONFIG)", workers, None
+    from tf_sharded.app.readers import LOAD_OPS
+
+    cluster = tfs.cluster.local_cluster(
+        num_workers=args.num_workers, num_ps=args.num_ps, mode=args.local_cluster, imports=[LOAD_OPS]
+    )
+    where = "local cluster" if args.local_cluster == "inprocess" else "local cluster, a process per task"
+    description = f"parameter_server ({where}: {args.num_ps} ps, {args.num_workers} workers)"
+    return cluster.strategy(), description, args.num_workers, cluster if args.local_cluster == "process" else None
 
 
 def _serve(resolver) -> int:
     """A worker or ps task of a TF_CONFIG cluster: run the server until the process is stopped."""
     import tensorflow as tf
+
+    from tf_sharded.app.readers import load_ops
+
+    load_ops()  # the workers run the readers' custom ops (Parquet)
 
     server = tf.distribute.Server(
         resolver.cluster_spec(),
@@ -153,6 +182,21 @@ def _evaluate(model, held_out, binary: bool):
 
 
 def train(args) -> int:
+    from tf_sharded.app import inputs
+
+    inputs.check_writable(args.checkpoint_dir)
+    # `workers`: input pipelines (each parameter-server worker reads its own; else one stream).
+    strategy, description, workers, cluster = _strategy(args)
+    if strategy is None:
+        return _serve(description)
+    try:
+        return _train(args, strategy, description, workers)
+    finally:
+        if cluster is not None:
+            cluster.stop()
+
+
+def _train(args, strategy, description, workers) -> int:
     import keras
     import tensorflow as tf
 
@@ -160,15 +204,13 @@ def train(args) -> int:
     from tf_sharded.app import inputs, models
     from tf_sharded.app.schema import LabelType
 
-    inputs.check_writable(args.checkpoint_dir)
-    # `workers`: input pipelines (each parameter-server worker reads its own; else one stream).
-    strategy, description, workers = _strategy(args.strategy)
-    if strategy is None:
-        return _serve(description)
     ps = tfs.strategy.family_of(strategy).dataset_function
     plan = inputs.plan(args, workers)
     inputs.save_schema(plan.schema, args.checkpoint_dir)
     binary = plan.schema.label.type == LabelType.BINARY
+    # Every initializer (not only the tables') draws from --seed: two runs with the same flags are the same
+    # run, and a killed run resumed from its checkpoint ends where an uninterrupted one does.
+    keras.utils.set_random_seed(args.seed)
     with strategy.scope():
         model = models.build(args.model, plan.schema, embedding_dim=args.embedding_dim)
         optimizer = tfs.optimizers.get(args.optimizer)

@@ -32,6 +32,21 @@ from tf_sharded.app.schema import Feature, FeatureType, LabelType, Schema, Schem
 FORMATS = ("tsv", "csv", "tfrecord", "parquet")
 
 
+def load_ops() -> None:
+    """Registers the custom ops the readers use (Parquet: tensorflow-io's, which it loads lazily) in this
+    process, when installed. A parameter-server worker runs the dataset function in its own process and
+    looks the ops up there, so a worker task calls this before it serves."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorflow_io") is not None:
+        from tensorflow_io.python.ops import core_ops
+
+        dir(core_ops)  # loads libtensorflow_io.so
+
+
+LOAD_OPS = "tf_sharded.app.readers:load_ops"
+
+
 class InputError(ValueError):
     """A problem with the input files (named in the message): missing columns, malformed records, no data."""
 
