@@ -55,14 +55,19 @@ def fit_model(table0=None):
 with strategy.scope():
     model, emb = fit_model()
 table0 = emb.embeddings.numpy()
-history = tfs.fit(model, tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=2, verbose=0)
-assert len(history.history["loss"]) == 2, history.history
+data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+history = tfs.fit(model, data, epochs=2, verbose=0, validation_data=data)
+assert len(history.history["val_loss"]) == 2, history.history
 single, single_emb = fit_model(table0)
 single.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
 err = float(np.abs(emb.embeddings.numpy() - single_emb.embeddings.numpy()).max())
 assert err < 1e-5, ("fit", err)
 slot = model.optimizer.table_slot(emb.embeddings, "accumulator").numpy()
 assert np.allclose(slot, single.optimizer.table_slot(single_emb.embeddings, "accumulator").numpy(), atol=1e-5)
+# tfs.evaluate / predict (Keras's fail here too) against Keras's own on one device, and the last val_loss.
+want = single.evaluate(x, y, batch_size=8, verbose=0)
+assert abs(tfs.evaluate(model, data) - want) < 1e-5 and abs(history.history["val_loss"][-1] - want) < 1e-5
+assert np.allclose(tfs.predict(model, data), single.predict(x, batch_size=8, verbose=0), atol=1e-5)
 print(f"worker {os.environ['TASK']} tfs.fit max error {err:.2e}", flush=True)
 print("MWMS OK", flush=True)
 """

@@ -14,6 +14,7 @@ from tf_sharded.creation import create_sharded_variable
 from tf_sharded.creation import install as _install
 from tf_sharded.errors import LayoutMismatchError, ShardedError, UnsupportedStrategyError
 from tf_sharded.keras import layers, optimizers, training
+from tf_sharded.keras.evaluation import evaluate, predict
 from tf_sharded.keras.serving import export
 from tf_sharded.keras.training import fit
 from tf_sharded.partition import Layout, PartitionSpec
@@ -56,12 +57,14 @@ __all__ = [
     "create_sharded_variable",
     "embedding_lookup",
     "embedding_lookup_sparse",
+    "evaluate",
     "exchange",
     "export",
     "fit",
     "layers",
     "optimizers",
     "partitioners",
+    "predict",
     "strategy",
     "training",
 ]

@@ -22,6 +22,7 @@ import keras
 import tensorflow as tf
 
 from tf_sharded.errors import positive_int
+from tf_sharded.keras import evaluation
 from tf_sharded.keras.checkpoints import Checkpoints, PeriodicCheckpoint
 from tf_sharded.strategy import FitLoop, family_of
 
@@ -47,6 +48,8 @@ def fit(
     checkpoint_every: Optional[int] = None,
     verbose: int = 1,
     log_every: int = 10,
+    validation_data: Optional[DatasetSource] = None,
+    validation_steps: Optional[int] = None,
 ) -> keras.callbacks.History:
     """Trains a compiled Keras 3 model under the current strategy.
 
@@ -70,6 +73,12 @@ def fit(
       log_every: under `ParameterServerStrategy` and
         `MultiWorkerMirroredStrategy`, steps between progress updates (each
         update waits for the steps launched so far).
+      validation_data: evaluated at every epoch end like Keras's
+        `validation_data` (a finite `tf.data.Dataset`, or a dataset function
+        with `validation_steps`; see `tfs.evaluate`): `val_` entries in the
+        progress line, the history and the callbacks' epoch logs.
+      validation_steps: batches of `validation_data` per evaluation (default:
+        all; required for a dataset function under parameter servers).
 
     Returns:
       The `keras.callbacks.History` of the run.
@@ -107,6 +116,7 @@ def fit(
     if checkpoint_every is not None:
         checkpoint_every = positive_int("checkpoint_every", checkpoint_every)
     strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else model.distribute_strategy
+    validation = evaluation.validation(model, strategy, validation_data, validation_steps)
     loop = family_of(strategy).fit_loop(strategy, getattr(model, "steps_per_execution", 1) or 1)
     if loop != FitLoop.KERAS:
         if steps_per_epoch is None and isinstance(dataset, tf.data.Dataset) and loop == FitLoop.REPLICAS:
@@ -128,6 +138,7 @@ def fit(
             checkpoint_every,
             verbose,
             positive_int("log_every", log_every),
+            validation,
         )
     checkpoints = Checkpoints(model, checkpoint_dir) if checkpoint_dir else None
     callbacks = list(callbacks or [])
@@ -137,6 +148,8 @@ def fit(
         if steps_per_epoch:
             initial_epoch = int(model.optimizer.iterations.numpy()) // steps_per_epoch
     data = dataset(tf.distribute.InputContext()) if callable(dataset) else dataset
+    if callable(validation_data) and not isinstance(validation_data, tf.data.Dataset):
+        validation_data = validation_data(tf.distribute.InputContext())
     return model.fit(
         data,
         epochs=epochs,
@@ -144,6 +157,8 @@ def fit(
         steps_per_epoch=steps_per_epoch,
         callbacks=callbacks,
         verbose=verbose,
+        validation_data=validation_data,
+        validation_steps=validation_steps,
     )
 
 
@@ -195,7 +210,7 @@ class _Runner:
         self.ps = family_of(strategy).fit_loop(strategy, 1) == FitLoop.COORDINATOR
         if self.ps:
             self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
-            source = dataset if callable(dataset) else (lambda: dataset)
+            source = evaluation.per_worker(dataset) if callable(dataset) else (lambda: dataset)
             self.per_epoch = False
             self.distributed = self.coordinator.create_per_worker_dataset(source)
         else:
@@ -260,7 +275,17 @@ class _Runner:
 
 
 def _fit_loop(
-    model, strategy, dataset, epochs, steps_per_epoch, callbacks, checkpoint_dir, checkpoint_every, verbose, log_every
+    model,
+    strategy,
+    dataset,
+    epochs,
+    steps_per_epoch,
+    callbacks,
+    checkpoint_dir,
+    checkpoint_every,
+    verbose,
+    log_every,
+    validation,
 ):
     # Variables (model, optimizer, metrics) are created before the first step,
     # in scope: a worker function cannot create them.
@@ -316,6 +341,8 @@ def _fit_loop(
                     _save(checkpoints, model, counter, global_step)
         logs = {name: float(value) for name, value in model.get_metrics_result().items()}
         logs["samples_per_second"] = samples / max(time.perf_counter() - start, 1e-9)
+        if validation is not None:
+            logs.update({f"val_{name}": value for name, value in validation().items()})
         if bar is not None:
             shown = [(k, v) for k, v in logs.items() if k != "samples_per_second"]
             bar.update(steps_per_epoch, shown + [("samples/s", logs["samples_per_second"])], finalize=True)
