@@ -5,6 +5,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tf_sharded.app import data, readers, scan, schema
@@ -136,6 +137,23 @@ def write_example_files(out):
         json.dump(SCHEMA, f)
 
 
+NUMBERED = {
+    "label": {"name": "n", "type": "regression"},
+    "features": [{"name": "item", "type": "categorical", "buckets": 10}],
+}
+
+
+def write_numbered_csv(out, files, rows):
+    """`files` CSV files whose label column numbers the records 0, 1, ... across the files."""
+    os.makedirs(os.path.join(out, "numbered"), exist_ok=True)
+    names = []
+    for f in range(files):
+        names.append(os.path.join(out, "numbered", f"part-{f}.csv"))
+        with open(names[-1], "w") as fh:
+            fh.write("n,item\n" + "".join(f"{f * rows + i},{i}\n" for i in range(rows)))
+    return names
+
+
 class SchemaReadersTest(tf.test.TestCase):
     def test_every_format_reads_the_same_features(self):
         out = self.get_temp_dir()
@@ -174,13 +192,19 @@ class SchemaReadersTest(tf.test.TestCase):
                 else:
                     self.assertAllClose(other[key], features[key], msg=f"{name} {key}")
 
-    def test_sharding_gives_each_worker_its_files_or_every_other_record(self):
-        files = ["a", "b", "c"]
-        self.assertEqual(readers.shard(files, None), (files, None))
-        two = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=1)
-        self.assertEqual(readers.shard(files, two), (["b"], None))
-        four = tf.distribute.InputContext(num_input_pipelines=4, input_pipeline_id=3)
-        self.assertEqual(readers.shard(files, four), (files, (4, 3)))
+    def test_a_share_is_a_file_in_n_or_a_record_in_n(self):
+        out = self.get_temp_dir()
+        names = write_numbered_csv(out, files=3, rows=10)
+        s = schema.parse(NUMBERED)
+        source = readers.open_source(os.path.join(out, "numbered"), s)
+
+        def labels(share, files):
+            return [int(y) for _, y in readers.records(source, s, files, share).as_numpy_iterator()]
+
+        self.assertEqual(labels(None, names), list(range(30)))
+        self.assertEqual(labels((2, 1), names), list(range(10, 20)))  # files[1::2]
+        self.assertEqual(labels((2, tf.constant(0, tf.int64)), names), list(range(10)) + list(range(20, 30)))
+        self.assertEqual(labels((4, 3), names), [3, 7, 11, 15, 19, 23, 27])  # fewer files than shares
 
     def test_bad_files_and_schemas_are_named(self):
         out = self.get_temp_dir()
@@ -238,3 +262,41 @@ class SchemaReadersTest(tf.test.TestCase):
             },
         )
         self.assertEqual(schema.parse(inferred.to_json()), inferred)
+
+
+@pytest.mark.ps_cluster
+class SharesTest(tf.test.TestCase):
+    def test_worker_pipelines_read_distinct_shares(self):
+        from tests.harness.strategies import ps_strategy
+        from tf_sharded.app import inputs
+
+        strategy = ps_strategy()
+        out = self.get_temp_dir()
+        s = schema.parse(NUMBERED)
+        for files, rows in ((3, 10), (1, 30)):  # by file, by record
+            names = write_numbered_csv(os.path.join(out, str(files)), files=files, rows=rows)
+            source = readers.open_source(names[0] if files == 1 else os.path.dirname(names[0]), s)
+            shares = inputs.Shares(strategy, workers=2)
+            seen = []
+            for _ in range(2):  # two pipelines, as two workers start theirs
+                pipeline = shares.dataset(lambda share: readers.records(source, s, names, share))
+                seen.append([int(y) for _, y in pipeline.as_numpy_iterator()])
+            self.assertEqual(sorted(seen[0] + seen[1]), list(range(30)), msg=files)
+            self.assertNotEqual(seen[0], [], msg=files)
+            self.assertNotEqual(seen[1], [], msg=files)
+        whole = inputs.Shares(None, workers=1).dataset(lambda share: tf.data.Dataset.from_tensors(share is None))
+        self.assertTrue(whole.get_single_element())
+
+        # Under tfs.fit's coordinator: every scheduled batch's labels, over both workers, without repeats.
+        coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+        shares = inputs.Shares(strategy, workers=2)
+        names = write_numbered_csv(os.path.join(out, "fit"), files=4, rows=5)
+        source = readers.open_source(os.path.dirname(names[0]), s)
+        per_worker = coordinator.create_per_worker_dataset(
+            lambda: shares.dataset(lambda share: readers.records(source, s, names, share).batch(1))
+        )
+        iterator = iter(per_worker)
+        step = tf.function(lambda it: next(it)[1])
+        launched = [coordinator.schedule(step, args=(iterator,)) for _ in range(6)]
+        labels = [int(r.fetch()[0]) for r in launched]
+        self.assertLen(set(labels), 6, labels)

@@ -205,7 +205,7 @@ def _train(args, strategy, description, workers) -> int:
     from tf_sharded.app.schema import LabelType
 
     ps = tfs.strategy.family_of(strategy).dataset_function
-    plan = inputs.plan(args, workers)
+    plan = inputs.plan(args, workers, strategy)
     inputs.save_schema(plan.schema, args.checkpoint_dir)
     binary = plan.schema.label.type == LabelType.BINARY
     # Every initializer (not only the tables') draws from --seed: two runs with the same flags are the same

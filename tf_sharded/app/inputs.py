@@ -1,10 +1,14 @@
 """The training application's input: which data trains and which is held out, per worker, from where it
 resumes, and the checks that run before training.
 
-Under parameter servers each worker calls the training dataset function in
+Under parameter servers each worker runs the training dataset function in
 its own process: it opens its share of the files there (a file each when
 there are at least as many files as workers, else every file with the
 records dealt out in turn), so nothing built on the chief is captured.
+TensorFlow traces that function once and runs the same graph on every
+worker, with the same `InputContext` (one pipeline, id 0): a worker cannot
+be told its index. So each worker's pipeline claims its share when it
+starts, from a counter on a parameter server (`Shares`).
 
 The input position is part of the training state. A run that resumes from a
 checkpoint of `N` steps skips the batches those steps consumed: `N` batches
@@ -41,6 +45,33 @@ class Plan:
     description: str
 
 
+class Shares:
+    """Which share of the input each pipeline reads.
+
+    One pipeline (every strategy but parameter servers): all of it. Under
+    parameter servers with `workers` workers: a pipeline claims a number from
+    a counter on a parameter server when its iterator starts, and reads
+    share `claim % workers`. The workers start their pipelines together, so
+    their claims are consecutive and their shares distinct (an extra claim,
+    e.g. `tfs.fit` reading the first batch here, only rotates them).
+    """
+
+    def __init__(self, strategy=None, workers: int = 1):
+        self.workers = workers
+        self.counter = None
+        if workers > 1:
+            with strategy.scope():
+                self.counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfs_input_share")
+
+    def dataset(self, build: Callable[[Optional[tuple]], tf.data.Dataset]) -> tf.data.Dataset:
+        """`build(share)`, `share` None (everything) or `(workers, index)` with `index` a scalar tensor."""
+        if self.counter is None:
+            return build(None)
+        n = self.workers
+        claim = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).map(lambda _: self.counter.assign_add(1) % n)
+        return claim.flat_map(lambda index: build((n, index)))
+
+
 def steps_in_checkpoint(checkpoint_dir: Optional[str]) -> int:
     """Steps done by the run whose checkpoints are in `checkpoint_dir` (0 without one): `tfs.fit` numbers
     each checkpoint by its step."""
@@ -48,22 +79,26 @@ def steps_in_checkpoint(checkpoint_dir: Optional[str]) -> int:
     return int(latest.rsplit("-", 1)[1]) if latest else 0
 
 
-def plan(args, workers: int) -> Plan:
-    """The data for the flags in `args`; `workers` input pipelines read it (1 but under parameter servers)."""
+def plan(args, workers: int, strategy=None) -> Plan:
+    """The data for the flags in `args`; `workers` input pipelines read it (1 but under parameter servers,
+    whose `strategy` holds the counter of `Shares`)."""
     done = steps_in_checkpoint(args.checkpoint_dir)
     skip = done // workers if workers > 1 else done
+    shares = Shares(strategy, workers)
     if args.data == "synthetic":
         criteo = schemas.criteo(data.vocab_sizes(args.max_vocab))
 
-        def synthetic(context: Optional[tf.distribute.InputContext] = None):
-            worker = context.input_pipeline_id if context is not None else 0
+        def stretch(share):
             # Each worker reads its own stretch of the (deterministic) stream, from where it stopped.
-            start = worker * 10_000_000 + skip
+            start = (0 if share is None else share[1] * 10_000_000) + skip
             return data.synthetic_dataset(args.batch_size, args.max_vocab, args.seed, start=start)
+
+        def synthetic(context: Optional[tf.distribute.InputContext] = None):
+            return shares.dataset(stretch)
 
         held_out = data.synthetic_dataset(args.batch_size, args.max_vocab, args.seed + 1, num_batches=args.eval_steps)
         return Plan(criteo, synthetic, held_out, None, "synthetic")
-    return _files_plan(args, workers, skip)
+    return _files_plan(args, shares, skip)
 
 
 def _saved_schema(checkpoint_dir: Optional[str]) -> Optional[schemas.Schema]:
@@ -71,7 +106,7 @@ def _saved_schema(checkpoint_dir: Optional[str]) -> Optional[schemas.Schema]:
     return schemas.load(path) if path and os.path.exists(path) else None
 
 
-def _files_plan(args, workers: int, skip: int) -> Plan:
+def _files_plan(args, shares: Shares, skip: int) -> Plan:
     if args.schema:
         schema = schemas.load(args.schema)
     else:
@@ -110,13 +145,16 @@ def _files_plan(args, workers: int, skip: int) -> Plan:
     if schema.needs_statistics():
         schema = schema.with_statistics(scanned.statistics)
 
+    def share_of_records(share):
+        if held_records:
+            # One file: the held-out records come first; the rest is dealt out.
+            rest = readers.records(source, schema, train_files).skip(held_records)
+            return rest if share is None else rest.shard(*share)
+        return readers.records(source, schema, train_files, share)
+
     def train_fn(context: Optional[tf.distribute.InputContext] = None):
-        mine, by_record = readers.shard(train_files, context)
-        records = readers.records(source, schema, mine).skip(held_records)
-        if by_record is not None:
-            records = records.shard(*by_record)
-        batches = readers.batched(records.repeat(), args.batch_size, drop_remainder=True)
-        return batches.skip(skip)
+        records = shares.dataset(lambda share: share_of_records(share).repeat())
+        return readers.batched(records, args.batch_size, drop_remainder=True).skip(skip)
 
     held_out = readers.batched(readers.records(source, schema, held_files), args.batch_size)
     held_out = held_out.take(args.eval_steps)

@@ -308,33 +308,47 @@ def parse_record(
     return features, tf.reshape(_label(schema, y), [1])
 
 
-def raw_records(source: Source, files: Sequence[str]) -> tf.data.Dataset:
+def raw_records(source: Source, files: Sequence[str], share: Optional[Tuple[int, object]] = None) -> tf.data.Dataset:
     """The raw records of `files` in order: text lines (header lines skipped, blank lines dropped) or
-    serialized examples or Parquet rows."""
+    serialized examples or Parquet rows.
+
+    `share`: `(count, index)`, `index` possibly a tensor: only this input pipeline's share, a file in
+    `count` when there are at least `count` files (text and TFRecord), else a record in `count`.
+    """
     compression = "GZIP" if source.gzip else ""
+    by_file = share is not None and share[0] > 1 and len(files) >= share[0] and source.format != "parquet"
     names = tf.data.Dataset.from_tensor_slices(list(files))
+    if by_file:
+        names = names.shard(*share)
     if source.format in ("tsv", "csv"):
         skip = 1 if source.has_header_line else 0
         lines = names.interleave(
             lambda f: tf.data.TextLineDataset(f, compression_type=compression).skip(skip), cycle_length=1
         )
-        return lines.filter(lambda line: tf.strings.length(tf.strings.strip(line)) > 0)
-    if source.format == "tfrecord":
-        return names.interleave(lambda f: tf.data.TFRecordDataset(f, compression_type=compression), cycle_length=1)
-    import tensorflow_io as tfio
+        rows = lines.filter(lambda line: tf.strings.length(tf.strings.strip(line)) > 0)
+    elif source.format == "tfrecord":
+        rows = names.interleave(lambda f: tf.data.TFRecordDataset(f, compression_type=compression), cycle_length=1)
+    else:
+        import tensorflow_io as tfio
 
-    # Column types given up front: a worker's dataset function is traced, where tensorflow-io cannot look.
-    columns = {c: tf.TensorSpec([], tf.as_dtype(source.kinds[c])) for c in source.header}
-    parts = [tfio.IODataset.from_parquet(f, columns=columns) for f in files]
-    rows = parts[0]
-    for part in parts[1:]:
-        rows = rows.concatenate(part)
-    return rows.map(lambda row: {(k.decode() if isinstance(k, bytes) else k): v for k, v in row.items()})
+        # Column types given up front: a worker's dataset function is traced, where tensorflow-io cannot look.
+        columns = {c: tf.TensorSpec([], tf.as_dtype(source.kinds[c])) for c in source.header}
+        parts = [tfio.IODataset.from_parquet(f, columns=columns) for f in files]
+        rows = parts[0]
+        for part in parts[1:]:
+            rows = rows.concatenate(part)
+        rows = rows.map(lambda row: {(k.decode() if isinstance(k, bytes) else k): v for k, v in row.items()})
+    if share is not None and share[0] > 1 and not by_file:
+        rows = rows.shard(*share)
+    return rows
 
 
-def records(source: Source, schema: Schema, files: Sequence[str]) -> tf.data.Dataset:
-    """Parsed records of `files`, malformed ones dropped (`scan` counts them)."""
-    parsed = raw_records(source, files).map(
+def records(
+    source: Source, schema: Schema, files: Sequence[str], share: Optional[Tuple[int, object]] = None
+) -> tf.data.Dataset:
+    """Parsed records of `files` (this pipeline's `share`, see `raw_records`), malformed ones dropped
+    (`scan` counts them)."""
+    parsed = raw_records(source, files, share).map(
         lambda r: parse_record(source, schema, r), num_parallel_calls=tf.data.AUTOTUNE
     )
     return parsed.ignore_errors()
@@ -343,18 +357,6 @@ def records(source: Source, schema: Schema, files: Sequence[str]) -> tf.data.Dat
 def batched(dataset: tf.data.Dataset, batch_size: int, drop_remainder: bool = False) -> tf.data.Dataset:
     """Batches of records; multi-hot features become `tf.RaggedTensor`s."""
     return dataset.ragged_batch(batch_size, drop_remainder=drop_remainder).prefetch(tf.data.AUTOTUNE)
-
-
-def shard(
-    files: Sequence[str], context: Optional[tf.distribute.InputContext]
-) -> Tuple[Sequence[str], Optional[Tuple[int, int]]]:
-    """This input pipeline's files, and `(count, index)` to shard records by when there are too few files."""
-    if context is None or context.num_input_pipelines == 1:
-        return files, None
-    n, i = context.num_input_pipelines, context.input_pipeline_id
-    if len(files) >= n:
-        return files[i::n], None
-    return files, (n, i)
 
 
 def error_text(e: Exception) -> str:
