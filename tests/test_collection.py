@@ -239,6 +239,38 @@ class EmbeddingCollectionTest(tf.test.TestCase):
         self.assertEqual(tuple(model(inputs()).shape), (3, 1))
         self.assertLen(model.trainable_weights, 6 + 2)  # 6 table shards, kernel, bias
 
+    def test_collection_defaults_capped_per_table_and_overridden(self):
+        tables = {
+            "tiny": {"input_dim": 2, "output_dim": 4, "seed": 0},
+            "big": {"input_dim": 20, "output_dim": 4, "partitions": 2, "seed": 1},
+            "own": {"input_dim": 20, "output_dim": 4, "scheme": "div", "seed": 2},
+        }
+        layer = tfs.layers.EmbeddingCollection(
+            tables, {"f": "tiny", "g": "big", "h": "own"}, partitions=3, scheme="mod"
+        )
+        out = layer({"f": tf.constant([1]), "g": tf.constant([3]), "h": tf.constant([5])})
+        partition = {name: (t.num_shards, str(t.partition.scheme)) for name, t in layer.tables.items()}
+        self.assertEqual(partition, {"tiny": (2, "mod"), "big": (2, "mod"), "own": (3, "div")})
+        # The same rows as one unsharded table with the same seed: defaults change the layout only.
+        plain = tfs.layers.EmbeddingCollection(tables, {"f": "tiny", "g": "big", "h": "own"}, partitions=1)
+        want = plain({"f": tf.constant([1]), "g": tf.constant([3]), "h": tf.constant([5])})
+        for name in out:
+            self.assertAllClose(out[name], want[name], msg=name)
+        again = tfs.layers.EmbeddingCollection.from_config(layer.get_config())
+        self.assertEqual((again.partitions, again.scheme), (3, "mod"))
+        self.assertEqual(again.table_configs, layer.table_configs)
+
+        too_many = tfs.layers.EmbeddingCollection(
+            {"tiny": {"input_dim": 2, "output_dim": 4, "partitions": 3}}, {"f": "tiny"}
+        )
+        with self.assertRaisesRegex(ValueError, r"Table 'tiny' of layer '.*': Argument `num_shards` must not exceed"):
+            too_many({"f": tf.constant([1])})
+        self.assertEqual(too_many.tables, {})
+        with self.assertRaisesRegex(ValueError, "Argument `partitions` must be None, a positive int or a tfs.Parti"):
+            tfs.layers.EmbeddingCollection(tables, {"f": "tiny"}, partitions="3")
+        with self.assertRaisesRegex(ValueError, r"Table 'tiny' of layer '.*' \(collection defaults"):
+            tfs.layers.EmbeddingCollection(tables, {"f": "tiny"}, scheme="zigzag")
+
     def test_bad_config_and_input(self):
         with self.assertRaisesRegex(ValueError, "must name one of the tables"):
             tfs.layers.EmbeddingCollection(TABLES, {"f": "nope"})

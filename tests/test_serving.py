@@ -37,6 +37,47 @@ class ExportTest(tf.test.TestCase):
         probe = {"ids": x["ids"][:5].astype(np.int64), "features": x["features"][:5]}
         self.assertAllClose(serve_elsewhere(self, path, probe), model.predict(probe, verbose=0), atol=1e-6)
 
+    def test_multi_hot_inputs_stay_ragged_and_serve_the_training_batches(self):
+        from tests.test_data import SCHEMA, write_example_files
+        from tf_sharded.app import models, readers, schema
+
+        out = self.get_temp_dir()
+        write_example_files(out)
+        s = schema.load(os.path.join(out, "schema.json"))
+        s = s.with_statistics({"age": (30.0, 10.0)})
+        self.assertIn("genres", [f.name for f in s.features if f.type.value == "multi_hot"], SCHEMA)
+        source = readers.open_source(os.path.join(out, "movies.csv"), s)
+        features, _ = next(iter(readers.batched(readers.records(source, s, source.files), 4)))
+        self.assertIsInstance(features["genres"], tf.RaggedTensor)  # one row has no genre at all
+        model = models.build("mlp", s, embedding_dim=4)
+        want = model(features).numpy()
+        path = tfs.export(model, os.path.join(out, "export"))
+
+        loaded = tf.saved_model.load(path)
+        self.assertAllClose(loaded.serve(**features)["output_0"], want, atol=1e-6)  # the model's own structure
+        signature = loaded.signatures["serving_default"]
+        names = sorted(signature.structured_input_signature[1])
+        self.assertIn("genres_values", names)
+        self.assertIn("genres_row_lengths", names)
+        self.assertNotIn("genres", names)
+        dense = {k: v.numpy() for k, v in features.items() if k != "genres"}
+        dense["genres_values"] = features["genres"].values.numpy()
+        dense["genres_row_lengths"] = features["genres"].row_lengths().numpy()
+        self.assertAllClose(signature(**{k: tf.constant(v) for k, v in dense.items()})["output_0"], want, atol=1e-6)
+        self.assertAllClose(serve_elsewhere(self, path, dense), want, atol=1e-6)
+        # One ragged input (not a dict): the same, named by the Input.
+        ids = keras.Input((None,), dtype="int64", ragged=True, name="ids")
+        single = keras.Model(ids, tfs.layers.Embedding(ROWS, DIM, combiner="sum", partitions=2, seed=0)(ids))
+        ragged = tf.ragged.constant([[1, 2, 3], [4]], dtype=tf.int64)
+        served = tf.saved_model.load(tfs.export(single, os.path.join(out, "single")))
+        parts = {"ids_values": ragged.values, "ids_row_lengths": ragged.row_lengths()}
+        self.assertAllClose(served.signatures["serving_default"](**parts)["output_0"], single(ragged), atol=1e-6)
+        self.assertAllClose(served.serve(ragged)["output_0"], single(ragged), atol=1e-6)
+        # Padding with 0 (what a dense signature made callers do) is another input: row 0 is a real row.
+        padded = dict(features, genres=features["genres"].to_tensor(default_value=0))
+        with self.assertRaises((TypeError, ValueError)):
+            loaded.serve(**padded)
+
     def test_export_refuses_a_strategy_scope_and_a_model_without_inputs(self):
         model = model_with()
         with tf.distribute.OneDeviceStrategy("/cpu:0").scope():

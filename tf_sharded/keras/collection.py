@@ -32,7 +32,15 @@ class EmbeddingCollection(keras.layers.Layer):
       features: `{feature name: table name}`, `{feature name: {"table":
         table name, "combiner": None | "sum" | "mean" | "sqrtn"}}`, or
         `{feature name: tfs.FeatureConfig}`.
+      partitions: the default `partitions` of every table that does not set
+        its own; an int is capped at each table's rows (a 2-row table gets
+        2 shards of a default of 8).
+      scheme: the default `scheme` of every table that does not set its own.
       **kwargs: standard layer arguments.
+
+    After the layer is built, `collection.tables[name]` is table `name` (a
+    `tfs.ShardedVariable` or the strategy's table) for reading, checkpoints
+    or `optimizer.table_slot(...)`.
 
     Call it on a dict `{feature name: ids}` (every declared feature); it
     returns `{feature name: embeddings}`: `ids.shape + [dim]` without a
@@ -53,23 +61,52 @@ class EmbeddingCollection(keras.layers.Layer):
     {'candidate': (2, 4), 'clicked': (2, 4), 'user_id': (2, 4)}
     """
 
-    def __init__(self, tables: dict, features: dict, **kwargs):
+    def __init__(self, tables: dict, features: dict, partitions=None, scheme=None, **kwargs):
         super().__init__(**kwargs)
         if not isinstance(tables, dict) or not tables:
             raise ValueError(f"Argument `tables` must be a non-empty dict of table configs. Received: {tables!r}")
         if not isinstance(features, dict) or not features:
             raise ValueError(f"Argument `features` must be a non-empty dict. Received: {features!r}")
-        self.table_configs = {name: TableConfig.from_layer_config(name, config) for name, config in tables.items()}
+        if partitions is not None and not isinstance(partitions, (int, PartitionSpec)) or isinstance(partitions, bool):
+            raise ValueError(
+                f"Argument `partitions` must be None, a positive int or a tfs.PartitionSpec. Received: {partitions!r}"
+            )
+        self.partitions, self.scheme = partitions, scheme
+        self.table_configs = {
+            name: self._with_defaults(TableConfig.from_layer_config(name, config)) for name, config in tables.items()
+        }
         self.feature_configs = {
             feature: FeatureConfig.parse(feature, spec, self.table_configs) for feature, spec in features.items()
         }
         self.tables: dict = {}
 
+    def _with_defaults(self, config: TableConfig) -> TableConfig:
+        """`config` with the collection's `partitions` / `scheme` where it sets none (validated, naming the
+        table)."""
+        changes = {}
+        if config.partitions is None and self.partitions is not None:
+            p = self.partitions
+            changes["partitions"] = min(p, config.shape[0]) if isinstance(p, int) and p > 0 else p
+        if config.scheme is None and self.scheme is not None:
+            changes["scheme"] = self.scheme
+        if not changes:
+            return config
+        try:
+            return dataclasses.replace(config, **changes)
+        except (ValueError, TypeError) as e:
+            kind = ValueError if isinstance(e, ValueError) else TypeError
+            raise kind(f"Table '{config.name}' of layer '{self.name}' (collection defaults {changes}): {e}") from None
+
     def build(self, input_shape=None):
         if self.built:
             return
         for name, config in self.table_configs.items():
-            self.tables[name] = create_layer_table(self, dataclasses.replace(config, name=f"{self.name}/{name}"), name)
+            try:
+                table = create_layer_table(self, dataclasses.replace(config, name=f"{self.name}/{name}"), name)
+            except (ValueError, TypeError) as e:
+                kind = ValueError if isinstance(e, ValueError) else TypeError
+                raise kind(f"Table '{name}' of layer '{self.name}': {e}") from None
+            self.tables[name] = table
             # Keras wraps `self.tables` in its own container, which TensorFlow checkpoints do not follow.
             _compat.keras_track(self, self.tables[name], f"tables_{name}")
         self.built = True
@@ -119,6 +156,8 @@ class EmbeddingCollection(keras.layers.Layer):
                 table_config["partitions"] = table_config["partitions"].to_config()
             tables[name] = table_config
         config.update({"tables": tables, "features": {f: s.to_config() for f, s in self.feature_configs.items()}})
+        partitions = self.partitions.to_config() if isinstance(self.partitions, PartitionSpec) else self.partitions
+        config.update({"partitions": partitions, "scheme": self.scheme})
         return config
 
     @classmethod
@@ -127,4 +166,6 @@ class EmbeddingCollection(keras.layers.Layer):
         for table_config in config["tables"].values():
             if isinstance(table_config.get("partitions"), dict):
                 table_config["partitions"] = PartitionSpec.from_config(table_config["partitions"])
+        if isinstance(config.get("partitions"), dict):
+            config["partitions"] = PartitionSpec.from_config(config["partitions"])
         return cls(**config)

@@ -36,6 +36,13 @@ def _has_ragged(dataset: tf.data.Dataset) -> bool:
     return any(isinstance(s, tf.RaggedTensorSpec) for s in tf.nest.flatten(dataset.element_spec))
 
 
+def has_ragged_input(data) -> bool:
+    """Whether `data` (a Dataset, or a dataset function called with a default `InputContext`) has ragged
+    components, where Keras 3 fails under MirroredStrategy."""
+    dataset = data if isinstance(data, tf.data.Dataset) else data(tf.distribute.InputContext())
+    return _has_ragged(dataset)
+
+
 def _check(model, data, steps, needs_compiled: bool, names=("data", "steps")):
     if not isinstance(model, keras.Model) or (needs_compiled and not getattr(model, "compiled", False)):
         raise ValueError(

@@ -29,13 +29,59 @@ def _tables_of(model) -> Dict[int, Table]:
     return tables
 
 
+def _spec_of(t):
+    """The spec of one symbolic input: ragged and sparse inputs keep their kind (a dense spec would make a
+    caller pad, and padding with 0 silently looks up row 0, a real id)."""
+    if getattr(t, "ragged", False):
+        return tf.RaggedTensorSpec(t.shape, t.dtype, ragged_rank=1)
+    if getattr(t, "sparse", False):
+        return tf.SparseTensorSpec(t.shape, t.dtype)
+    return tf.TensorSpec(t.shape, t.dtype, name=t.name)
+
+
 def _default_signature(model):
     if not isinstance(getattr(model, "inputs", None), list) or not model.inputs:
         raise ValueError(
             "Argument `input_signature` is required for a model without symbolic inputs (a subclassed or "
             f"unbuilt model). Received: input_signature=None for {type(model).__name__}"
         )
-    return tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype, name=t.name), model.input)
+    return tf.nest.map_structure(_spec_of, model.input)
+
+
+def _named(spec, model) -> Dict[str, Any]:
+    """`{input name: spec}`: dict keys, or the symbolic inputs' names."""
+    if isinstance(spec, dict):
+        return dict(spec)
+    specs = tf.nest.flatten(spec, expand_composites=False)
+    inputs = getattr(model, "inputs", None)
+    names = [getattr(t, "name", None) for t in inputs] if isinstance(inputs, list) else []
+    if len(names) != len(specs) or None in names:
+        names = [getattr(s, "name", None) or f"input_{i}" for i, s in enumerate(specs)]
+    return dict(zip(names, specs))
+
+
+def _components(name: str, spec) -> Dict[str, tf.TensorSpec]:
+    """The dense tensors a signature takes for one input: a ragged input as `NAME_values` and
+    `NAME_row_lengths`, a sparse one as `NAME_indices`, `NAME_values`, `NAME_dense_shape`."""
+    if isinstance(spec, tf.RaggedTensorSpec):
+        values = tf.TensorSpec([None] + spec.shape[2:].as_list(), spec.dtype, name=f"{name}_values")
+        return {f"{name}_values": values, f"{name}_row_lengths": tf.TensorSpec([None], tf.int64, f"{name}_row_lengths")}
+    if isinstance(spec, tf.SparseTensorSpec):
+        rank = spec.shape.rank
+        return {
+            f"{name}_indices": tf.TensorSpec([None, rank], tf.int64, f"{name}_indices"),
+            f"{name}_values": tf.TensorSpec([None], spec.dtype, f"{name}_values"),
+            f"{name}_dense_shape": tf.TensorSpec([rank], tf.int64, f"{name}_dense_shape"),
+        }
+    return {name: tf.TensorSpec(spec.shape, spec.dtype, name=name)}
+
+
+def _assemble(name: str, spec, flat: Dict[str, tf.Tensor]):
+    if isinstance(spec, tf.RaggedTensorSpec):
+        return tf.RaggedTensor.from_row_lengths(flat[f"{name}_values"], flat[f"{name}_row_lengths"])
+    if isinstance(spec, tf.SparseTensorSpec):
+        return tf.SparseTensor(flat[f"{name}_indices"], flat[f"{name}_values"], flat[f"{name}_dense_shape"])
+    return flat[name]
 
 
 def export(model: keras.Model, path: str, input_signature: Any = None) -> str:
@@ -43,8 +89,12 @@ def export(model: keras.Model, path: str, input_signature: Any = None) -> str:
 
     Call it outside any `strategy.scope()`. The export holds one plain table
     per sharded table (read once from its shards, wherever they live) and a
-    copy of every other variable; the `serving_default` signature maps the
-    model's inputs to its outputs.
+    copy of every other variable. `serve` is the model's call with its own
+    input structure (ragged where the model takes ragged ids; keyword
+    arguments for dict inputs); the `serving_default` signature takes dense
+    tensors, named by the inputs: a ragged input `x` as `x_values` and
+    `x_row_lengths`, a sparse one as `x_indices`, `x_values` and
+    `x_dense_shape` (TF Serving and other clients feed dense tensors only).
 
     Args:
       model: a built Keras 3 model (tf_sharded layers or not).
@@ -93,9 +143,25 @@ def export(model: keras.Model, path: str, input_signature: Any = None) -> str:
     module.variables_copy = [copy for _, copy in copies]
     if isinstance(spec, dict):
         module.serve = tf.function(lambda **kwargs: serve(kwargs), input_signature=None)
-        concrete = module.serve.get_concrete_function(**spec)
+        module.serve.get_concrete_function(**spec)
     else:
         module.serve = tf.function(serve, input_signature=[spec])
-        concrete = module.serve.get_concrete_function()
+    named = _named(spec, model)
+    composite = any(not isinstance(s, tf.TensorSpec) for s in named.values())
+    if not composite:
+        concrete = module.serve.get_concrete_function(**spec) if isinstance(spec, dict) else (
+            module.serve.get_concrete_function()
+        )  # fmt: skip
+    else:
+        flat_spec = {k: v for name, s in named.items() for k, v in _components(name, s).items()}
+
+        def dense_signature(**flat):
+            inputs = {name: _assemble(name, s, flat) for name, s in named.items()}
+            if isinstance(spec, dict):
+                return serve(inputs)
+            return serve(tf.nest.pack_sequence_as(spec, list(inputs.values()), expand_composites=False))
+
+        module.serve_dense = tf.function(dense_signature)
+        concrete = module.serve_dense.get_concrete_function(**flat_spec)
     tf.saved_model.save(module, path, signatures={"serving_default": concrete})
     return path

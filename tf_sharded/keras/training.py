@@ -118,6 +118,10 @@ def fit(
     strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else model.distribute_strategy
     validation = evaluation.validation(model, strategy, validation_data, validation_steps)
     loop = family_of(strategy).fit_loop(strategy, getattr(model, "steps_per_execution", 1) or 1)
+    if loop == FitLoop.KERAS and family_of(strategy).mirrors_tables and evaluation.has_ragged_input(dataset):
+        # Keras 3's model.fit fails on ragged inputs under MirroredStrategy ("'RaggedTensor' object has no
+        # attribute 'device'"): the replica loop runs them.
+        loop = FitLoop.REPLICAS
     if loop != FitLoop.KERAS:
         if steps_per_epoch is None and isinstance(dataset, tf.data.Dataset) and loop == FitLoop.REPLICAS:
             steps_per_epoch = int(dataset.cardinality()) if int(dataset.cardinality()) > 0 else None
