@@ -300,3 +300,32 @@ class SharesTest(tf.test.TestCase):
         launched = [coordinator.schedule(step, args=(iterator,)) for _ in range(6)]
         labels = [int(r.fetch()[0]) for r in launched]
         self.assertLen(set(labels), 6, labels)
+
+
+class RatingsDataTest(tf.test.TestCase):
+    def test_three_formats_hold_the_same_records_and_infer_the_same_schema(self):
+        out = self.get_temp_dir()
+        read, inferred = {}, {}
+        for fmt in data.RATINGS_FORMATS:
+            (name,) = data.synthesize_ratings(fmt, 300, os.path.join(out, fmt), seed=3)
+            columns, lists = scan.sample_columns(name)
+            s = schema.infer_from_columns(columns, label="rating", list_columns=lists)
+            inferred[fmt] = {f.name: (f.type.value, f.buckets) for f in s.features}
+            source = readers.open_source(name, s)
+            if s.needs_statistics():
+                s = s.with_statistics(scan.scan(source, s, source.files).statistics)
+            read[fmt] = next(iter(readers.batched(readers.records(source, s, source.files), 300)))
+        self.assertEqual(inferred["csv"]["user_id"][0], "categorical")  # named like an id
+        self.assertEqual(inferred["csv"]["movie_id"][0], "categorical")  # an integer named like an id
+        self.assertEqual(inferred["csv"]["genres"][0], "multi_hot")
+        for fmt in ("tfrecord", "parquet"):
+            self.assertEqual(inferred[fmt], inferred["csv"], msg=fmt)
+            self.assertAllClose(read[fmt][1], read["csv"][1], msg=fmt)
+            self.assertEqual(sorted(read[fmt][0]), sorted(read["csv"][0]))
+            for key, want in read["csv"][0].items():
+                got = read[fmt][0][key]
+                if isinstance(want, tf.RaggedTensor):
+                    self.assertEqual(got.to_list(), want.to_list(), msg=f"{fmt} {key}")
+                else:
+                    self.assertAllClose(got, want, msg=f"{fmt} {key}")
+        self.assertLen(read["csv"][1], 300)

@@ -14,8 +14,9 @@ commands:
           train a model on synthetic data or your files (python -m tf_sharded train --helpfull for every flag)
   schema infer --data PATH [--label COLUMN] [--out FILE]
           a starting feature schema (JSON) from a file's first rows
-  data synthesize --format tsv|parquet --rows N --out DIR [--max_vocab N] [--seed N]
-          write synthetic Criteo-shaped data as files
+  data synthesize [--dataset criteo|ratings] --format FORMAT --rows N --out DIR [--max_vocab N] [--seed N]
+          write synthetic data as files: Criteo-shaped (tsv, parquet) or movie
+          ratings (csv, tfrecord, parquet; string ids, multi-hot genres)
   inspect CHECKPOINT
           tables, shapes, dtypes, sizes and the layout a checkpoint was saved from
   demo    train a sharded table on a local parameter-server cluster, save it,
@@ -66,7 +67,8 @@ def _synthesize(argv) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m tf_sharded data synthesize")
-    parser.add_argument("--format", required=True, choices=["tsv", "parquet"])
+    parser.add_argument("--dataset", default="criteo", choices=["criteo", "ratings"])
+    parser.add_argument("--format", required=True, choices=["tsv", "csv", "tfrecord", "parquet"])
     parser.add_argument("--rows", required=True, type=int)
     parser.add_argument("--out", required=True)
     parser.add_argument("--max_vocab", type=int, default=100_000)
@@ -76,7 +78,13 @@ def _synthesize(argv) -> int:
         parser.error(f"--rows must be a positive int, received {args.rows}")
     from tf_sharded.app import data
 
-    files = data.synthesize(args.format, args.rows, args.out, args.max_vocab, args.seed)
+    allowed = ("tsv", "parquet") if args.dataset == "criteo" else data.RATINGS_FORMATS
+    if args.format not in allowed:
+        parser.error(f"--format {args.format}: --dataset {args.dataset} is written as one of {', '.join(allowed)}")
+    if args.dataset == "ratings":
+        files = data.synthesize_ratings(args.format, args.rows, args.out, args.seed)
+    else:
+        files = data.synthesize(args.format, args.rows, args.out, args.max_vocab, args.seed)
     print(f"wrote {args.rows} rows to {len(files)} {args.format} file(s) in {args.out}")
     return 0
 

@@ -170,3 +170,68 @@ def synthesize(fmt: str, rows: int, out_dir: str, max_vocab: Optional[int] = Non
         done += n
         part += 1
     return files
+
+
+# ------------------------------------------------------------------------------------------- ratings --
+
+RATINGS_FORMATS = ("csv", "tfrecord", "parquet")
+
+
+def ratings_records(rows: int, seed: int = 0, users: int = 2000, movies: int = 500) -> List[dict]:
+    """Movie-rating-like records, the shape of the public rating logs: `rating` (real), `user_id` (a string
+    id), `movie_id` (an integer id), `genres` (1-3 of 12 names), `age` (the user's, an integer).
+
+    A rating is 3 + a hidden per-user effect + a per-movie effect + the mean of the movie's genre effects
+    + 0.02 × (age − 40) + noise (σ 0.3): the embeddings have something to learn, and a model's MSE can be
+    compared with the noise floor (0.09).
+    """
+    rng = np.random.default_rng(seed)
+    user_effect, movie_effect = rng.normal(0, 0.8, users), rng.normal(0, 0.8, movies)
+    genre_effect = rng.normal(0, 0.5, 12)
+    movie_genres = [rng.choice(12, size=rng.integers(1, 4), replace=False) for _ in range(movies)]
+    ages = rng.integers(18, 70, users)
+    # Activity follows a power law, as in real logs: a few users and movies hold most ratings.
+    user_of = np.minimum((rng.pareto(1.2, rows) * users / 20).astype(np.int64), users - 1)
+    movie_of = np.minimum((rng.pareto(1.2, rows) * movies / 20).astype(np.int64), movies - 1)
+    noise = rng.normal(0, 0.3, rows)
+    out = []
+    for u, m, e in zip(user_of, movie_of, noise):
+        g = movie_genres[m]
+        rating = 3.0 + user_effect[u] + movie_effect[m] + genre_effect[g].mean() + 0.02 * (ages[u] - 40) + e
+        out.append({"rating": round(float(rating), 3), "user_id": f"user{u}", "movie_id": int(m),
+                    "genres": [f"genre{i}" for i in g], "age": int(ages[u])})  # fmt: skip
+    return out
+
+
+def synthesize_ratings(fmt: str, rows: int, out_dir: str, seed: int = 0) -> List[str]:
+    """Writes `ratings_records` as one CSV (genres `|`-separated), TFRecord of `tf.train.Example` (genres a
+    bytes list) or Parquet (genres `|`-separated: tensorflow-io reads primitive columns) file."""
+    if fmt not in RATINGS_FORMATS:
+        raise ValueError(f"Argument `format` must be one of {RATINGS_FORMATS} for ratings. Received: {fmt!r}")
+    os.makedirs(out_dir, exist_ok=True)
+    records = ratings_records(rows, seed)
+    name = os.path.join(out_dir, f"ratings.{fmt}")
+    if fmt == "csv":
+        with open(name, "w") as f:
+            f.write("rating,user_id,movie_id,genres,age\n")
+            for r in records:
+                f.write(f"{r['rating']},{r['user_id']},{r['movie_id']},{'|'.join(r['genres'])},{r['age']}\n")
+    elif fmt == "tfrecord":
+        with tf.io.TFRecordWriter(name) as writer:
+            for r in records:
+                feature = {
+                    "rating": tf.train.Feature(float_list=tf.train.FloatList(value=[r["rating"]])),
+                    "user_id": tf.train.Feature(bytes_list=tf.train.BytesList(value=[r["user_id"].encode()])),
+                    "movie_id": tf.train.Feature(int64_list=tf.train.Int64List(value=[r["movie_id"]])),
+                    "genres": tf.train.Feature(bytes_list=tf.train.BytesList(value=[g.encode() for g in r["genres"]])),
+                    "age": tf.train.Feature(int64_list=tf.train.Int64List(value=[r["age"]])),
+                }
+                writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        columns = {k: [r[k] for r in records] for k in ("rating", "user_id", "movie_id", "age")}
+        columns["genres"] = ["|".join(r["genres"]) for r in records]
+        pq.write_table(pa.table(columns), name)
+    return [name]

@@ -115,7 +115,12 @@ def _files_plan(args, shares: Shares, skip: int) -> Plan:
     if saved is not None and saved.columns == schema.columns:
         # A resumed run standardizes with the statistics it started with.
         schema = schema.with_statistics({f.name: (f.mean, f.std) for f in saved.numeric if f.mean is not None})
-    source = readers.open_source(args.data, schema, None if args.format == "auto" else args.format)
+    try:
+        source = readers.open_source(args.data, schema, None if args.format == "auto" else args.format)
+    except InputError as e:
+        if "lacks columns" in str(e) and not args.schema:
+            raise InputError(f"{e} (without --schema the columns are Criteo's; see `schema infer`)") from None
+        raise
     files = list(source.files)
     held_records = 0
     if len(files) > 1:

@@ -132,25 +132,26 @@ def open_source(path: str, schema: Schema, fmt: Optional[str] = None, flag: str 
     fmt, gz = kinds_found.pop()
     first = files[0]
     if fmt in ("tsv", "csv"):
-        header, has_header = _text_header(first, gz, fmt, schema)
+        header, has_header = _text_header(first, gz, fmt, schema, flag)
         kinds = {}
     else:
         kinds = _tfrecord_kinds(first, gz) if fmt == "tfrecord" else _parquet_kinds(first)
         header, has_header = tuple(kinds), False
     missing = [c for c in schema.columns if c not in header]
     if missing:
-        raise InputError(f"{first} lacks columns {missing}; it has {list(header)}")
+        raise InputError(f"{flag} {first} lacks columns {missing}; it has {list(header)}")
     return Source(tuple(files), fmt, gz, tuple(header), has_header, kinds)
 
 
-def _text_header(name: str, gz: bool, fmt: str, schema: Schema) -> Tuple[Tuple[str, ...], bool]:
+def _text_header(name: str, gz: bool, fmt: str, schema: Schema, flag: str) -> Tuple[Tuple[str, ...], bool]:
     head, _ = _head(name)
     first = head.split(b"\n", 1)[0].decode("utf-8", errors="replace").rstrip("\r")
     fields = [f.strip().strip('"') for f in first.split("\t" if fmt == "tsv" else ",")]
     if set(schema.columns) <= set(fields):
         return tuple(fields), True
     if fmt == "csv":
-        raise InputError(f"{name} lacks columns {[c for c in schema.columns if c not in fields]}; it has {fields}")
+        missing = [c for c in schema.columns if c not in fields]
+        raise InputError(f"{flag} {name} lacks columns {missing}; it has {fields}")
     # TSV without a header line (Criteo's layout): the columns are the schema's, label first.
     if len(fields) != len(schema.columns):
         raise InputError(

@@ -35,6 +35,7 @@ import dataclasses
 import enum
 import json
 import math
+import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from tf_sharded.config import Combiner
@@ -257,8 +258,8 @@ def infer_from_columns(
     The label is `label` or the first column; it is binary when its values
     are all 0/1. A column whose values all parse as numbers and take many
     distinct values is numeric (log1p when non-negative and skewed, else
-    standardize); integer columns with few distinct values, and strings,
-    are categorical, with buckets twice the distinct values seen (at least
+    standardize); integer columns with few distinct values or named like an
+    id (`id`, `user_id`, `movieId`), and strings, are categorical, with buckets twice the distinct values seen (at least
     16, at most `max_buckets`); list columns, and text columns with `|` in a
     value, are multi-hot.
     """
@@ -285,7 +286,8 @@ def infer_from_columns(
             continue
         numbers = _numbers(values)
         integral = numbers is not None and all(float(x).is_integer() for x in numbers)
-        if numbers is not None and values and not (integral and distinct <= max(16, len(values) // 20)):
+        few = distinct <= max(16, len(values) // 20)
+        if numbers is not None and values and not (integral and (few or _named_like_id(name))):
             skewed = min(numbers) >= 0 and _skew(numbers) > 1.0
             transform = Transform.LOG1P if skewed else Transform.STANDARDIZE
             features.append(Feature(name, FeatureType.NUMERIC, transform=transform))
@@ -302,6 +304,10 @@ def infer_from_columns(
         ]
     kind = LabelType.BINARY if binary else LabelType.REGRESSION
     return Schema(Label(label_name, kind), tuple(features))
+
+
+def _named_like_id(name: str) -> bool:
+    return re.search(r"(^|[^a-z])id$", name.lower()) is not None or name.endswith(("Id", "ID"))
 
 
 def _numbers(values) -> Optional[List[float]]:
