@@ -1,5 +1,6 @@
 """The training application: every strategy on tiny settings, files, resume, inspect, bad input, TF_CONFIG."""
 
+import csv
 import json
 import os
 import re
@@ -254,8 +255,22 @@ class OwnDataTest(tf.test.TestCase):
         write_ratings(path)
         with open(schema_path, "w") as f:
             json.dump(RATINGS_SCHEMA, f)
+        # The app reads the same records as TFRecord, genres a list (the reference below reads the CSV).
+        records = os.path.join(out, "ratings.tfrecord")
+        with open(path) as f, tf.io.TFRecordWriter(records) as writer:
+            for row in list(csv.DictReader(f)):
+                feature = {
+                    "rating": tf.train.Feature(float_list=tf.train.FloatList(value=[float(row["rating"])])),
+                    "user": tf.train.Feature(bytes_list=tf.train.BytesList(value=[row["user"].encode()])),
+                    "movie": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(row["movie"])])),
+                    "genres": tf.train.Feature(
+                        bytes_list=tf.train.BytesList(value=[g.encode() for g in row["genres"].split("|")])
+                    ),
+                    "age": tf.train.Feature(float_list=tf.train.FloatList(value=[float(row["age"])])),
+                }
+                writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
         steps, batch, held = 400, 64, 5
-        args = ["--data", path, "--schema", schema_path, "--model", "mlp", "--strategy", "default"]
+        args = ["--data", records, "--schema", schema_path, "--model", "mlp", "--strategy", "default"]
         args += ["--steps", str(steps), "--steps_per_epoch", "100", "--batch_size", str(batch)]
         args += ["--eval_steps", str(held), "--embedding_dim", "8", "--verbose", "0", "--max_vocab", "500"]
         proc = run_python(["-m", "tf_sharded", "train", *args], timeout=300)
@@ -266,8 +281,6 @@ class OwnDataTest(tf.test.TestCase):
 
         # The reference: one device, plain Keras (lookup layers + keras.layers.Embedding), the same MLP,
         # optimizer, steps and batches, the same held-out rows (the file's first 320).
-        import csv
-
         with open(path) as f:
             rows = list(csv.DictReader(f))
         columns = {k: [r[k] for r in rows] for k in rows[0]}

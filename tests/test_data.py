@@ -302,6 +302,22 @@ class SharesTest(tf.test.TestCase):
         self.assertLen(set(labels), 6, labels)
 
 
+class ParquetListTest(tf.test.TestCase):
+    def test_a_parquet_list_column_is_refused_with_what_to_do(self):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        name = os.path.join(self.get_temp_dir(), "lists.parquet")
+        pq.write_table(pa.table({"rating": [1.0, 2.0], "user": ["a", "b"], "genres": [["x", "y"], ["z"]]}), name)
+        s = schema.parse({**SCHEMA, "features": [f for f in SCHEMA["features"] if f["name"] == "genres"]})
+        expected = (
+            r"--data .*lists.parquet: Parquet list column\(s\) \['genres'\], which tensorflow-io cannot read; "
+            r"write a multi-hot column as '\|'-separated"
+        )
+        with self.assertRaisesRegex(readers.InputError, expected):
+            readers.open_source(name, s)
+
+
 class RatingsDataTest(tf.test.TestCase):
     def test_three_formats_hold_the_same_records_and_infer_the_same_schema(self):
         out = self.get_temp_dir()

@@ -138,6 +138,12 @@ def open_source(path: str, schema: Schema, fmt: Optional[str] = None, flag: str 
         kinds = _tfrecord_kinds(first, gz) if fmt == "tfrecord" else _parquet_kinds(first)
         header, has_header = tuple(kinds), False
     missing = [c for c in schema.columns if c not in header]
+    lists = [c for c in missing if f"{c}.list.element" in header or f"{c}.list.item" in header]
+    if lists:
+        raise InputError(
+            f"{flag} {first}: Parquet list column(s) {lists}, which tensorflow-io cannot read; write a multi-hot "
+            "column as '|'-separated text in Parquet, or use TFRecord (lists) or CSV"
+        )
     if missing:
         raise InputError(f"{flag} {first} lacks columns {missing}; it has {list(header)}")
     return Source(tuple(files), fmt, gz, tuple(header), has_header, kinds)
