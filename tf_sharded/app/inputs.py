@@ -117,10 +117,10 @@ def _files_plan(args, shares: Shares, skip: int) -> Plan:
         schema = schema.with_statistics({f.name: (f.mean, f.std) for f in saved.numeric if f.mean is not None})
     try:
         source = readers.open_source(args.data, schema, None if args.format == "auto" else args.format)
-    except InputError as e:
-        if "lacks columns" in str(e) and not args.schema:
-            raise InputError(f"{e} (without --schema the columns are Criteo's; see `schema infer`)") from None
-        raise
+    except readers.MissingColumns as e:
+        if args.schema:
+            raise
+        raise readers.MissingColumns(f"{e} (without --schema the columns are Criteo's; see `schema infer`)") from None
     files = list(source.files)
     held_records = 0
     if len(files) > 1:

@@ -51,6 +51,10 @@ class InputError(ValueError):
     """A problem with the input files (named in the message): missing columns, malformed records, no data."""
 
 
+class MissingColumns(InputError):
+    """The files lack columns the schema reads."""
+
+
 # ------------------------------------------------------------------------------------------- files --
 
 
@@ -145,7 +149,7 @@ def open_source(path: str, schema: Schema, fmt: Optional[str] = None, flag: str 
             "column as '|'-separated text in Parquet, or use TFRecord (lists) or CSV"
         )
     if missing:
-        raise InputError(f"{flag} {first} lacks columns {missing}; it has {list(header)}")
+        raise MissingColumns(f"{flag} {first} lacks columns {missing}; it has {list(header)}")
     return Source(tuple(files), fmt, gz, tuple(header), has_header, kinds)
 
 
@@ -157,7 +161,7 @@ def _text_header(name: str, gz: bool, fmt: str, schema: Schema, flag: str) -> Tu
         return tuple(fields), True
     if fmt == "csv":
         missing = [c for c in schema.columns if c not in fields]
-        raise InputError(f"{flag} {name} lacks columns {missing}; it has {fields}")
+        raise MissingColumns(f"{flag} {name} lacks columns {missing}; it has {fields}")
     # TSV without a header line (Criteo's layout): the columns are the schema's, label first.
     if len(fields) != len(schema.columns):
         raise InputError(

@@ -28,19 +28,19 @@ from tf_sharded.strategy import FitLoop, family_of
 Data = Union[tf.data.Dataset, Callable[[tf.distribute.InputContext], tf.data.Dataset]]
 
 
-def _strategy_of(model):
+def strategy_of(model):
+    """The strategy in scope, else the one the model was built under."""
     return tf.distribute.get_strategy() if tf.distribute.has_strategy() else model.distribute_strategy
 
 
-def _has_ragged(dataset: tf.data.Dataset) -> bool:
+def as_dataset(data: Data) -> tf.data.Dataset:
+    """`data` itself, or the dataset a dataset function builds for one input pipeline (this process)."""
+    return data if isinstance(data, tf.data.Dataset) else data(tf.distribute.InputContext())
+
+
+def has_ragged(dataset: tf.data.Dataset) -> bool:
+    """Whether `dataset` has ragged components, where Keras 3 fails under MirroredStrategy."""
     return any(isinstance(s, tf.RaggedTensorSpec) for s in tf.nest.flatten(dataset.element_spec))
-
-
-def has_ragged_input(data) -> bool:
-    """Whether `data` (a Dataset, or a dataset function called with a default `InputContext`) has ragged
-    components, where Keras 3 fails under MirroredStrategy."""
-    dataset = data if isinstance(data, tf.data.Dataset) else data(tf.distribute.InputContext())
-    return _has_ragged(dataset)
 
 
 def _check(model, data, steps, needs_compiled: bool, names=("data", "steps")):
@@ -56,7 +56,7 @@ def _check(model, data, steps, needs_compiled: bool, names=("data", "steps")):
         )
     if steps is not None:
         positive_int(names[1], steps)
-    strategy = _strategy_of(model)
+    strategy = strategy_of(model)
     coordinated = family_of(strategy).fit_loop(strategy, 1) == FitLoop.COORDINATOR
     if not isinstance(data, tf.data.Dataset) and steps is None and coordinated:
         raise ValueError(
@@ -82,8 +82,8 @@ def _keras_path(model, strategy, data) -> Optional[tf.data.Dataset]:
     family = family_of(strategy)
     if family.fit_loop(strategy, 1) != FitLoop.KERAS:
         return None
-    dataset = data if isinstance(data, tf.data.Dataset) else data(tf.distribute.InputContext())
-    if family.mirrors_tables and _has_ragged(dataset):
+    dataset = as_dataset(data)
+    if family.mirrors_tables and has_ragged(dataset):
         return None
     return dataset
 
@@ -100,9 +100,8 @@ def _outputs(model, strategy, coordinated: bool, data: Data, steps: Optional[int
         return model(x, training=False)
 
     if not coordinated:
-        dataset = data if isinstance(data, tf.data.Dataset) else data(tf.distribute.InputContext())
         step = tf.function(forward)
-        for i, batch in enumerate(dataset):
+        for i, batch in enumerate(as_dataset(data)):
             if steps is not None and i >= steps:
                 return
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
@@ -121,8 +120,8 @@ def _outputs(model, strategy, coordinated: bool, data: Data, steps: Optional[int
         return out
 
     if isinstance(data, tf.data.Dataset):
-        sent = tf.function(lambda x: {"y_pred": strategy.run(forward, args=(x,))})
-        in_flight = collections.deque()
+        sent = tf.function(lambda x: strategy.run(forward, args=(x,)))
+        in_flight = collections.deque()  # (x, y, sample_weight, remote y_pred), oldest first
         limit = 8  # batches in flight: enough to keep a few workers busy, few enough to hold here
         for i, batch in enumerate(data):
             if steps is not None and i >= steps:
@@ -131,10 +130,9 @@ def _outputs(model, strategy, coordinated: bool, data: Data, steps: Optional[int
             in_flight.append((x, y, sample_weight, coordinator.schedule(sent, args=(x,))))
             if len(in_flight) >= limit:
                 x, y, sample_weight, remote = in_flight.popleft()
-                yield x, y, sample_weight, remote.fetch()["y_pred"]
-        while in_flight:
-            x, y, sample_weight, remote = in_flight.popleft()
-            yield x, y, sample_weight, remote.fetch()["y_pred"]
+                yield x, y, sample_weight, remote.fetch()
+        for x, y, sample_weight, remote in in_flight:
+            yield x, y, sample_weight, remote.fetch()
         return
 
     iterator = iter(coordinator.create_per_worker_dataset(per_worker(data)))

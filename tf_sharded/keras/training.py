@@ -30,8 +30,7 @@ DatasetSource = Union[Callable[[tf.distribute.InputContext], tf.data.Dataset], t
 
 
 def _first_batch(source: DatasetSource):
-    dataset = source(tf.distribute.InputContext()) if callable(source) else source
-    return next(iter(dataset))
+    return next(iter(evaluation.as_dataset(source)))
 
 
 def _batch_size(x) -> tf.Tensor:
@@ -115,10 +114,11 @@ def fit(
         steps_per_epoch = positive_int("steps_per_epoch", steps_per_epoch)
     if checkpoint_every is not None:
         checkpoint_every = positive_int("checkpoint_every", checkpoint_every)
-    strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else model.distribute_strategy
+    strategy = evaluation.strategy_of(model)
     validation = evaluation.validation(model, strategy, validation_data, validation_steps)
     loop = family_of(strategy).fit_loop(strategy, getattr(model, "steps_per_execution", 1) or 1)
-    if loop == FitLoop.KERAS and family_of(strategy).mirrors_tables and evaluation.has_ragged_input(dataset):
+    data = evaluation.as_dataset(dataset) if loop == FitLoop.KERAS else None
+    if loop == FitLoop.KERAS and family_of(strategy).mirrors_tables and evaluation.has_ragged(data):
         # Keras 3's model.fit fails on ragged inputs under MirroredStrategy ("'RaggedTensor' object has no
         # attribute 'device'"): the replica loop runs them.
         loop = FitLoop.REPLICAS
@@ -151,9 +151,8 @@ def fit(
         callbacks.append(PeriodicCheckpoint(checkpoints, checkpoint_every))
         if steps_per_epoch:
             initial_epoch = int(model.optimizer.iterations.numpy()) // steps_per_epoch
-    data = dataset(tf.distribute.InputContext()) if callable(dataset) else dataset
-    if callable(validation_data) and not isinstance(validation_data, tf.data.Dataset):
-        validation_data = validation_data(tf.distribute.InputContext())
+    if validation_data is not None:
+        validation_data = evaluation.as_dataset(validation_data)
     return model.fit(
         data,
         epochs=epochs,
