@@ -285,3 +285,43 @@ def test_every_compat_name_is_exercised():
     defined -= {n for n in defined if n.startswith("_") and n not in ("_own_attribute", "_KERAS_ROUTED")}
     missing = sorted(defined - EXERCISED)
     assert not missing, f"_compat names with no test in tests/test_compat.py: {missing}"
+
+
+@exercises("plain_variable")
+def test_plain_variable_skips_the_strategy_creator():
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        v = _compat.plain_variable(tf.zeros([2, 3]), name="plain", trainable=True, shape=tf.TensorShape(None))
+    assert type(v).__name__ == "ResourceVariable"
+    v.assign(tf.ones([5, 3]))
+    assert v.numpy().shape == (5, 3)
+
+
+@exercises("keras_adopt_variable")
+def test_keras_adopt_variable():
+    inner = tf.Variable(tf.ones([2, 2]), shape=tf.TensorShape(None))
+    weight = keras.Variable(initializer="zeros", shape=(0, 2), name="adopted")
+    _compat.keras_adopt_variable(weight, inner)
+    assert weight.value is inner
+    inner.assign(tf.ones([4, 2]))
+    assert weight.numpy().shape == (4, 2)
+
+
+@exercises("restoring_attributes")
+def test_restoring_attributes_sees_the_checkpoint_being_restored():
+    seen = []
+
+    class Probe(_compat.Trackable):
+        def _serialize_to_tensors(self):
+            seen.append(_compat.restoring_attributes(self))
+            return {"a": tf.constant([1.0, 2.0]), "b": tf.constant(3, tf.int64)}
+
+        def _restore_from_tensors(self, restored_tensors):
+            return None
+
+    path = tf.train.Checkpoint(p=Probe()).write("/tmp/tfs_compat_restoring/ck")
+    tf.train.Checkpoint(p=Probe()).read(path)
+    assert seen[0] is None
+    restored = seen[-1]
+    assert sorted(restored) == ["a", "b"]
+    assert restored["a"][1] == [2] and restored["b"][2] == tf.int64

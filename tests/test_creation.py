@@ -74,7 +74,7 @@ class BadArgumentTest(tf.test.TestCase):
 
         with self.assertRaisesRegex(
             tfs.UnsupportedStrategyError,
-            "must be one of the strategies tf_sharded supports: .*ParameterServerStrategy.* "
+            "must be one of the strategies tf_sharded supports for sharded variables: .*ParameterServerStrategy.* "
             "Received: strategy=TPUishStrategy",
         ):
             TPUishStrategy().create_sharded_variable(uid("u"), [3, 2])

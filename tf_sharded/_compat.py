@@ -33,6 +33,22 @@ def save_spec(tensor_fn: Callable[[], Any], slice_spec: str, name: str, dtype, d
     return _saveable_object.SaveSpec(tensor_fn, slice_spec, name, dtype=dtype, device=device)
 
 
+def _restoring_position(trackable: Any, depth: int) -> Any:
+    """The `CheckpointPosition` up the stack (from `depth` frames up) that is restoring `trackable`, or None."""
+    frame = sys._getframe(depth)
+    for _ in range(8):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        position = frame.f_locals.get("self")
+        if isinstance(position, CheckpointPosition):
+            try:
+                return position if position.trackable is trackable else None
+            except (AttributeError, KeyError):
+                return None
+    return None
+
+
 def pending_restore(trackable: Any) -> Optional[tuple]:
     """If a saveable factory is being called to plan a restore, says what.
 
@@ -42,25 +58,28 @@ def pending_restore(trackable: Any) -> Optional[tuple]:
     return `(checkpoint_key, saved_shape, saved_dtype)` of its
     `VARIABLE_VALUE` attribute, or None when this is not a restore.
     """
-    frame = sys._getframe(1)
-    for _ in range(8):
-        frame = frame.f_back
-        if frame is None:
-            return None
-        position = frame.f_locals.get("self")
-        if isinstance(position, CheckpointPosition):
-            try:
-                if position.trackable is not trackable:
-                    return None
-            except (AttributeError, KeyError):
-                return None
-            for attribute in position.object_proto.attributes:
-                if attribute.name == VARIABLE_VALUE_KEY:
-                    key = attribute.checkpoint_key
-                    coordinator = position.checkpoint
-                    return (key, coordinator.shape_map.get(key), coordinator.dtype_map.get(key))
-            return None
-    return None
+    saved = restoring_attributes(trackable, depth=3)
+    if saved is None or VARIABLE_VALUE_KEY not in saved:
+        return None
+    return saved[VARIABLE_VALUE_KEY]
+
+
+def restoring_attributes(trackable: Any, depth: int = 2) -> Optional[dict]:
+    """`{attribute: (checkpoint_key, saved_shape, saved_dtype)}` when TensorFlow is asking `trackable` for its
+    tensors in order to restore it (a dynamic table declares the optimizer columns the checkpoint holds); else None.
+    """
+    position = _restoring_position(trackable, depth)
+    if position is None:
+        return None
+    coordinator = position.checkpoint
+    return {
+        a.name: (
+            a.checkpoint_key,
+            coordinator.shape_map.get(a.checkpoint_key),
+            coordinator.dtype_map.get(a.checkpoint_key),
+        )
+        for a in position.object_proto.attributes
+    }
 
 
 def default_strategy_type() -> type:
@@ -263,3 +282,22 @@ def outside_keras_stateless_scope():
         yield
     finally:
         global_state.set_global_attribute("stateless_scope", saved)
+
+
+def plain_variable(initial_value, name: str, trainable: bool, shape=None) -> tf.Variable:
+    """A resource variable created without any strategy's variable creator (no mirroring, no ps placement).
+
+    Dynamic tables hold their row pools in variables of unknown shape that
+    grow in place; they are placed by `tf.device` and replicated (or not) by
+    the table itself.
+    """
+    from tensorflow.python.ops import resource_variable_ops
+
+    return resource_variable_ops.ResourceVariable(
+        initial_value=initial_value, name=name, trainable=trainable, shape=shape
+    )
+
+
+def keras_adopt_variable(weight, variable) -> None:
+    """Makes the Keras variable `weight` stand for the existing tf.Variable `variable` (read, train, checkpoint)."""
+    weight._value = variable

@@ -31,14 +31,14 @@ class UnsupportedStrategyError(ShardedError, TypeError):
       supported: names of the strategy types that have a registered hook.
     """
 
-    def __init__(self, strategy: Any, supported: list[str]):
+    def __init__(self, strategy: Any, supported: list[str], what: str = "sharded variables"):
         self.strategy = strategy
         self.supported = list(supported)
         super().__init__(
-            "`strategy` must be one of the strategies tf_sharded supports: "
+            f"`strategy` must be one of the strategies tf_sharded supports for {what}: "
             f"{', '.join(self.supported)}. Received: strategy="
-            f"{type(strategy).__name__}. It looks like you are creating a sharded "
-            "variable under a strategy without a tf_sharded hook; please use one "
+            f"{type(strategy).__name__}. It looks like you are creating a table "
+            "under a strategy without a tf_sharded hook for it; please use one "
             "of the supported strategies, or create the table outside its scope."
         )
 

@@ -34,6 +34,16 @@ def _mix(z: tf.Tensor) -> tf.Tensor:
     return tf.bitwise.bitwise_xor(z, tf.bitwise.right_shift(z, _u64(31)))
 
 
+def u64(value: int) -> tf.Tensor:
+    """A uint64 constant (values wrap modulo 2**64)."""
+    return _u64(value)
+
+
+def mix64(z: tf.Tensor) -> tf.Tensor:
+    """SplitMix64's finaliser on uint64 tensors: a bijective, well-mixed hash."""
+    return _mix(z)
+
+
 def _mix_int(z: int) -> int:
     mask = 0xFFFFFFFFFFFFFFFF
     z &= mask
@@ -330,3 +340,27 @@ def resolve(initializer: Any, full_shape, dtype, seed: int) -> ShardInitializer:
 def is_named(name: str) -> bool:
     """Whether `name` is one of the initializer names resolved here per logical row."""
     return name.lower() in _NAMED or name.lower() in _SCALING
+
+
+def per_key(initializer: Any, dim: int, dtype, seed: int, table: str) -> RowInitializer:
+    """The initializer of a dynamic table: each key's initial row from (seed, key), whatever the layout.
+
+    Keys are the counters of `RowInitializer.rows` (string keys through their
+    64-bit fingerprint). Variance-scaling names need a vocabulary size that a
+    dynamic table does not have, and callables or arrays are per position,
+    not per key: both are refused.
+    """
+    name = initializer.lower() if isinstance(initializer, str) else None
+    if name in _SCALING:
+        raise ValueError(
+            f"Dynamic table '{table}': argument `initializer` {initializer!r} scales by the vocabulary size, which a "
+            f"dynamic table does not have. Use one of {sorted(_NAMED)} or a Keras RandomUniform / RandomNormal / "
+            "TruncatedNormal / Constant initializer."
+        )
+    resolved = resolve(initializer, (1, dim), dtype, seed)
+    if not isinstance(resolved, RowInitializer):
+        raise TypeError(
+            f"Dynamic table '{table}': argument `initializer` must give each key its row from the key alone (a name "
+            f"in {sorted(_NAMED)} or a Keras random / constant initializer). Received: {initializer!r}"
+        )
+    return resolved

@@ -46,8 +46,8 @@ def colocate_scope(anchor):
     return tf.variable_creator_scope(creator)
 
 
-def _draw_seed() -> int:
-    # A TF op, so that tf.random.set_seed / keras.utils.set_random_seed make it reproducible.
+def draw_seed() -> int:
+    """A seed drawn with a TF op, so that `tf.random.set_seed` / `keras.utils.set_random_seed` fix it."""
     with tf.init_scope():
         return int(tf.random.uniform([], 0, 2**31 - 1, dtype=tf.int64).numpy())
 
@@ -102,7 +102,7 @@ def build_sharded_variable(
     layout = spec.bind(config.shape[0])
     full_shape = list(config.shape)
     dtype = config.dtype
-    seed = config.seed if config.seed is not None else _draw_seed()
+    seed = config.seed if config.seed is not None else draw_seed()
     init = initializers.resolve(config.initializer, full_shape, dtype, seed)
     chunk_rows = max(1, CHUNK_ELEMENTS // max(1, math.prod(full_shape[1:])))
     shards = []
