@@ -50,6 +50,9 @@ class StrategyFamily:
         `tfs.fit` counts steps with its own atomic counter.
       dataset_function: training input is given as a function of an
         `InputContext` that each worker calls to build its own dataset.
+      dynamic_devices: `dynamic_devices(strategy, num_shards or None)` -> the
+        device of each shard of a dynamic table (None: the current device);
+        None when the family has no dynamic tables yet.
     """
 
     name: str
@@ -59,6 +62,7 @@ class StrategyFamily:
     fit_loop: Callable[[Any, int], FitLoop] = lambda strategy, steps_per_execution: FitLoop.KERAS
     asynchronous_steps: bool = False
     dataset_function: bool = False
+    dynamic_devices: Optional[Callable[[Any, Optional[int]], list]] = None
 
 
 _FAMILIES: Dict[type, StrategyFamily] = {}
@@ -74,6 +78,11 @@ def register(family: StrategyFamily, *strategy_types: type) -> StrategyFamily:
 def supported_strategies() -> list:
     """Names of the strategy types that have a family."""
     return sorted({t.__name__ for t in _FAMILIES})
+
+
+def registered_families() -> Dict[type, StrategyFamily]:
+    """Every registered strategy type and its family."""
+    return dict(_FAMILIES)
 
 
 def find_family(strategy) -> Optional[StrategyFamily]:

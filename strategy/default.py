@@ -21,6 +21,14 @@ def create(strategy: tf.distribute.Strategy, config, variable_factory=None):
         )
 
 
+def dynamic_devices(strategy, num_shards):
+    """Every shard on the strategy's device (OneDeviceStrategy's, else the current one)."""
+    device = strategy.extended.worker_devices[0] if isinstance(strategy, tf.distribute.OneDeviceStrategy) else None
+    return [device] * (num_shards or 1)
+
+
 FAMILY = register(
-    StrategyFamily(name="default", create=create), _compat.default_strategy_type(), tf.distribute.OneDeviceStrategy
+    StrategyFamily(name="default", create=create, dynamic_devices=dynamic_devices),
+    _compat.default_strategy_type(),
+    tf.distribute.OneDeviceStrategy,
 )

@@ -58,6 +58,15 @@ def create(strategy, config, variable_factory=None):
         return build_sharded_variable(config, spec, strategy, placement, variable_factory=variable_factory)
 
 
+def dynamic_devices(strategy, num_shards):
+    """One shard per ps by default, round-robin from where the last table stopped."""
+    num_ps = _compat.ps_num_ps(strategy)
+    num_shards = num_shards or num_ps
+    start = _PLACED.get(strategy, 0)
+    _PLACED[strategy] = start + num_shards
+    return [ps_device((start + i) % num_ps) for i in range(num_shards)]
+
+
 FAMILY = register(
     StrategyFamily(
         name="parameter_server",
@@ -65,6 +74,7 @@ FAMILY = register(
         fit_loop=lambda strategy, steps_per_execution: FitLoop.COORDINATOR,
         asynchronous_steps=True,
         dataset_function=True,
+        dynamic_devices=dynamic_devices,
     ),
     tf.distribute.experimental.ParameterServerStrategy,
 )

@@ -10,7 +10,7 @@ installs `create_sharded_variable` on every `tf.distribute.Strategy`, routes
 
 from tf_sharded import cluster, exchange, partitioners, strategy
 from tf_sharded.config import Combiner, Exchange, FeatureConfig, Placement, Scheme, TableConfig
-from tf_sharded.creation import create_sharded_variable
+from tf_sharded.creation import create_dynamic_table, create_sharded_variable
 from tf_sharded.creation import install as _install
 from tf_sharded.errors import LayoutMismatchError, ShardedError, UnsupportedStrategyError
 from tf_sharded.keras import layers, optimizers, training
@@ -21,7 +21,7 @@ from tf_sharded.partition import Layout, PartitionSpec
 from tf_sharded.strategy import default as _default  # noqa: F401  (registers the family)
 from tf_sharded.strategy import mirrored as _mirrored  # noqa: F401
 from tf_sharded.strategy import parameter_server as _parameter_server  # noqa: F401
-from tf_sharded.table import ShardedVariable, Table, embedding_lookup, embedding_lookup_sparse
+from tf_sharded.table import DynamicTable, ShardedVariable, Table, embedding_lookup, embedding_lookup_sparse
 
 __version__ = "0.1.0"
 
@@ -41,6 +41,7 @@ _install()
 
 __all__ = [
     "Combiner",
+    "DynamicTable",
     "Exchange",
     "FeatureConfig",
     "Layout",
@@ -54,6 +55,7 @@ __all__ = [
     "TableConfig",
     "UnsupportedStrategyError",
     "cluster",
+    "create_dynamic_table",
     "create_sharded_variable",
     "embedding_lookup",
     "embedding_lookup_sparse",

@@ -13,8 +13,10 @@ from typing import Any, Optional
 import tensorflow as tf
 
 from tf_sharded.config import TableConfig
-from tf_sharded.strategy import family_of
-from tf_sharded.table.builder import VariableFactory
+from tf_sharded.errors import UnsupportedStrategyError, positive_int
+from tf_sharded.strategy import family_of, registered_families
+from tf_sharded.table.builder import VariableFactory, draw_seed
+from tf_sharded.table.dynamic import DynamicTable
 from tf_sharded.table.sharded_variable import ShardedVariable
 
 
@@ -119,7 +121,106 @@ _strategy_method.__signature__ = _SIGNATURE.replace(
 )
 
 
+def create_dynamic_table(
+    name: str,
+    dim: int,
+    key_dtype=tf.int64,
+    initializer: Any = "uniform",
+    partitions: Optional[int] = None,
+    seed: Optional[int] = None,
+    admission: Any = None,
+    eviction: Any = None,
+    *,
+    dtype=tf.float32,
+    trainable: bool = True,
+    max_rows: Optional[int] = None,
+    growth: float = 1.25,
+) -> DynamicTable:
+    """Creates a `tfs.DynamicTable` (raw int64 or string keys) under the current `tf.distribute` strategy.
+
+    Same as `tf.distribute.get_strategy().create_dynamic_table(...)`.
+
+    Args:
+      name: table name.
+      dim: row width.
+      key_dtype: tf.int64 (any value, negative or beyond 2**53) or tf.string.
+      initializer: a Keras-style name ("uniform", "normal", "zeros", ...) or a
+        Keras random / constant initializer; a key's initial row depends on
+        (seed, key) only.
+      partitions: None (the strategy's default: one shard per ps under
+        ParameterServerStrategy, else one) or a number of shards.
+      seed: seed of the initial rows (drawn from TF's global seed if None).
+      admission: reserved for admission policies (must be None for now).
+      eviction: reserved for eviction policies (must be None for now).
+      dtype: row dtype (floating).
+      trainable: whether lookups insert keys and gradients reach the rows.
+      max_rows: None (grow without bound) or the most live keys it may hold;
+        an insert past it fails with an error naming the table.
+      growth: factor by which a shard's row pool grows when full.
+
+    Returns:
+      A `tfs.DynamicTable`.
+
+    Raises:
+      tfs.UnsupportedStrategyError: the strategy has no dynamic tables.
+      ValueError / TypeError: an argument is invalid (the message names it).
+
+    Example:
+
+    >>> import tf_sharded as tfs
+    >>> words = tfs.create_dynamic_table("words_doc", dim=4, key_dtype=tf.string, seed=3)
+    >>> tfs.embedding_lookup(words, ["cat", "dog", "cat"]).shape.as_list(), int(words.size())
+    ([3, 4], 2)
+    """
+    strategy = tf.distribute.get_strategy()
+    return create_dynamic_in(strategy, name, dim, key_dtype, initializer, partitions, seed, admission, eviction,
+                             dtype=dtype, trainable=trainable, max_rows=max_rows, growth=growth)  # fmt: skip
+
+
+def create_dynamic_in(strategy, name, dim, key_dtype, initializer, partitions, seed, admission, eviction, **options):
+    """`create_dynamic_table` under `strategy` (its family says where the shards go)."""
+    family = family_of(strategy)
+    if family.dynamic_devices is None:
+        raise UnsupportedStrategyError(strategy, dynamic_strategies(), what="dynamic tables")
+    for arg, value in (("admission", admission), ("eviction", eviction)):
+        if value is not None:
+            raise NotImplementedError(
+                f"Dynamic table '{name}': argument `{arg}` is not supported yet. Received: {value!r}"
+            )
+    if partitions is not None:
+        partitions = positive_int("partitions", getattr(partitions, "num_shards", partitions))
+    devices = family.dynamic_devices(strategy, partitions)
+    seed = draw_seed() if seed is None else seed
+    with strategy.scope():
+        return DynamicTable(name, dim, key_dtype, initializer=initializer, seed=seed, devices=devices,
+                            strategy=strategy, **options)  # fmt: skip
+
+
+def dynamic_strategies() -> list:
+    """Names of the strategy types whose family creates dynamic tables."""
+    return sorted({t.__name__ for t, f in registered_families().items() if f.dynamic_devices is not None})
+
+
+_DYNAMIC_SIGNATURE = inspect.signature(create_dynamic_table)
+
+
+def _dynamic_strategy_method(self, *args, **kwargs) -> DynamicTable:
+    try:
+        bound = _DYNAMIC_SIGNATURE.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"create_dynamic_table(): {e}. Signature: create_dynamic_table{_DYNAMIC_SIGNATURE}") from None
+    bound.apply_defaults()
+    a = dict(bound.arguments)
+    positional = [a.pop(k) for k in ("name", "dim", "key_dtype", "initializer", "partitions", "seed")]
+    return create_dynamic_in(self, *positional, a.pop("admission"), a.pop("eviction"), **a)
+
+
+_dynamic_strategy_method.__doc__ = create_dynamic_table.__doc__.split("Example:")[0]
+_dynamic_strategy_method.__name__ = "create_dynamic_table"
+
+
 def install() -> None:
-    """Adds `create_sharded_variable` to every `tf.distribute.Strategy`."""
+    """Adds `create_sharded_variable` and `create_dynamic_table` to every `tf.distribute.Strategy`."""
     for cls in {tf.distribute.Strategy, tf.compat.v1.distribute.Strategy}:
         cls.create_sharded_variable = _strategy_method
+        cls.create_dynamic_table = _dynamic_strategy_method

@@ -26,7 +26,7 @@ import keras
 import tensorflow as tf
 
 from tf_sharded import _compat, trace
-from tf_sharded.table.protocol import Table, owner_of
+from tf_sharded.table.protocol import Table, owner_of, update_exclusively
 
 
 def _beside(slot_shard, variable):
@@ -173,13 +173,20 @@ class _TableSlots(_compat.KerasOptimizerHooks):
         with tf.device(variable.device):
             if self._linear and not decay and isinstance(gradient, tf.IndexedSlices):
                 # A scatter sums duplicate rows itself: no merge needed.
-                variable.scatter_sub(tf.IndexedSlices(tf.cast(gradient.values, variable.dtype) * lr, gradient.indices))
+                values = tf.cast(gradient.values, variable.dtype) * lr
+                update_exclusively(
+                    table, shard, lambda: variable.scatter_sub(tf.IndexedSlices(values, gradient.indices))
+                )
                 return
             rows, grad = _touched(gradient, variable.dtype, unique_rows=trace.single_lookup(table))
-            if decay:
-                wd = tf.cast(self.weight_decay, variable.dtype)
-                variable.scatter_sub(tf.IndexedSlices(tf.gather(variable, rows) * wd * lr, rows))
-            self._update_rows(variable, rows, grad, slots, lr)
+
+            def write():
+                if decay:
+                    wd = tf.cast(self.weight_decay, variable.dtype)
+                    variable.scatter_sub(tf.IndexedSlices(tf.gather(variable, rows) * wd * lr, rows))
+                self._update_rows(variable, rows, grad, slots, lr)
+
+            update_exclusively(table, shard, write)
 
     def _decays(self, variable) -> bool:
         """Whether weight decay applies to a shard (recorded at build; a mirrored copy counts as its shard)."""

@@ -1,12 +1,21 @@
 """Tables: the protocol every table type implements, `ShardedVariable`, id validation, checkpoints, lookups.
 
-Modules: `protocol` (the `Table` protocol and the shard registry),
-`sharded_variable`, `ids`, `saveable` (the checkpoint entry), `builder`
-(creating shards where a strategy hook says), `lookup`.
+Modules: `protocol` (the `Table` protocol and the shard registry), `sharded_variable`,
+`dynamic` and `dynamic_shard` (tables keyed by raw ids), `ids`, `saveable` (the checkpoint entry),
+`builder` (creating shards where a strategy hook says), `lookup`.
 """
 
+from tf_sharded.table.dynamic import DynamicTable
 from tf_sharded.table.lookup import embedding_lookup, embedding_lookup_sparse
 from tf_sharded.table.protocol import Table, is_table, owner_of
 from tf_sharded.table.sharded_variable import ShardedVariable
 
-__all__ = ["ShardedVariable", "Table", "embedding_lookup", "embedding_lookup_sparse", "is_table", "owner_of"]
+__all__ = [
+    "DynamicTable",
+    "ShardedVariable",
+    "Table",
+    "embedding_lookup",
+    "embedding_lookup_sparse",
+    "is_table",
+    "owner_of",
+]

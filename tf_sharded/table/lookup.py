@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from tf_sharded import trace
 from tf_sharded.config import Combiner
+from tf_sharded.table.dynamic import DynamicTable
 from tf_sharded.table.protocol import is_table
 from tf_sharded.table.sharded_variable import ShardedVariable, gather_rows
 
@@ -143,16 +144,21 @@ def _lookup_group(members, max_norm):
     return tf.split(rows, sizes, num=len(members))
 
 
-def lookup_many(pairs, max_norm: Optional[float] = None) -> list:
+def lookup_many(pairs, max_norm: Optional[float] = None, training: bool = True) -> list:
     """Rows for several `(table, int64 ids of rank 1)` pairs at once, with sparse per-shard gradients.
 
     Tables of the same dtype and row shape are looked up together as one id
     space (`_lookup_group`): one de-duplication, one routing and one request
-    per device for the whole group.
+    per device for the whole group. A dynamic table looks its keys up itself
+    (inserting them when `training`).
     """
     results = [None] * len(pairs)
     groups = {}
     for i, (table, flat_ids) in enumerate(pairs):
+        if isinstance(table, DynamicTable):
+            rows = table.lookup(flat_ids, training=training)
+            results[i] = _clip_rows(rows, max_norm, [1]) if max_norm is not None else rows
+            continue
         plain = getattr(_SUBSTITUTES, "tables", {}).get(id(table))
         if plain is not None:
             rows = tf.gather(plain, flat_ids)
@@ -221,7 +227,7 @@ def _prepare(request: FeatureLookup):
     _, flat = table.check_ids(values, arg=arg, max_rank=1)
     row_ids, num_rows = tf.cast(row_ids, tf.int32), tf.cast(num_rows, tf.int32)
     if request.weights is None:
-        weights = tf.ones_like(flat, dtype=table.dtype)
+        weights = tf.ones(tf.shape(flat), dtype=table.dtype)
     else:
         w_values, _, _, w_kind = multi_hot_components(request.weights, "weights")
         if w_kind != kind:
@@ -235,7 +241,7 @@ def _prepare(request: FeatureLookup):
     return flat, lambda rows: combine(rows, row_ids, num_rows, weights, combiner)
 
 
-def lookup_features(requests: Sequence[FeatureLookup], max_norm: Optional[float] = None) -> list:
+def lookup_features(requests: Sequence[FeatureLookup], max_norm: Optional[float] = None, training: bool = True) -> list:
     """Outputs of several features at once: one lookup per table over all its features, fused across tables.
 
     Each table's ids from every feature that reads it are de-duplicated once,
@@ -248,7 +254,7 @@ def lookup_features(requests: Sequence[FeatureLookup], max_norm: Optional[float]
     groups = list(by_table.values())
     pairs = [(requests[g[0]].table, tf.concat([prepared[i][0] for i in g], 0)) for g in groups]
     outputs = [None] * len(requests)
-    for members, rows in zip(groups, lookup_many(pairs, max_norm)):
+    for members, rows in zip(groups, lookup_many(pairs, max_norm, training)):
         if len(members) == 1:
             pieces = [rows]
         else:
@@ -264,19 +270,24 @@ def _check_max_norm(max_norm) -> None:
         raise ValueError(f"Argument `max_norm` must be a positive number or None. Received: max_norm={max_norm!r}")
 
 
-def embedding_lookup(params, ids, max_norm: Optional[float] = None, name: Optional[str] = None) -> tf.Tensor:
-    """Looks up rows of a sharded table; the result has shape `ids.shape + row_shape`.
+def embedding_lookup(
+    params, ids, max_norm: Optional[float] = None, name: Optional[str] = None, training: bool = True
+) -> tf.Tensor:
+    """Looks up rows of a sharded or dynamic table; the result has shape `ids.shape + row_shape`.
 
     `tf.nn.embedding_lookup(table, ids)` dispatches here when `table` is a
     `tfs.ShardedVariable`. Distinct ids are fetched once each from the shard
     that owns them; the gradient reaches each shard as `tf.IndexedSlices`.
 
     Args:
-      params: the sharded table.
+      params: the sharded table, or a `tfs.DynamicTable`.
       ids: int32 or int64 ids of rank 0 to 3, duplicates allowed, each in
-        `[0, params.shape[0])`.
+        `[0, params.shape[0])`; for a dynamic table any keys of its
+        `key_dtype` (int64 of any value, or strings).
       max_norm: if set, rows whose L2 norm exceeds it are scaled down to it.
       name: optional name scope.
+      training: dynamic tables only: insert absent keys (trainable tables).
+        With False, absent keys read their initial row and nothing is stored.
 
     Returns:
       A tensor of `params.dtype`.
@@ -295,11 +306,11 @@ def embedding_lookup(params, ids, max_norm: Optional[float] = None, name: Option
     >>> tfs.embedding_lookup(table, [[5, 0], [5, 5]]).numpy().tolist()
     [[[10.0, 11.0], [0.0, 1.0]], [[10.0, 11.0], [10.0, 11.0]]]
     """
-    if not is_table(params):
+    if not is_table(params) and not isinstance(params, DynamicTable):
         return tf.nn.embedding_lookup(params, ids, max_norm=max_norm, name=name)
     _check_max_norm(max_norm)
     with tf.name_scope(name or f"{params.name}_lookup"):
-        return lookup_features([FeatureLookup(params, ids)], max_norm)[0]
+        return lookup_features([FeatureLookup(params, ids)], max_norm, training)[0]
 
 
 def embedding_lookup_sparse(
@@ -309,6 +320,7 @@ def embedding_lookup_sparse(
     combiner: str = "mean",
     max_norm: Optional[float] = None,
     name: Optional[str] = None,
+    training: bool = True,
 ) -> tf.Tensor:
     """Combines the rows of each example's multi-hot ids into one vector.
 
@@ -320,6 +332,7 @@ def embedding_lookup_sparse(
         L2 norm of the weights). Examples without ids get zeros.
       max_norm: optional row clipping, as in `embedding_lookup`.
       name: optional name scope.
+      training: dynamic tables only, as in `embedding_lookup`.
 
     Returns:
       A `[batch] + row_shape` tensor.
@@ -334,14 +347,14 @@ def embedding_lookup_sparse(
     [5.0, 3.0, 0.0]
     """
     combiner = Combiner.parse(combiner, "combiner")
-    if not is_table(params):
+    if not is_table(params) and not isinstance(params, DynamicTable):
         raise TypeError(
-            f"Argument `params` must be a tfs.ShardedVariable. Received: {type(params).__name__}. "
-            "For plain tables use tf.nn.embedding_lookup_sparse."
+            f"Argument `params` must be a tfs.ShardedVariable or tfs.DynamicTable. Received: "
+            f"{type(params).__name__}. For plain tables use tf.nn.embedding_lookup_sparse."
         )
     _check_max_norm(max_norm)
     with tf.name_scope(name or f"{params.name}_lookup_sparse"):
-        return lookup_features([FeatureLookup(params, ids, combiner, weights)], max_norm)[0]
+        return lookup_features([FeatureLookup(params, ids, combiner, weights)], max_norm, training)[0]
 
 
 def combine(rows: tf.Tensor, row_ids: tf.Tensor, num_rows, weights: tf.Tensor, combiner: str) -> tf.Tensor:
@@ -366,6 +379,18 @@ def _dispatch_embedding_lookup(params, ids, max_norm=None, name=None):
 
 @tf.experimental.dispatch_for_api(tf.nn.embedding_lookup_sparse, {"params": ShardedVariable})
 def _dispatch_embedding_lookup_sparse(
+    params, sp_ids, sp_weights, combiner=None, max_norm=None, name=None, allow_fast_lookup=False
+):
+    return embedding_lookup_sparse(params, sp_ids, sp_weights, combiner or "mean", max_norm, name)
+
+
+@tf.experimental.dispatch_for_api(tf.nn.embedding_lookup, {"params": DynamicTable})
+def _dispatch_dynamic_lookup(params, ids, max_norm=None, name=None):
+    return embedding_lookup(params, ids, max_norm=max_norm, name=name)
+
+
+@tf.experimental.dispatch_for_api(tf.nn.embedding_lookup_sparse, {"params": DynamicTable})
+def _dispatch_dynamic_lookup_sparse(
     params, sp_ids, sp_weights, combiner=None, max_norm=None, name=None, allow_fast_lookup=False
 ):
     return embedding_lookup_sparse(params, sp_ids, sp_weights, combiner or "mean", max_norm, name)

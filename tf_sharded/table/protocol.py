@@ -147,3 +147,13 @@ def owner_of(variable: Any) -> Optional[Tuple[Any, int]]:
         if found is not None:
             return found
     return None
+
+
+def update_exclusively(table: Any, shard: int, fn: Callable[[], Any]) -> Any:
+    """Runs `fn`, an optimizer's writes to shard `shard` of `table` and its slots, as the table requires.
+
+    A dynamic table runs them under the shard's lock (its pools may be growing
+    concurrently); a `ShardedVariable`'s shards never move, so `fn` just runs.
+    """
+    run = getattr(table, "update_exclusively", None)
+    return fn() if run is None else run(shard, fn)

@@ -1,0 +1,100 @@
+"""Dynamic tables on a local parameter-server cluster (2 ps, 2 workers): steps scheduled on the workers."""
+
+import collections
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sharded as tfs
+from tests.harness.strategies import ps_strategy, uid
+from tests.test_dynamic import DIM, Reference, by_key, power_law_keys, train_step
+
+pytestmark = pytest.mark.ps_cluster
+
+
+class DynamicParameterServerTest(tf.test.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.strategy = ps_strategy()
+        cls.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(cls.strategy)
+
+    def make(self, **kwargs):
+        with self.strategy.scope():
+            return self.strategy.create_dynamic_table(uid("ps_dyn"), DIM, **kwargs)
+
+    def test_one_shard_per_ps_by_default(self):
+        table = self.make()
+        tasks = sorted(tf.DeviceSpec.from_string(d).task for d in table.devices)
+        self.assertEqual([tf.DeviceSpec.from_string(d).job for d in table.devices], ["ps", "ps"])
+        self.assertEqual(tasks, [0, 1])
+        self.assertEqual(self.make(partitions=3).num_shards, 3)
+
+    def test_concurrent_inserts_from_two_workers_lose_and_duplicate_nothing(self):
+        # Growing by 2% makes nearly every step copy the pools while the other worker's step writes rows.
+        table = self.make(seed=4, key_dtype=tf.int64, growth=1.02)
+        # d(sum of rows)/d(row) = 1 per occurrence: with SGD(1.0) each row ends at initial - count.
+        step = train_step(table, tfs.optimizers.SGD(1.0), loss_of=tf.reduce_sum)
+
+        rng = np.random.default_rng(3)
+        batches = []
+        for _ in range(40):
+            keys = rng.integers(-(2**62), 2**62, size=2000, dtype=np.int64)
+            keys[:150] = rng.integers(0, 200, size=150)  # keys every worker inserts at once
+            batches.append(keys)
+        for keys in batches:
+            self.coordinator.schedule(step, args=(tf.constant(keys),))
+        self.coordinator.join()
+        counts = collections.Counter(np.concatenate(batches).tolist())
+        self.assertEqual(int(table.size()), len(counts))
+        rows = by_key(table)
+        self.assertEqual(set(rows), set(counts))
+        initial = table.initial_rows(tf.constant(list(counts), tf.int64)).numpy()
+        expected = {k: initial[i] - counts[k] for i, k in enumerate(counts)}
+        for key, value in rows.items():
+            self.assertAllClose(value, expected[key], atol=1e-4)
+        for shard in table.shards:
+            _, used = shard.index.export()
+            self.assertEqual(len(set(used.numpy().tolist())), int(shard.size()))
+
+    def test_scheduled_adagrad_steps_match_dense_reference(self):
+        rng = np.random.default_rng(5)
+        batches = [power_law_keys(rng, 64) for _ in range(5)]
+        table = self.make(seed=2)
+        step = train_step(table, tfs.optimizers.Adagrad(0.3))
+        ref = Reference(table, batches, tfs.optimizers.Adagrad(0.3))
+        for keys in batches:
+            loss = self.coordinator.schedule(step, args=(tf.constant(keys),))
+            self.coordinator.join()
+            self.assertAllClose(float(loss.fetch()), ref.step(keys), rtol=1e-5)
+        rows = by_key(table)
+        self.assertEqual(set(rows), set(ref.row))
+        for key, value in rows.items():
+            self.assertAllClose(value, ref.var.numpy()[ref.row[key]], atol=1e-6)
+
+    def test_checkpoint_from_ps_restores_locally_with_slots_and_back(self):
+        table = self.make(seed=6, key_dtype=tf.string)
+        step = train_step(table, tfs.optimizers.Adagrad(0.5), loss_of=lambda rows: tf.reduce_sum(tf.square(rows)))
+
+        words = np.array([f"w{i}" for i in range(60)])
+        for _ in range(3):
+            self.coordinator.schedule(step, args=(tf.constant(np.random.default_rng(0).choice(words, 50)),))
+        self.coordinator.join()
+        path = tf.train.Checkpoint(t=table).write(self.get_temp_dir() + "/ps_dyn")
+        with tf.device("/job:chief/replica:0/task:0/device:CPU:0"):
+            local = tfs.DynamicTable(uid("local"), DIM, tf.string, seed=6, devices=[None] * 3)
+        local.make_slot("accumulator", 0.1)
+        tf.train.Checkpoint(t=local).read(path).assert_consumed()
+        self.assertEqual(by_key(local).keys(), by_key(table).keys())
+        for column in (None, "accumulator"):
+            expected, got = by_key(table, column), by_key(local, column)
+            for key in expected:
+                self.assertAllClose(got[key], expected[key])
+        back = self.make(seed=6, key_dtype=tf.string, partitions=3)
+        tf.train.Checkpoint(t=back).read(tf.train.Checkpoint(t=local).write(self.get_temp_dir() + "/back"))
+        self.assertEqual(by_key(back).keys(), by_key(table).keys())
+
+
+if __name__ == "__main__":
+    tf.test.main()

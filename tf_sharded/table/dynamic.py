@@ -1,0 +1,351 @@
+"""`DynamicTable`: an embedding table keyed by raw int64 or string ids, with no `[0, rows)` bound.
+
+A key's shard is a hash of the key (SplitMix64 of an int64 key, the 64-bit
+fingerprint of a string) modulo the number of shards; its initial row is a
+pure function of (seed, key) (`tf_sharded.initializers.per_key`). Neither
+depends on insertion order or on the layout, so a table saved from 2 shards
+restores into 3, and a key never inserted reads the value it would have been
+given. Each shard is a `DynamicShard` (an index, a row pool that grows, the
+optimizer's columns, a lock) on the device its strategy hook chose.
+
+Training lookups insert the keys they meet; the gradient reaches each shard's
+row pool (`table.variables[i]`) as `tf.IndexedSlices` of the looked-up rows,
+so `tfs.optimizers` and Keras train it like any variable. Checkpoints hold
+the live keys, their rows and their optimizer columns, never the capacity.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from tf_sharded import _compat, initializers
+from tf_sharded.errors import positive_int
+from tf_sharded.table.dynamic_shard import DynamicShard
+from tf_sharded.table.protocol import MAX_IDS_RANK, register_shards
+
+KEY_DTYPES = (tf.int64, tf.string)
+_SALT = 0x2545F4914F6CDD1D
+
+
+def parse_key_dtype(key_dtype, table: str) -> tf.DType:
+    """`tf.int64` or `tf.string` from a dtype or its name; anything else is refused naming the table."""
+    try:
+        dtype = tf.as_dtype(key_dtype)
+    except TypeError:
+        dtype = None
+    if dtype not in KEY_DTYPES:
+        raise TypeError(
+            f"Dynamic table '{table}': argument `key_dtype` must be tf.int64 or tf.string ('int64' / 'string'). "
+            f"Received: key_dtype={key_dtype!r}"
+        )
+    return dtype
+
+
+def key_fingerprints(keys: tf.Tensor) -> tf.Tensor:
+    """int64 keys as they are; string keys as their 64-bit fingerprint (the counter of their initial row)."""
+    if keys.dtype == tf.string:
+        return tf.strings.to_hash_bucket_fast(keys, 2**63 - 1)
+    return keys
+
+
+def shard_of_keys(keys: tf.Tensor, num_shards: int) -> tf.Tensor:
+    """The shard (int32) of each key: a hash of the key alone, the same in every process."""
+    if num_shards == 1:
+        return tf.zeros(tf.shape(keys), tf.int32)
+    mixed = initializers.mix64(tf.cast(key_fingerprints(keys), tf.uint64) + initializers.u64(_SALT))
+    high = tf.cast(tf.bitwise.right_shift(mixed, initializers.u64(33)), tf.int64)
+    return tf.cast(tf.math.floormod(high, num_shards), tf.int32)
+
+
+class DynamicTable(_compat.Trackable):
+    """An embedding table keyed by raw int64 or string ids; rows are created as keys arrive.
+
+    Create one with `strategy.create_dynamic_table(...)` or
+    `tfs.create_dynamic_table(...)`; the constructor is for strategy hooks.
+
+    Example:
+
+    >>> import tf_sharded as tfs
+    >>> users = tfs.create_dynamic_table("users_doc", dim=2, key_dtype=tf.int64, partitions=2, seed=1)
+    >>> rows = tfs.embedding_lookup(users, [-7, 2**60, -7])
+    >>> rows.shape.as_list(), int(users.size())
+    ([3, 2], 2)
+    >>> bool(tf.reduce_all(rows[0] == rows[2]))
+    True
+    """
+
+    def __init__(
+        self,
+        name: str,
+        dim: int,
+        key_dtype=tf.int64,
+        dtype=tf.float32,
+        initializer: Any = "uniform",
+        seed: int = 0,
+        devices: Sequence[Optional[str]] = (None,),
+        trainable: bool = True,
+        strategy: Optional[tf.distribute.Strategy] = None,
+        growth: float = 1.25,
+        max_rows: Optional[int] = None,
+    ):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"Argument `name` must be a non-empty string. Received: name={name!r}")
+        self._name = name
+        self._dim = positive_int("dim", dim)
+        self._key_dtype = parse_key_dtype(key_dtype, name)
+        self._dtype = tf.as_dtype(dtype)
+        if not self._dtype.is_floating:
+            raise TypeError(f"Dynamic table '{name}': argument `dtype` must be a float dtype. Received: {dtype!r}")
+        if not isinstance(growth, (int, float)) or not 1.0 < growth <= 4.0:
+            raise ValueError(f"Dynamic table '{name}': argument `growth` must be in (1, 4]. Received: {growth!r}")
+        if max_rows is not None:
+            max_rows = positive_int("max_rows", max_rows)
+        self._seed = int(seed)
+        self._initializer = initializers.per_key(initializer, self._dim, self._dtype, self._seed, name)
+        self._trainable = bool(trainable)
+        self._strategy = strategy
+        per_shard = None if max_rows is None else -(-max_rows // len(devices))
+        self._shards = [
+            DynamicShard(name, i, d, self._key_dtype, self._dim, self._dtype, trainable, growth, per_shard)
+            for i, d in enumerate(devices)
+        ]
+        self._slots: Dict[str, DynamicSlot] = {}
+        register_shards(self, [s.rows for s in self._shards])
+
+    # -------------------------------------------------------------- metadata --
+
+    name = property(lambda self: self._name)
+    dim = property(lambda self: self._dim)
+    dtype = property(lambda self: self._dtype)
+    key_dtype = property(lambda self: self._key_dtype)
+    seed = property(lambda self: self._seed)
+    trainable = property(lambda self: self._trainable)
+    strategy = property(lambda self: self._strategy)
+    shards = property(lambda self: tuple(self._shards))
+    num_shards = property(lambda self: len(self._shards))
+    devices = property(lambda self: tuple(s.device for s in self._shards))
+    # Not mirrored (yet): no gradient exchange, no mirrored placement.
+    exchange = property(lambda self: None)
+    placement = property(lambda self: None)
+    # Unknown row count: the logical table is as long as its live keys.
+    shape = property(lambda self: tf.TensorShape([None, self._dim]))
+
+    @property
+    def variables(self) -> Tuple[tf.Variable, ...]:
+        """Each shard's row pool (`[capacity, dim]`, unknown static shape): what gradients and optimizers see."""
+        return tuple(s.rows for s in self._shards)
+
+    @property
+    def trainable_variables(self) -> Tuple[tf.Variable, ...]:
+        return self.variables if self._trainable else ()
+
+    def __repr__(self):
+        return (
+            f"<tfs.DynamicTable '{self._name}' dim={self._dim} key_dtype={self._key_dtype.name} "
+            f"dtype={self._dtype.name} num_shards={self.num_shards}>"
+        )
+
+    # ---------------------------------------------------------------- keys --
+
+    def check_ids(self, ids, arg: str = "ids", max_rank: Optional[int] = MAX_IDS_RANK):
+        """Validated keys as `(keys, flat keys)` of the table's key dtype; errors name the table and `arg`."""
+        if isinstance(ids, (tf.SparseTensor, tf.RaggedTensor)):
+            raise TypeError(
+                f"Argument `{arg}` of dynamic table '{self._name}' must be a dense tensor of keys. Received: a "
+                f"{type(ids).__name__}. For multi-hot keys use tfs.embedding_lookup_sparse."
+            )
+        if not isinstance(ids, (tf.Tensor, tf.Variable)):
+            array = np.asarray(ids)
+            if array.dtype.kind in "iu" and self._key_dtype == tf.int64:
+                array = array.astype(np.int64)
+            ids = tf.convert_to_tensor(array)
+        wanted = "int32 or int64" if self._key_dtype == tf.int64 else "string"
+        ok = ids.dtype in (tf.int32, tf.int64) if self._key_dtype == tf.int64 else ids.dtype == tf.string
+        if not ok:
+            raise TypeError(
+                f"Argument `{arg}` of dynamic table '{self._name}' (key_dtype={self._key_dtype.name}) must hold "
+                f"{wanted} keys. Received: {arg} of dtype {ids.dtype.name}"
+            )
+        rank = ids.shape.rank
+        if max_rank is not None and rank is not None and rank > max_rank:
+            raise ValueError(
+                f"Argument `{arg}` must have rank 0 to {max_rank}. Received: {arg} of rank {rank} "
+                f"(shape {ids.shape.as_list()}) for table '{self._name}'"
+            )
+        ids = tf.cast(ids, self._key_dtype) if self._key_dtype == tf.int64 else ids
+        return ids, tf.reshape(ids, [-1])
+
+    def initial_rows(self, keys) -> tf.Tensor:
+        """The rows keys start with (and read until inserted): a function of (seed, key) only."""
+        counters = key_fingerprints(tf.convert_to_tensor(keys, self._key_dtype))
+        return self._initializer.rows(counters, (1, self._dim), self._dtype)
+
+    def shard_of(self, keys) -> tf.Tensor:
+        """The shard each key belongs to (int32)."""
+        return shard_of_keys(tf.convert_to_tensor(keys, self._key_dtype), self.num_shards)
+
+    # -------------------------------------------------------------- lookups --
+
+    def lookup(self, flat_keys, training: bool = True) -> tf.Tensor:
+        """Rows of rank-1 `flat_keys`; `training` inserts absent keys (if trainable), else they read their initial row.
+
+        Distinct keys are routed once to their shard; the gradient reaches each
+        shard's pool as `IndexedSlices` of the rows looked up, summed per key.
+        """
+        uniq, idx = tf.unique(flat_keys, out_idx=tf.int32)
+        num_unique = tf.size(uniq, out_type=tf.int32)
+        if self.num_shards == 1:
+            keys_by_shard, positions = [uniq], [tf.range(num_unique)]
+        else:
+            shard = self.shard_of(uniq)
+            keys_by_shard = tf.dynamic_partition(uniq, shard, self.num_shards)
+            positions = tf.dynamic_partition(tf.range(num_unique), shard, self.num_shards)
+        unique_rows = tf.zeros(tf.stack([num_unique, self._dim]), self._dtype)
+        for shard, keys, where in zip(self._shards, keys_by_shard, positions):
+            if training and self._trainable:
+                rows = shard.find_or_insert(keys, self.initial_rows)
+            else:
+                rows = shard.find(keys)
+            found = rows >= 0
+            stored = tf.where(found)
+            absent = tf.where(tf.logical_not(found))
+            values = shard.gather(tf.gather_nd(rows, stored))
+            fresh = self.initial_rows(tf.gather_nd(keys, absent))
+            count = tf.size(keys, out_type=tf.int64)
+            part = tf.scatter_nd(stored, values, tf.stack([count, self._dim])) + tf.scatter_nd(
+                absent, fresh, tf.stack([count, self._dim])
+            )
+            unique_rows = unique_rows + tf.scatter_nd(where[:, None], part, tf.stack([num_unique, self._dim]))
+        return _expand(unique_rows, idx, num_unique)
+
+    # ------------------------------------------------------------- contents --
+
+    def size(self) -> tf.Tensor:
+        """Live keys (int64 scalar)."""
+        return tf.add_n([tf.cast(s.size(), tf.int64) for s in self._shards])
+
+    def export(self, columns: Sequence[str] = ()) -> Tuple[tf.Tensor, tf.Tensor]:
+        """`(keys, rows)` of every live key (an explicit full read; order unspecified)."""
+        keys, values, _ = self.export_columns(columns)
+        return keys, values
+
+    def export_columns(self, columns: Sequence[str] = ()):
+        """`(keys, rows, {column: values})` of every live key, columns aligned with the keys."""
+        parts = [s.export(columns) for s in self._shards]
+        keys = tf.concat([p[0] for p in parts], 0)
+        values = tf.concat([tf.reshape(p[1], [-1, self._dim]) for p in parts], 0)
+        extra = {c: tf.concat([p[2][c] for p in parts], 0) for c in columns}
+        return keys, values, extra
+
+    def assign_keys(self, keys, values, columns: Optional[Dict[str, Any]] = None) -> None:
+        """Makes `(keys, values)` (and optimizer columns aligned with them) the table's whole content."""
+        keys = tf.convert_to_tensor(keys)
+        if keys.dtype != self._key_dtype:
+            raise TypeError(
+                f"Dynamic table '{self._name}' has key_dtype={self._key_dtype.name}; the keys to load are "
+                f"{keys.dtype.name}. Received keys saved from another table."
+            )
+        values = tf.convert_to_tensor(values)
+        if values.shape.rank != 2 or values.shape[1] != self._dim:
+            raise ValueError(
+                f"Dynamic table '{self._name}' has dim={self._dim}; the rows to load have shape "
+                f"{values.shape.as_list()}. Received rows saved from another table configuration."
+            )
+        columns = {k: tf.convert_to_tensor(v) for k, v in (columns or {}).items()}
+        shard = self.shard_of(keys)
+        n = self.num_shards
+        split = lambda t: tf.dynamic_partition(t, shard, n) if n > 1 else [t]  # noqa: E731
+        key_parts, value_parts = split(keys), split(values)
+        column_parts = {k: split(v) for k, v in columns.items()}
+        for i, s in enumerate(self._shards):
+            s.replace(key_parts[i], value_parts[i], {k: parts[i] for k, parts in column_parts.items()})
+
+    # ---------------------------------------------------------- optimizers --
+
+    def make_slot(self, name: str, fill: float) -> DynamicSlot:
+        """An optimizer slot: a column of `fill` beside every shard's rows, grown and saved with them."""
+        column = name.rsplit("/", 1)[-1]
+        if column not in self._slots:
+            self._slots[column] = DynamicSlot(self, column, [s.add_column(column, fill) for s in self._shards])
+        return self._slots[column]
+
+    def update_exclusively(self, shard: int, fn) -> tf.Tensor:
+        """Runs an optimizer's writes to shard `shard` (rows and columns) under the shard's lock."""
+        return self._shards[shard].update_exclusively(fn)
+
+    def shard_rows(self, shard: int) -> tf.Tensor:
+        return self._shards[shard].capacity.read_value()
+
+    # ---------------------------------------------------------- checkpoints --
+
+    def _serialize_to_tensors(self):
+        saved = _compat.restoring_attributes(self)
+        if saved is not None:
+            self._check_restore(saved)
+        columns = sorted(self._slots)
+        keys, values, extra = self.export_columns(columns)
+        tensors = {"keys": keys, "values": values}
+        tensors.update({f"slot-{c}": extra[c] for c in columns})
+        # A restore reads only the names declared here: the checkpoint's optimizer columns too, even for a
+        # table whose optimizer is not built yet (they wait in the shards for it).
+        for name in saved or ():
+            if name.startswith("slot-") and name not in tensors:
+                tensors[name] = tf.zeros([0, self._dim], self._dtype)
+        return tensors
+
+    def _check_restore(self, saved) -> None:
+        """Refuses a checkpoint of another key dtype or row width before anything is read or assigned."""
+        if "keys" not in saved or "values" not in saved:
+            raise ValueError(
+                f"Dynamic table '{self._name}': the checkpoint entry restored into it is not a dynamic table's "
+                f"(it holds {sorted(saved)}). Received a checkpoint of another model."
+            )
+        key_dtype, shape = saved["keys"][2], saved["values"][1]
+        if key_dtype is not None and tf.as_dtype(key_dtype) != self._key_dtype:
+            raise TypeError(
+                f"Dynamic table '{self._name}' has key_dtype={self._key_dtype.name}; the checkpoint's table has "
+                f"{tf.as_dtype(key_dtype).name} keys. Received a checkpoint of another table."
+            )
+        if shape is not None and list(shape)[1:] != [self._dim]:
+            raise ValueError(
+                f"Dynamic table '{self._name}' has dim={self._dim}; the checkpoint's rows have shape "
+                f"{list(shape)}. Received a checkpoint of another table configuration."
+            )
+
+    def _restore_from_tensors(self, restored_tensors):
+        columns = {k[len("slot-") :]: v for k, v in restored_tensors.items() if k.startswith("slot-")}
+        self.assign_keys(restored_tensors["keys"], restored_tensors["values"], columns)
+        return tf.no_op() if not tf.executing_eagerly() else None
+
+
+class DynamicSlot(_compat.Trackable):
+    """An optimizer slot of a dynamic table: one column per shard, saved with the table (not on its own)."""
+
+    def __init__(self, table: DynamicTable, name: str, variables):
+        self.table, self.name, self.variables = table, name, tuple(variables)
+
+    def numpy(self):
+        """The slot's rows of every live key, in `table.export()` order."""
+        return self.table.export_columns([self.name])[2][self.name].numpy()
+
+    def _serialize_to_tensors(self):
+        return {}
+
+
+@tf.custom_gradient
+def _expand_impl(unique_rows, idx, num_unique):
+    def grad(dy):
+        return tf.math.unsorted_segment_sum(dy, idx, num_unique), None, None
+
+    return tf.gather(unique_rows, idx), grad
+
+
+def _expand(unique_rows, idx, num_unique):
+    """Rows in the caller's order; the upstream gradient summed per distinct key (nothing table-sized)."""
+    return _expand_impl(unique_rows, idx, num_unique)
+
+
+_compat.register_dispatchable_type(DynamicTable)
