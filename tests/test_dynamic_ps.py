@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
+from tests.harness.models import IDS, LABELS, RAW_KEYS, dynamic_reference, make_dynamic_model
 from tests.harness.strategies import ps_strategy, uid
 from tests.test_dynamic import DIM, Reference, by_key, power_law_keys, train_step
 
@@ -94,6 +95,33 @@ class DynamicParameterServerTest(tf.test.TestCase):
         back = self.make(seed=6, key_dtype=tf.string, partitions=3)
         tf.train.Checkpoint(t=back).read(tf.train.Checkpoint(t=local).write(self.get_temp_dir() + "/back"))
         self.assertEqual(by_key(back).keys(), by_key(table).keys())
+
+    def test_keras_fit_on_raw_keys_matches_plain_keras_and_restores_locally(self):
+        with self.strategy.scope():
+            model = make_dynamic_model()
+        layer = model.get_layer("emb")
+        self.assertEqual(layer.table.num_shards, 2)
+        steps = 4
+        ckpt_dir = self.get_temp_dir() + "/dyn_fit"
+        dataset_fn = lambda context=None: tf.data.Dataset.from_tensors((RAW_KEYS[IDS], LABELS)).repeat()  # noqa: E731
+        tfs.fit(model, dataset_fn, epochs=1, steps_per_epoch=steps, checkpoint_dir=ckpt_dir, verbose=0, log_every=1)
+        expected, kernel = dynamic_reference(model, steps)
+        rows = by_key(layer.table)
+        self.assertEqual(set(rows), set(expected))
+        for key, row in expected.items():
+            self.assertAllClose(rows[key], row, atol=1e-5)
+        self.assertAllClose(model.get_layer("dense").kernel.numpy(), kernel, atol=1e-5)
+
+        with tf.device("/job:chief/replica:0/task:0/device:CPU:0"), tf.distribute.get_strategy().scope():
+            local = make_dynamic_model(partitions=3)
+            local.optimizer.build(local.trainable_variables)
+        checkpoint = tf.train.Checkpoint(model=local, optimizer=local.optimizer)
+        checkpoint.restore(tf.train.latest_checkpoint(ckpt_dir)).assert_existing_objects_matched()
+        local_table = local.get_layer("emb").table
+        self.assertEqual(by_key(local_table).keys(), rows.keys())
+        momentum = by_key(layer.table, "momentum")
+        for key, value in by_key(local_table, "momentum").items():
+            self.assertAllClose(value, momentum[key])
 
 
 if __name__ == "__main__":

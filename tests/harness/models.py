@@ -36,3 +36,26 @@ def single_device_reference(table0, steps):
     reference.compile(optimizer=keras.optimizers.SGD(0.3, momentum=0.5), loss="mse")
     reference.fit(IDS, LABELS, batch_size=len(IDS), epochs=steps, shuffle=False, verbose=0)
     return ref_emb.embeddings.numpy(), reference.layers[-1].kernel.numpy()
+
+
+# The same ids as raw keys (negative, beyond 2**53): id i of IDS is key RAW_KEYS[i].
+RAW_KEYS = np.array([(-1) ** i * (2**55 + 977 * i) for i in range(ROWS)], np.int64)
+
+
+def make_dynamic_model(partitions=None, seed=5):
+    """`make_model` with a `tfs.layers.DynamicEmbedding` over raw int64 keys instead of ids."""
+    inp = keras.Input((3,), dtype="int64", name="ids")
+    x = tfs.layers.DynamicEmbedding(DIM, combiner="mean", partitions=partitions, seed=seed, name="emb")(inp)
+    out = keras.layers.Dense(1, kernel_initializer="ones", name="dense")(x)
+    model = keras.Model(inp, out)
+    model.compile(optimizer=tfs.optimizers.SGD(0.3, momentum=0.5), loss="mse", metrics=["mae"])
+    return model
+
+
+def dynamic_reference(model, steps):
+    """`single_device_reference` from the initial rows of `make_dynamic_model`'s keys: (rows by key, kernel)."""
+    table = model.get_layer("emb").table
+    table0 = table.initial_rows(RAW_KEYS).numpy()
+    rows, kernel = single_device_reference(table0, steps)
+    used = np.unique(IDS)
+    return {int(RAW_KEYS[i]): rows[i] for i in used}, kernel

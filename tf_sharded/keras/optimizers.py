@@ -59,6 +59,25 @@ def _touched(gradient, dtype, unique_rows: bool = False) -> Tuple[tf.Tensor, tf.
     return rows, tf.cast(tf.gather(gradient, rows), dtype)
 
 
+def check_trains_tables(optimizer, variables) -> None:
+    """Refuses an optimizer that cannot train a dynamic table among `variables`, naming the table.
+
+    Keras's own optimizers build each slot with the shape its variable has
+    when they are built; a dynamic table's row pools grow afterwards.
+    """
+    if isinstance(optimizer, _TableSlots):
+        return
+    for variable in variables:
+        tag = owner_of(variable)
+        if tag is not None and tag[0].shape[0] is None:
+            raise ValueError(
+                f"Dynamic table '{tag[0].name}' needs a tfs.optimizers optimizer (its rows are added as keys "
+                f"arrive; Keras's own optimizers size their slots once). Received: optimizer="
+                f"{type(optimizer).__module__}.{type(optimizer).__name__}. Use tfs.optimizers."
+                f"{type(optimizer).__name__} with the same arguments."
+            )
+
+
 class _TableSlots(_compat.KerasOptimizerHooks):
     """Mixin placed before a Keras optimizer: sharded slots and lazy row updates for tables.
 
@@ -140,7 +159,10 @@ class _TableSlots(_compat.KerasOptimizerHooks):
         super().save_own_variables(store)
         for k, table in enumerate(getattr(self, "_tfs_tables", [])):
             for name, slot in self._tfs_slots[id(table)].items():
-                store[f"table_slots_{k}_{name}"] = slot.numpy()
+                if hasattr(slot, "save_to"):  # a dynamic table's slot: values by key
+                    slot.save_to(store, f"table_slots_{k}_{name}")
+                else:
+                    store[f"table_slots_{k}_{name}"] = slot.numpy()
 
     def load_own_variables(self, store):
         ours = [key for key in store.keys() if key.startswith("table_slots_")]
@@ -148,7 +170,9 @@ class _TableSlots(_compat.KerasOptimizerHooks):
         for k, table in enumerate(getattr(self, "_tfs_tables", [])):
             for name, slot in self._tfs_slots[id(table)].items():
                 key = f"table_slots_{k}_{name}"
-                if key in ours:
+                if key in ours and hasattr(slot, "load_from"):
+                    slot.load_from(store, key)
+                elif key in ours:
                     slot.assign(store[key][...])
 
     def apply(self, grads, trainable_variables=None):

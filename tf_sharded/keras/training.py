@@ -24,6 +24,7 @@ import tensorflow as tf
 from tf_sharded.errors import positive_int
 from tf_sharded.keras import evaluation
 from tf_sharded.keras.checkpoints import Checkpoints, PeriodicCheckpoint
+from tf_sharded.keras.optimizers import check_trains_tables
 from tf_sharded.strategy import FitLoop, family_of
 
 DatasetSource = Union[Callable[[tf.distribute.InputContext], tf.data.Dataset], tf.data.Dataset]
@@ -104,6 +105,7 @@ def fit(
             + (" (not compiled)" if isinstance(model, keras.Model) else "")
             + ". Please call model.compile(optimizer=..., loss=...) inside strategy.scope() first."
         )
+    check_trains_tables(model.optimizer, model.trainable_variables)
     if not (callable(dataset) or isinstance(dataset, tf.data.Dataset)):
         raise ValueError(
             "Argument `dataset` must be a tf.data.Dataset or a function input_context -> tf.data.Dataset. "

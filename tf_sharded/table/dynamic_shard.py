@@ -251,6 +251,18 @@ class DynamicShard:
             }
             return keys, values, extra
 
+    def set_column(self, name: str, keys, values) -> tf.Tensor:
+        """Writes `values` into column `name` at the rows of `keys` this shard holds (others are skipped)."""
+
+        def body():
+            rows = self.index.lookup(keys)
+            held = tf.where(rows >= 0)
+            variable = self.columns[name][0]
+            update = tf.IndexedSlices(tf.gather_nd(values, held), tf.gather_nd(rows, held))
+            return _settled([variable.scatter_update(update)])
+
+        return self._locked(body)
+
     def size(self) -> tf.Tensor:
         with tf.device(self.device):
             return self.index.size()
