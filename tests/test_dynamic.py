@@ -157,7 +157,8 @@ class DynamicTableTest(tf.test.TestCase):
         path = tf.train.Checkpoint(t=table).write(self.get_temp_dir() + "/small")
         reader = tf.train.load_checkpoint(path)
         shapes = {k: v for k, v in reader.get_variable_to_shape_map().items() if k.startswith("t/")}
-        self.assertEqual(sorted(shapes.values()), [[10], [10, 8]])
+        # keys, values, and per key its last-seen step and occurrences; the table's step
+        self.assertEqual(sorted(shapes.values()), [[], [10], [10], [10], [10, 8]])
         self.assertGreater(int(table.shards[0].capacity.numpy()), 10)
 
     def test_bad_keys_are_refused_naming_the_table(self):
@@ -202,8 +203,10 @@ class DynamicTableTest(tf.test.TestCase):
         strategy = tf.distribute.get_strategy()
         table = strategy.create_dynamic_table(uid("m"), 3, key_dtype=tf.string)
         self.assertIsInstance(table, tfs.DynamicTable)
-        with self.assertRaisesRegex(NotImplementedError, "argument `admission` is not supported yet"):
+        with self.assertRaisesRegex(TypeError, "Dynamic table 'adm.*': argument `admission` must be None, tfs.Min"):
             tfs.create_dynamic_table(uid("adm"), dim=2, admission=object())
+        with self.assertRaisesRegex(TypeError, "argument `eviction` must be .* at most one of each"):
+            tfs.create_dynamic_table(uid("ev"), dim=2, eviction=[tfs.CapacityEviction(3), tfs.CapacityEviction(4)])
 
 
 if __name__ == "__main__":

@@ -96,6 +96,29 @@ class DynamicParameterServerTest(tf.test.TestCase):
         tf.train.Checkpoint(t=back).read(tf.train.Checkpoint(t=local).write(self.get_temp_dir() + "/back"))
         self.assertEqual(by_key(back).keys(), by_key(table).keys())
 
+    def test_policies_run_on_the_ps_under_concurrent_steps(self):
+        table = self.make(
+            seed=1, admission=tfs.MinCountAdmission(2), eviction=tfs.CapacityEviction(300), growth=1.05
+        )  # fmt: skip
+        self.assertEqual({v.device for v in [s.admission_state for s in table.shards]}, set(table.devices))
+        step = train_step(table, tfs.optimizers.Adagrad(0.1))
+        rng = np.random.default_rng(8)
+        batches = [rng.integers(0, 1000, size=400, dtype=np.int64) for _ in range(24)]
+        for keys in batches:
+            self.coordinator.schedule(step, args=(tf.constant(keys),))
+        self.coordinator.join()
+        self.assertEqual(int(table.step.numpy()), len(batches))
+        for shard in table.shards:
+            keys, rows = shard.index.export()
+            rows = rows.numpy().tolist()
+            self.assertEqual(len(set(rows)), len(rows))  # no row shared by two keys
+            self.assertLessEqual(len(rows), 150)
+            self.assertLessEqual(int(shard.capacity.numpy()), 150)
+        # Every live key was admitted: it occurred at least twice in the batches run before it got its row.
+        counts = collections.Counter(np.concatenate(batches).tolist())
+        self.assertTrue(all(counts[k] >= 2 for k in by_key(table)))
+        self.assertGreater(int(table.size()), 250)
+
     def test_keras_fit_on_raw_keys_matches_plain_keras_and_restores_locally(self):
         with self.strategy.scope():
             model = make_dynamic_model()

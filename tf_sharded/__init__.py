@@ -8,16 +8,17 @@ installs `create_sharded_variable` on every `tf.distribute.Strategy`, routes
 `tfs.models`) is the `[app]` extra and is imported on first use.
 """
 
-from tf_sharded import cluster, exchange, partitioners, strategy
+from tf_sharded import cluster, exchange, partitioners, policies, strategy
 from tf_sharded.config import Combiner, Exchange, FeatureConfig, Placement, Scheme, TableConfig
 from tf_sharded.creation import create_dynamic_table, create_sharded_variable
 from tf_sharded.creation import install as _install
 from tf_sharded.errors import LayoutMismatchError, ShardedError, UnsupportedStrategyError
 from tf_sharded.keras import layers, optimizers, training
 from tf_sharded.keras.evaluation import evaluate, predict
-from tf_sharded.keras.serving import export
+from tf_sharded.keras.serving import export, export_delta
 from tf_sharded.keras.training import fit
 from tf_sharded.partition import Layout, PartitionSpec
+from tf_sharded.policies import CapacityEviction, MinCountAdmission, ProbabilityAdmission, StepsSinceSeenEviction
 from tf_sharded.strategy import default as _default  # noqa: F401  (registers the family)
 from tf_sharded.strategy import mirrored as _mirrored  # noqa: F401
 from tf_sharded.strategy import parameter_server as _parameter_server  # noqa: F401
@@ -40,17 +41,21 @@ def __getattr__(name):
 _install()
 
 __all__ = [
+    "CapacityEviction",
     "Combiner",
     "DynamicTable",
     "Exchange",
     "FeatureConfig",
     "Layout",
     "LayoutMismatchError",
+    "MinCountAdmission",
     "PartitionSpec",
     "Placement",
+    "ProbabilityAdmission",
     "Scheme",
     "ShardedError",
     "ShardedVariable",
+    "StepsSinceSeenEviction",
     "Table",
     "TableConfig",
     "UnsupportedStrategyError",
@@ -62,10 +67,12 @@ __all__ = [
     "evaluate",
     "exchange",
     "export",
+    "export_delta",
     "fit",
     "layers",
     "optimizers",
     "partitioners",
+    "policies",
     "predict",
     "strategy",
     "training",

@@ -150,8 +150,10 @@ def create_dynamic_table(
       partitions: None (the strategy's default: one shard per ps under
         ParameterServerStrategy, else one) or a number of shards.
       seed: seed of the initial rows (drawn from TF's global seed if None).
-      admission: reserved for admission policies (must be None for now).
-      eviction: reserved for eviction policies (must be None for now).
+      admission: None (every key met in training gets a row) or
+        `tfs.MinCountAdmission` / `tfs.ProbabilityAdmission`.
+      eviction: None, `tfs.StepsSinceSeenEviction`, `tfs.CapacityEviction`,
+        or a list with one of each.
       dtype: row dtype (floating).
       trainable: whether lookups insert keys and gradients reach the rows.
       max_rows: None (grow without bound) or the most live keys it may hold;
@@ -182,18 +184,13 @@ def create_dynamic_in(strategy, name, dim, key_dtype, initializer, partitions, s
     family = family_of(strategy)
     if family.dynamic_devices is None:
         raise UnsupportedStrategyError(strategy, dynamic_strategies(), what="dynamic tables")
-    for arg, value in (("admission", admission), ("eviction", eviction)):
-        if value is not None:
-            raise NotImplementedError(
-                f"Dynamic table '{name}': argument `{arg}` is not supported yet. Received: {value!r}"
-            )
     if partitions is not None:
         partitions = positive_int("partitions", getattr(partitions, "num_shards", partitions))
     devices = family.dynamic_devices(strategy, partitions)
     seed = draw_seed() if seed is None else seed
     with strategy.scope():
         return DynamicTable(name, dim, key_dtype, initializer=initializer, seed=seed, devices=devices,
-                            strategy=strategy, **options)  # fmt: skip
+                            strategy=strategy, admission=admission, eviction=eviction, **options)  # fmt: skip
 
 
 def dynamic_strategies() -> list:

@@ -192,10 +192,15 @@ class DynamicEmbedding(keras.layers.Layer):
         if isinstance(initializer, dict):
             config["embeddings_initializer"] = keras.initializers.deserialize(initializer)
         for arg in ("admission", "eviction"):
-            if isinstance(config.get(arg), dict):
-                config[arg] = keras.saving.deserialize_keras_object(config[arg])
+            value = config.get(arg)
+            if isinstance(value, dict):
+                config[arg] = keras.saving.deserialize_keras_object(value)
+            elif isinstance(value, list):
+                config[arg] = [keras.saving.deserialize_keras_object(v) for v in value]
         return cls(**config)
 
 
 def _serialize_policy(policy):
+    if isinstance(policy, (list, tuple)):
+        return [keras.saving.serialize_keras_object(p) for p in policy]
     return None if policy is None else keras.saving.serialize_keras_object(policy)

@@ -16,6 +16,8 @@ from typing import Any, Dict
 import keras
 import tensorflow as tf
 
+from tf_sharded.table.dynamic import DynamicTable
+from tf_sharded.table.dynamic_serving import ServedDynamicTable, write_delta
 from tf_sharded.table.lookup import substituted
 from tf_sharded.table.protocol import Table, owner_of
 
@@ -127,7 +129,9 @@ def export(model: keras.Model, path: str, input_signature: Any = None) -> str:
     spec = input_signature if input_signature is not None else _default_signature(model)
     with tf.device("/cpu:0"):
         plain_tables = {
-            key: tf.Variable(table.read_value(), trainable=False, name=table.name.replace("/", "_"))
+            key: ServedDynamicTable(table)
+            if isinstance(table, DynamicTable)
+            else tf.Variable(table.read_value(), trainable=False, name=table.name.replace("/", "_"))
             for key, table in _tables_of(model).items()
         }
         copies = [(v, tf.Variable(v.numpy(), trainable=False)) for v in model.variables if owner_of(v) is None]
@@ -140,6 +144,14 @@ def export(model: keras.Model, path: str, input_signature: Any = None) -> str:
 
     module = tf.Module()
     module.tables = list(plain_tables.values())
+    served = [t for t in module.tables if isinstance(t, ServedDynamicTable)]
+    signatures = {}
+    if served:
+        # Updates the dynamic tables in place from a `tfs.export_delta` directory (core ops only).
+        module.apply_delta = tf.function(
+            lambda path: {t.stem: t.apply_delta(path) for t in served}, input_signature=[tf.TensorSpec([], tf.string)]
+        )
+        signatures["apply_delta"] = module.apply_delta.get_concrete_function()
     module.variables_copy = [copy for _, copy in copies]
     if isinstance(spec, dict):
         module.serve = tf.function(lambda **kwargs: serve(kwargs), input_signature=None)
@@ -163,5 +175,45 @@ def export(model: keras.Model, path: str, input_signature: Any = None) -> str:
 
         module.serve_dense = tf.function(dense_signature)
         concrete = module.serve_dense.get_concrete_function(**flat_spec)
-    tf.saved_model.save(module, path, signatures={"serving_default": concrete})
+    tf.saved_model.save(module, path, signatures={"serving_default": concrete, **signatures})
     return path
+
+
+def export_delta(model, path: str, since_step: int) -> Dict[str, int]:
+    """Writes the rows of `model`'s dynamic tables updated after table step `since_step` into directory `path`.
+
+    A SavedModel from `tfs.export` applies it in place with its
+    `apply_delta` signature (core ops only): keys it holds are overwritten,
+    new keys appended. A table's step is `table.step` (its training
+    lookups): remember it at export time and pass it as `since_step` next time.
+
+    Args:
+      model: a Keras model with dynamic tables, or a `tfs.DynamicTable` / list of them.
+      path: directory to write (created if needed).
+      since_step: rows looked up in training after this table step are written.
+
+    Returns:
+      `{table name: number of keys written}`.
+
+    Example:
+
+    >>> import keras, tempfile, tf_sharded as tfs
+    >>> table = tfs.create_dynamic_table("delta_doc", dim=2, seed=0)
+    >>> _ = tfs.embedding_lookup(table, [1, 2])
+    >>> since = int(table.step.numpy())
+    >>> _ = tfs.embedding_lookup(table, [2, 3])
+    >>> tfs.export_delta(table, tempfile.mkdtemp(), since_step=since)
+    {'delta_doc': 2}
+    """
+    if isinstance(since_step, bool) or not isinstance(since_step, int) or since_step < 0:
+        raise ValueError(f"Argument `since_step` must be an integer >= 0. Received: since_step={since_step!r}")
+    if isinstance(model, keras.Model):
+        tables = [t for t in _tables_of(model).values() if isinstance(t, DynamicTable)]
+    else:
+        tables = list(model) if isinstance(model, (list, tuple)) else [model]
+    if not tables or not all(isinstance(t, DynamicTable) for t in tables):
+        raise TypeError(
+            "Argument `model` must be a Keras model with dynamic tables, or tfs.DynamicTable(s). "
+            f"Received: {type(model).__name__}" + (" without dynamic tables" if isinstance(model, keras.Model) else "")
+        )
+    return write_delta(tables, path, since_step)

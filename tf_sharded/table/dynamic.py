@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from tf_sharded import _compat, initializers
+from tf_sharded import _compat, initializers, policies
 from tf_sharded.errors import positive_int
 from tf_sharded.table.dynamic_shard import DynamicShard
 from tf_sharded.table.protocol import MAX_IDS_RANK, register_shards
@@ -90,6 +90,8 @@ class DynamicTable(_compat.Trackable):
         strategy: Optional[tf.distribute.Strategy] = None,
         growth: float = 1.25,
         max_rows: Optional[int] = None,
+        admission: Any = None,
+        eviction: Any = None,
     ):
         if not isinstance(name, str) or not name:
             raise ValueError(f"Argument `name` must be a non-empty string. Received: name={name!r}")
@@ -107,11 +109,18 @@ class DynamicTable(_compat.Trackable):
         self._initializer = initializers.per_key(initializer, self._dim, self._dtype, self._seed, name)
         self._trainable = bool(trainable)
         self._strategy = strategy
+        self._admission, self._evictions = policies.parse(name, admission, eviction)
+        bounded = [e for e in self._evictions if isinstance(e, policies.CapacityEviction)]
+        max_keys = bounded[0].per_shard(len(devices)) if bounded else None
         per_shard = None if max_rows is None else -(-max_rows // len(devices))
         self._shards = [
-            DynamicShard(name, i, d, self._key_dtype, self._dim, self._dtype, trainable, growth, per_shard)
+            DynamicShard(name, i, d, self._key_dtype, self._dim, self._dtype, trainable, growth, per_shard,
+                         self._admission, bounded[0] if bounded else None, max_keys)
             for i, d in enumerate(devices)
-        ]
+        ]  # fmt: skip
+        with tf.init_scope(), tf.device(self._shards[0].device):
+            # Training lookups so far: what "last seen", eviction by age and `export(since_step=)` count in.
+            self._step = _compat.plain_variable(tf.constant(0, tf.int64), f"{name}/step", False)
         self._slots: Dict[str, DynamicSlot] = {}
         register_shards(self, [s.rows for s in self._shards])
 
@@ -132,6 +141,13 @@ class DynamicTable(_compat.Trackable):
     placement = property(lambda self: None)
     # Unknown row count: the logical table is as long as its live keys.
     shape = property(lambda self: tf.TensorShape([None, self._dim]))
+    admission = property(lambda self: self._admission)
+    eviction = property(lambda self: self._evictions)
+
+    @property
+    def step(self) -> tf.Variable:
+        """The table's step: how many training lookups it served (its rows' "last seen" steps count in it)."""
+        return self._step
 
     @property
     def variables(self) -> Tuple[tf.Variable, ...]:
@@ -197,16 +213,21 @@ class DynamicTable(_compat.Trackable):
         """
         uniq, idx = tf.unique(flat_keys, out_idx=tf.int32)
         num_unique = tf.size(uniq, out_type=tf.int32)
-        if self.num_shards == 1:
-            keys_by_shard, positions = [uniq], [tf.range(num_unique)]
-        else:
+        counts = tf.math.unsorted_segment_sum(tf.ones_like(idx, tf.int64), idx, num_unique)
+        parts = [uniq, tf.range(num_unique), counts]
+        if self.num_shards > 1:
             shard = self.shard_of(uniq)
-            keys_by_shard = tf.dynamic_partition(uniq, shard, self.num_shards)
-            positions = tf.dynamic_partition(tf.range(num_unique), shard, self.num_shards)
+            parts = [tf.dynamic_partition(p, shard, self.num_shards) for p in parts]
+        else:
+            parts = [[p] for p in parts]
+        inserting = training and self._trainable
+        step = self._step.assign_add(1) if inserting else None
         unique_rows = tf.zeros(tf.stack([num_unique, self._dim]), self._dtype)
-        for shard, keys, where in zip(self._shards, keys_by_shard, positions):
-            if training and self._trainable:
-                rows = shard.find_or_insert(keys, self.initial_rows)
+        for shard, keys, where, count in zip(self._shards, *parts):
+            if inserting:
+                rows = shard.find_or_insert(
+                    keys, key_fingerprints(keys), count, step, self.initial_rows, self._evictions, self._seed
+                )
             else:
                 rows = shard.find(keys)
             found = rows >= 0
@@ -227,14 +248,21 @@ class DynamicTable(_compat.Trackable):
         """Live keys (int64 scalar)."""
         return tf.add_n([tf.cast(s.size(), tf.int64) for s in self._shards])
 
-    def export(self, columns: Sequence[str] = ()) -> Tuple[tf.Tensor, tf.Tensor]:
-        """`(keys, rows)` of every live key (an explicit full read; order unspecified)."""
-        keys, values, _ = self.export_columns(columns)
+    def export(self, since_step: Optional[int] = None) -> Tuple[tf.Tensor, tf.Tensor]:
+        """`(keys, rows)` of every live key, or of those looked up in training after table step `since_step`.
+
+        An explicit full read (order unspecified). `since_step=S` gives the
+        rows updated in steps `S+1 ..` `table.step` (a delta for serving).
+        """
+        keys, values, _ = self.export_columns((), since_step)
         return keys, values
 
-    def export_columns(self, columns: Sequence[str] = ()):
-        """`(keys, rows, {column: values})` of every live key, columns aligned with the keys."""
-        parts = [s.export(columns) for s in self._shards]
+    def export_columns(self, columns: Sequence[str] = (), since_step: Optional[int] = None):
+        """`(keys, rows, {column: values})` of live keys, columns aligned with the keys.
+
+        Columns are optimizer slot names, "seen" (last training step) and "hits" (occurrences).
+        """
+        parts = [s.export(columns, since_step) for s in self._shards]
         keys = tf.concat([p[0] for p in parts], 0)
         values = tf.concat([tf.reshape(p[1], [-1, self._dim]) for p in parts], 0)
         extra = {c: tf.concat([p[2][c] for p in parts], 0) for c in columns}
@@ -249,7 +277,7 @@ class DynamicTable(_compat.Trackable):
                 f"{keys.dtype.name}. Received keys saved from another table."
             )
         values = tf.convert_to_tensor(values)
-        if values.shape.rank != 2 or values.shape[1] != self._dim:
+        if values.shape.rank is not None and (values.shape.rank != 2 or values.shape[1] != self._dim):
             raise ValueError(
                 f"Dynamic table '{self._name}' has dim={self._dim}; the rows to load have shape "
                 f"{values.shape.as_list()}. Received rows saved from another table configuration."
@@ -297,9 +325,14 @@ class DynamicTable(_compat.Trackable):
         if saved is not None:
             self._check_restore(saved)
         columns = sorted(self._slots)
-        keys, values, extra = self.export_columns(columns)
-        tensors = {"keys": keys, "values": values}
+        keys, values, extra = self.export_columns(columns + ["seen", "hits"])
+        tensors = {"keys": keys, "values": values, "seen": extra["seen"], "hits": extra["hits"], "step": self._step}
         tensors.update({f"slot-{c}": extra[c] for c in columns})
+        sketches = [s.admission_state for s in self._shards if s.admission_state is not None]
+        if sketches and (saved is None or "sketch" in saved):
+            # Layout-free: each key's counts are in its shard's sketch; the elementwise maximum over shards
+            # never underestimates a key (restored into every shard, saving it again does not inflate it).
+            tensors["sketch"] = tf.reduce_max(tf.stack([v.read_value() for v in sketches]), 0)
         # A restore reads only the names declared here: the checkpoint's optimizer columns too, even for a
         # table whose optimizer is not built yet (they wait in the shards for it).
         for name in saved or ():
@@ -320,6 +353,13 @@ class DynamicTable(_compat.Trackable):
                 f"Dynamic table '{self._name}' has key_dtype={self._key_dtype.name}; the checkpoint's table has "
                 f"{tf.as_dtype(key_dtype).name} keys. Received a checkpoint of another table."
             )
+        sketch = [s.admission_state for s in self._shards if s.admission_state is not None]
+        if "sketch" in saved and sketch and saved["sketch"][1] is not None:
+            if list(saved["sketch"][1]) != sketch[0].shape.as_list():
+                raise ValueError(
+                    f"Dynamic table '{self._name}': the admission sketch is {sketch[0].shape.as_list()}; the "
+                    f"checkpoint's is {list(saved['sketch'][1])}. Use the same sketch_width and sketch_depth."
+                )
         if shape is not None and list(shape)[1:] != [self._dim]:
             raise ValueError(
                 f"Dynamic table '{self._name}' has dim={self._dim}; the checkpoint's rows have shape "
@@ -328,7 +368,14 @@ class DynamicTable(_compat.Trackable):
 
     def _restore_from_tensors(self, restored_tensors):
         columns = {k[len("slot-") :]: v for k, v in restored_tensors.items() if k.startswith("slot-")}
+        columns.update({k: restored_tensors[k] for k in ("seen", "hits") if k in restored_tensors})
         self.assign_keys(restored_tensors["keys"], restored_tensors["values"], columns)
+        if "step" in restored_tensors:
+            self._step.assign(restored_tensors["step"])
+        if "sketch" in restored_tensors:
+            for shard in self._shards:
+                if shard.admission_state is not None:
+                    shard.admission_state.assign(restored_tensors["sketch"])
         return tf.no_op() if not tf.executing_eagerly() else None
 
 

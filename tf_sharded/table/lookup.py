@@ -29,8 +29,9 @@ _SUBSTITUTES = threading.local()
 def substituted(tables: Dict[int, Any]):
     """Inside the block (this thread), lookups of table `t` read `tables[id(t)]`, one plain whole-table variable.
 
-    `tfs.export` traces the model this way, so the SavedModel holds plain
-    variables and `tf.gather` instead of shards.
+    (For a dynamic table, a `ServedDynamicTable`.) `tfs.export` traces the
+    model this way, so the SavedModel holds plain variables and `tf.gather`
+    instead of shards.
     """
     saved = getattr(_SUBSTITUTES, "tables", {})
     _SUBSTITUTES.tables = {**saved, **tables}
@@ -155,11 +156,11 @@ def lookup_many(pairs, max_norm: Optional[float] = None, training: bool = True) 
     results = [None] * len(pairs)
     groups = {}
     for i, (table, flat_ids) in enumerate(pairs):
+        plain = getattr(_SUBSTITUTES, "tables", {}).get(id(table))
         if isinstance(table, DynamicTable):
-            rows = table.lookup(flat_ids, training=training)
+            rows = plain.lookup(flat_ids) if plain is not None else table.lookup(flat_ids, training=training)
             results[i] = _clip_rows(rows, max_norm, [1]) if max_norm is not None else rows
             continue
-        plain = getattr(_SUBSTITUTES, "tables", {}).get(id(table))
         if plain is not None:
             rows = tf.gather(plain, flat_ids)
             inner_axes = list(range(1, table.shape.rank))
