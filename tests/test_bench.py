@@ -66,7 +66,7 @@ class BenchmarkSuiteTest(tf.test.TestCase):
         out = tempfile.mkdtemp()
         proc = run_python(["-m", "tf_sharded", "bench", "--quick", "--out", out], timeout=900)
         self.assertEqual(proc.returncode, 0, msg=proc.stdout + proc.stderr[-3000:])
-        for name in ("ps", "exchange", "fused", "memory", "e2e"):
+        for name in ("ps", "exchange", "fused", "memory", "e2e", "dynamic"):
             self.assertTrue(os.path.getsize(os.path.join(out, f"{name}.png")) > 1000, name)
         self.assertIn("native/ours", proc.stdout)
         self.check_exchange(out)
@@ -94,6 +94,15 @@ class BenchmarkSuiteTest(tf.test.TestCase):
             self.assertGreater(row["growth_vs_expected"], 0)
             self.assertEqual(row["expected_mb"], row["table_mb"] * 2 * (1 if row["placement"] == "host" else 2))
         self.check_end_to_end(out)
+        with open(os.path.join(out, "dynamic.json")) as f:
+            dynamic = json.load(f)
+        self.assertEqual((dynamic["features"], dynamic["dim"], dynamic["batch"]), (4, 16, 512))
+        row = dynamic["results"][0]
+        self.assertGreater(row["live_keys"], 0)
+        self.assertAlmostEqual(row["dynamic_vs_static"], row["dynamic_s"] / row["static_s"])
+        self.assertGreater(row["insert_keys_per_s"], 0)
+        self.assertEqual(dynamic["memory"]["keys"], 50_000)
+        self.assertIn("TFRA: ", proc.stdout)
 
     def test_unknown_benchmark_is_named(self):
         proc = run_python(["-m", "tf_sharded", "bench", "nope"], timeout=120)

@@ -23,6 +23,7 @@ BENCHMARKS = {
     "fused": ("tf_sharded.benchmarks.fused", "B6: EmbeddingCollection vs one layer per table"),
     "memory": ("tf_sharded.benchmarks.memory", "B3: resident memory per task (one process per task)"),
     "e2e": ("tf_sharded.benchmarks.end_to_end", "B4: DLRM samples/s per strategy vs keras.layers.Embedding"),
+    "dynamic": ("tf_sharded.benchmarks.dynamic", "B7: dynamic tables (raw keys) vs static tables, inserts, memory"),
 }
 # Benchmarks that pick their own cluster (or none): run once, whatever --mode says.
 SINGLE_RUN = ("exchange", "memory", "e2e")
@@ -116,6 +117,18 @@ def _plot(name: str, reports: List[Dict], out: str) -> str:
         ax.set_xticks(list(x), [r["strategy"] for r in rows])
         ax.set(yscale="log", ylabel="samples / s", title="B4: DLRM end to end")
         ax.legend()
+    elif name == "dynamic":
+        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+        labels = [r["mode"] for r in reports]
+        for offset, key, label in ((-0.2, "static_s", "static table, ids"), (0.2, "dynamic_s", "dynamic, raw keys")):
+            a.bar([i + offset for i in range(len(reports))], [r["results"][0][key] * 1e3 for r in reports], 0.4,
+                  label=label)  # fmt: skip
+        a.set_xticks(range(len(reports)), labels)
+        a.set(ylabel="ms / step", title=f"B7: {reports[0]['features']} features, lookup + Adagrad")
+        a.legend()
+        m = reports[0]["memory"]
+        b.bar(["measured", "pools", "bound"], [m["bytes_per_key"], m["pool_bytes_per_key"], m["bound_bytes"]])
+        b.set(ylabel="bytes per live key", title=f"memory, {m['keys']:,} keys")
     else:
         fig, ax = plt.subplots(figsize=(6, 4))
         for report in reports:

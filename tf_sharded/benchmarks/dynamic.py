@@ -1,0 +1,170 @@
+"""B7: dynamic tables (raw 64-bit keys) against static tables on the same ids, insert rate, memory per key.
+
+On a parameter-server cluster (2 ps + 1 worker): 26 Criteo-shaped features,
+each with its own table of 16-wide rows, a batch of 512 power-law ids per
+feature; the static tables (`tfs.create_sharded_variable`, `rows` rows) look
+up the ids, the dynamic tables (`tfs.create_dynamic_table`) look up raw
+64-bit keys that stand one-to-one for the same ids. A step is lookup + sparse
+Adagrad update, scheduled on the worker; both variants run on the same
+batches in interleaved rounds after a warm-up pass (which inserts the keys).
+Also reported: the insert rate (new keys per second, every key of every step
+new) and, in this process with the default strategy, resident memory per
+live key against the bound of issue 14: 1.3 x (dim x 4 x (1 + slots) + key
+and metadata bytes).
+
+TFRA's `dynamic_embedding` is the peer baseline when it can be imported
+(`pip install -e ".[peers]"`); otherwise the report says why it was skipped.
+
+    python -m tf_sharded bench dynamic [--quick] [--mode inprocess|process|both]
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import time
+from typing import Dict, List
+
+import numpy as np
+
+DIM, BATCH = 16, 512
+KEY_BYTES, META_BYTES = 8, 16  # an int64 key; its last-seen step and occurrences
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peer_status() -> str:
+    try:
+        import tensorflow_recommenders_addons  # noqa: F401
+    except Exception as e:  # any import failure (missing, or built for another TensorFlow) means skip
+        return f"skipped: tensorflow_recommenders_addons cannot be imported here ({type(e).__name__}: {e})"
+    return "installed, not yet wired into B7"
+
+
+def _train_step(tfs, tf, strategy, tables, optimizer):
+    variables = [v for t in tables for v in t.variables]
+
+    @tf.function
+    def step(batch):
+        def fn(batch):
+            with tf.GradientTape() as tape:
+                rows = [tfs.embedding_lookup(t, ids) for t, ids in zip(tables, batch)]
+                loss = 1e-3 * tf.add_n([tf.reduce_sum(tf.square(r)) for r in rows])
+            optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+            return loss
+
+        return strategy.run(fn, args=(batch,))
+
+    return step
+
+
+def memory_per_key(keys: int) -> Dict:
+    """Resident bytes per live key of a dynamic table trained by Adagrad (one slot), default strategy."""
+    import tensorflow as tf
+
+    import tf_sharded as tfs
+
+    table = tfs.create_dynamic_table("b7_memory", DIM, seed=0)
+    step = _train_step(tfs, tf, tf.distribute.get_strategy(), [table], tfs.optimizers.Adagrad(0.1))
+    rng = np.random.default_rng(1)
+    raw = rng.integers(-(2**62), 2**62, size=keys, dtype=np.int64)
+    step([tf.constant(raw[:1000])])
+    gc.collect()
+    before = _rss()
+    chunk = max(1000, keys // 20)
+    for start in range(1000, keys, chunk):
+        step([tf.constant(raw[start : start + chunk])])
+    gc.collect()
+    live = int(table.size())
+    per_key = (_rss() - before) / (live - 1000)
+    bound = 1.3 * (DIM * 4 * 2 + KEY_BYTES + META_BYTES)
+    capacity = sum(int(s.capacity.numpy()) for s in table.shards)
+    return {"keys": live, "bytes_per_key": per_key, "bound_bytes": bound, "per_key_vs_bound": per_key / bound,
+            "pool_bytes_per_key": capacity * (DIM * 4 * 2 + META_BYTES) / live}  # fmt: skip
+
+
+def run(quick: bool = False, mode: str = "inprocess") -> Dict:
+    import tensorflow as tf
+
+    import tf_sharded as tfs
+    from tf_sharded.benchmarks.ps_lookup import _ids, scheduled_seconds
+
+    features, rows = (4, 20_000) if quick else (26, 200_000)
+    steps, rounds = (3, 1) if quick else (10, 3)
+    memory = memory_per_key(50_000 if quick else 1_000_000)
+    cluster = tfs.cluster.LocalCluster(num_workers=1, num_ps=2, mode=mode).start()
+    try:
+        strategy = cluster.strategy()
+        coordinator = cluster.coordinator(strategy)
+        rng = np.random.default_rng(0)
+        pools = [rng.integers(-(2**63), 2**63 - 1, size=rows, dtype=np.int64) for _ in range(features)]
+        with strategy.scope():
+            static = [tfs.create_sharded_variable(f"b7_static_{i}", [rows, DIM], seed=i) for i in range(features)]
+            dynamic = [tfs.create_dynamic_table(f"b7_dynamic_{i}", DIM, seed=i) for i in range(features)]
+            fresh = [tfs.create_dynamic_table(f"b7_fresh_{i}", DIM, seed=i) for i in range(features)]
+            optimizers = {name: tfs.optimizers.Adagrad(0.05) for name in ("static", "dynamic", "fresh")}
+            for name, tables in (("static", static), ("dynamic", dynamic), ("fresh", fresh)):
+                optimizers[name].build([v for t in tables for v in t.variables])
+        fns = {
+            "static": _train_step(tfs, tf, strategy, static, optimizers["static"]),
+            "dynamic": _train_step(tfs, tf, strategy, dynamic, optimizers["dynamic"]),
+        }
+        ids = [[_ids(rng, "power_law", rows, BATCH) for _ in range(features)] for _ in range(steps)]
+        batches = {
+            "static": [[tf.constant(i) for i in step] for step in ids],
+            "dynamic": [[tf.constant(pools[f][i]) for f, i in enumerate(step)] for step in ids],
+        }
+        for name, fn in fns.items():  # warm-up: traces, and inserts the dynamic tables' keys
+            scheduled_seconds(coordinator, fn, batches[name])
+        times: Dict[str, List[float]] = {name: [] for name in fns}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                times[name].append(scheduled_seconds(coordinator, fn, batches[name]))
+        result = {f"{name}_s": statistics.median(t) for name, t in times.items()}
+        result["dynamic_vs_static"] = result["dynamic_s"] / result["static_s"]
+        result["live_keys"] = int(sum(int(t.size()) for t in dynamic))
+
+        # Insert rate: every key of every step is new.
+        insert = _train_step(tfs, tf, strategy, fresh, optimizers["fresh"])
+        new = [[tf.constant(rng.integers(-(2**62), 2**62, size=BATCH, dtype=np.int64)) for _ in range(features)]]
+        scheduled_seconds(coordinator, insert, new)  # traces
+        batches_new = [
+            [tf.constant(rng.integers(-(2**62), 2**62, size=BATCH, dtype=np.int64)) for _ in range(features)]
+            for _ in range(steps)
+        ]
+        start = time.perf_counter()
+        scheduled_seconds(coordinator, insert, batches_new)
+        seconds = time.perf_counter() - start
+        result["insert_keys_per_s"] = features * BATCH * steps / seconds
+        return {
+            "benchmark": "dynamic",
+            "mode": mode,
+            "quick": quick,
+            "features": features,
+            "rows": rows,
+            "dim": DIM,
+            "batch": BATCH,
+            "tfra": _peer_status(),
+            "results": [result],
+            "memory": memory,
+        }
+    finally:
+        cluster.stop()
+
+
+def format_rows(report: Dict) -> List[str]:
+    r, m = report["results"][0], report["memory"]
+    return [
+        f"B7 dynamic ({report['mode']}): {report['features']} features x {report['batch']} power-law keys, "
+        f"dim {report['dim']}, 2 ps",
+        f"  static {r['static_s'] * 1e3:.1f} ms  dynamic {r['dynamic_s'] * 1e3:.1f} ms  "
+        f"dynamic/static {r['dynamic_vs_static']:.2f} (goal <= 1.5)",
+        f"  inserts {r['insert_keys_per_s']:,.0f} new keys/s",
+        f"  memory {m['bytes_per_key']:.0f} B per live key (pools {m['pool_bytes_per_key']:.0f} B) over "
+        f"{m['keys']:,} keys; bound {m['bound_bytes']:.0f} B: {m['per_key_vs_bound']:.2f} x bound",
+        f"  TFRA: {report['tfra']}",
+    ]
