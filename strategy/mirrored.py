@@ -128,13 +128,24 @@ def _mirrored_fit_loop(strategy, steps_per_execution: int) -> FitLoop:
     return FitLoop.REPLICAS if steps_per_execution > 1 else FitLoop.KERAS
 
 
+def dynamic_devices(strategy, num_shards):
+    """Dynamic tables: one copy on this worker's host, shared by its replicas (their inserts meet in one index)."""
+    return [host_device(strategy)] * (num_shards or 1)
+
+
 MIRRORED = register(
     StrategyFamily(
-        name="mirrored", create=create, mirrors_tables=True, transport=transport, fit_loop=_mirrored_fit_loop
+        name="mirrored",
+        create=create,
+        mirrors_tables=True,
+        transport=transport,
+        fit_loop=_mirrored_fit_loop,
+        dynamic_devices=dynamic_devices,
     ),
     tf.distribute.MirroredStrategy,
 )
 # Keras 3's model.fit fails before the first step under MultiWorkerMirroredStrategy (keras-team/keras#20585).
+# No dynamic tables yet: one host copy per worker would give a key different rows on different workers.
 MULTI_WORKER = register(
     StrategyFamily(
         name="multi_worker_mirrored",

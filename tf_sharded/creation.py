@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from tf_sharded.config import TableConfig
 from tf_sharded.errors import UnsupportedStrategyError, positive_int
+from tf_sharded.exchange.policy import ExchangePolicy
 from tf_sharded.strategy import family_of, registered_families
 from tf_sharded.table.builder import VariableFactory, draw_seed
 from tf_sharded.table.dynamic import DynamicTable
@@ -100,25 +101,30 @@ def create_table(strategy, config: TableConfig, variable_factory: Optional[Varia
     return family_of(strategy).create(strategy, config, variable_factory)
 
 
-_SIGNATURE = inspect.signature(create_sharded_variable)
+def _strategy_method(function, build):
+    """`function` as a `tf.distribute.Strategy` method: arguments bound (and errors named) as for `function`,
+    then `build(strategy, arguments)`."""
+    signature = inspect.signature(function)
+    name = function.__name__
+
+    def method(self, *args, **kwargs):
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{name}(): {e}. Signature: {name}{signature}") from None
+        bound.apply_defaults()
+        return build(self, dict(bound.arguments))
+
+    method.__doc__ = function.__doc__.split("Example:")[0]
+    method.__name__ = name
+    method.__signature__ = signature.replace(
+        parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *signature.parameters.values()]
+    )
+    return method
 
 
-def _strategy_method(self, *args, **kwargs) -> ShardedVariable:
-    try:
-        bound = _SIGNATURE.bind(*args, **kwargs)
-    except TypeError as e:
-        raise TypeError(f"create_sharded_variable(): {e}. Signature: create_sharded_variable{_SIGNATURE}") from None
-    bound.apply_defaults()
-    arguments = dict(bound.arguments)
-    config = TableConfig(arguments.pop("name"), arguments.pop("shape"), **arguments)
-    return create_table(self, config)
-
-
-_strategy_method.__doc__ = create_sharded_variable.__doc__.split("Example:")[0]
-_strategy_method.__name__ = "create_sharded_variable"
-_strategy_method.__signature__ = _SIGNATURE.replace(
-    parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *_SIGNATURE.parameters.values()]
-)
+def _build_sharded(strategy, a):
+    return create_table(strategy, TableConfig(a.pop("name"), a.pop("shape"), **a))
 
 
 def create_dynamic_table(
@@ -148,7 +154,8 @@ def create_dynamic_table(
         Keras random / constant initializer; a key's initial row depends on
         (seed, key) only.
       partitions: None (the strategy's default: one shard per ps under
-        ParameterServerStrategy, else one) or a number of shards.
+        ParameterServerStrategy, else one) or a number of shards. Under
+        MirroredStrategy the shards are on the host, shared by the replicas.
       seed: seed of the initial rows (drawn from TF's global seed if None).
       admission: None (every key met in training gets a row) or
         `tfs.MinCountAdmission` / `tfs.ProbabilityAdmission`.
@@ -187,6 +194,10 @@ def create_dynamic_in(strategy, name, dim, key_dtype, initializer, partitions, s
     if partitions is not None:
         partitions = positive_int("partitions", getattr(partitions, "num_shards", partitions))
     devices = family.dynamic_devices(strategy, partitions)
+    if family.mirrors_tables:
+        # One host copy shared by the replicas; their gradients (rows of that copy) are all-gathered and
+        # applied once, as for host-placed sharded tables. A dense exchange needs a fixed row count.
+        options.update(exchange=ExchangePolicy("allgather"), placement="host")
     seed = draw_seed() if seed is None else seed
     with strategy.scope():
         return DynamicTable(name, dim, key_dtype, initializer=initializer, seed=seed, devices=devices,
@@ -198,26 +209,13 @@ def dynamic_strategies() -> list:
     return sorted({t.__name__ for t, f in registered_families().items() if f.dynamic_devices is not None})
 
 
-_DYNAMIC_SIGNATURE = inspect.signature(create_dynamic_table)
-
-
-def _dynamic_strategy_method(self, *args, **kwargs) -> DynamicTable:
-    try:
-        bound = _DYNAMIC_SIGNATURE.bind(*args, **kwargs)
-    except TypeError as e:
-        raise TypeError(f"create_dynamic_table(): {e}. Signature: create_dynamic_table{_DYNAMIC_SIGNATURE}") from None
-    bound.apply_defaults()
-    a = dict(bound.arguments)
+def _build_dynamic(strategy, a):
     positional = [a.pop(k) for k in ("name", "dim", "key_dtype", "initializer", "partitions", "seed")]
-    return create_dynamic_in(self, *positional, a.pop("admission"), a.pop("eviction"), **a)
-
-
-_dynamic_strategy_method.__doc__ = create_dynamic_table.__doc__.split("Example:")[0]
-_dynamic_strategy_method.__name__ = "create_dynamic_table"
+    return create_dynamic_in(strategy, *positional, a.pop("admission"), a.pop("eviction"), **a)
 
 
 def install() -> None:
     """Adds `create_sharded_variable` and `create_dynamic_table` to every `tf.distribute.Strategy`."""
     for cls in {tf.distribute.Strategy, tf.compat.v1.distribute.Strategy}:
-        cls.create_sharded_variable = _strategy_method
-        cls.create_dynamic_table = _dynamic_strategy_method
+        cls.create_sharded_variable = _strategy_method(create_sharded_variable, _build_sharded)
+        cls.create_dynamic_table = _strategy_method(create_dynamic_table, _build_dynamic)

@@ -126,7 +126,8 @@ def all_reduce_gradients(
         g, v = pairs[i]
         choice = trace_time_choice(g, table, shard, replicas, local, bounds.get(id(table)))
         row_shape = g.values.shape[1:] if isinstance(g, tf.IndexedSlices) else None
-        if choice == "allgather" and row_shape.is_fully_defined():
+        # Grouping offsets each shard's rows by the shards before it: only for a fixed row count.
+        if choice == "allgather" and row_shape.is_fully_defined() and table.shape[0] is not None:
             gathered.setdefault((g.values.dtype, tuple(row_shape.as_list())), []).append((i, table, shard))
         else:
             result[i] = (exchange_as(g, table, shard, ctx, choice), v)

@@ -19,7 +19,7 @@ from tf_sharded import _compat
 from tf_sharded.config import Combiner
 from tf_sharded.creation import create_dynamic_table
 from tf_sharded.errors import positive_int
-from tf_sharded.keras.layer_tables import keras_initializer, refuse_multi_hot
+from tf_sharded.keras.layer_tables import keras_initializer, options_config, options_from_config, refuse_multi_hot
 from tf_sharded.table.dynamic import DynamicTable, keys_from_file, keys_to_file, parse_key_dtype
 from tf_sharded.table.lookup import FeatureLookup, lookup_features
 
@@ -163,18 +163,12 @@ class DynamicEmbedding(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        initializer = self.embeddings_initializer
-        if not isinstance(initializer, str):
-            initializer = keras.initializers.serialize(initializer)
         config.update(
             {
                 "output_dim": self.output_dim,
                 "key_dtype": self.key_dtype,
                 "combiner": self.combiner,
-                "embeddings_initializer": initializer,
-                "embeddings_regularizer": keras.regularizers.serialize(self.embeddings_regularizer)
-                if self.embeddings_regularizer is not None
-                else None,
+                **options_config(self.embeddings_initializer, self.embeddings_regularizer),
                 "partitions": self.partitions,
                 "seed": self.seed,
                 "admission": _serialize_policy(self.admission),
@@ -187,10 +181,7 @@ class DynamicEmbedding(keras.layers.Layer):
 
     @classmethod
     def from_config(cls, config):
-        config = dict(config)
-        initializer = config.get("embeddings_initializer")
-        if isinstance(initializer, dict):
-            config["embeddings_initializer"] = keras.initializers.deserialize(initializer)
+        config = options_from_config(config)
         for arg in ("admission", "eviction"):
             value = config.get(arg)
             if isinstance(value, dict):

@@ -15,7 +15,14 @@ import keras
 
 from tf_sharded.config import Combiner, TableConfig
 from tf_sharded.errors import positive_int
-from tf_sharded.keras.layer_tables import create_layer_table, load_table, padded_to_ragged, refuse_multi_hot
+from tf_sharded.keras.layer_tables import (
+    create_layer_table,
+    load_table,
+    options_config,
+    options_from_config,
+    padded_to_ragged,
+    refuse_multi_hot,
+)
 from tf_sharded.partition import PartitionSpec
 from tf_sharded.table.lookup import FeatureLookup, lookup_features
 from tf_sharded.table.sharded_variable import ShardedVariable
@@ -146,17 +153,11 @@ class Embedding(keras.layers.Layer):
     def get_config(self):
         config = super().get_config()
         partitions = self.partitions.to_config() if isinstance(self.partitions, PartitionSpec) else self.partitions
-        initializer = self.embeddings_initializer
-        if not isinstance(initializer, str):
-            initializer = keras.initializers.serialize(initializer)
         config.update(
             {
                 "input_dim": self.input_dim,
                 "output_dim": self.output_dim,
-                "embeddings_initializer": initializer,
-                "embeddings_regularizer": keras.regularizers.serialize(self.embeddings_regularizer)
-                if self.embeddings_regularizer is not None
-                else None,
+                **options_config(self.embeddings_initializer, self.embeddings_regularizer),
                 "mask_zero": self.mask_zero,
                 "combiner": self.combiner,
                 "partitions": partitions,
@@ -170,8 +171,5 @@ class Embedding(keras.layers.Layer):
 
     @classmethod
     def from_config(cls, config):
-        config = dict(config)
-        initializer = config.get("embeddings_initializer")
-        if isinstance(initializer, dict):
-            config["embeddings_initializer"] = keras.initializers.deserialize(initializer)
+        config = options_from_config(config)
         return cls(**config)

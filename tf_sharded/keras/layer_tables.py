@@ -21,6 +21,24 @@ def keras_initializer(initializer):
     return initializer
 
 
+def options_config(initializer, regularizer) -> dict:
+    """The `embeddings_initializer` / `embeddings_regularizer` entries of a layer's config."""
+    if not isinstance(initializer, str):
+        initializer = keras.initializers.serialize(initializer)
+    return {
+        "embeddings_initializer": initializer,
+        "embeddings_regularizer": None if regularizer is None else keras.regularizers.serialize(regularizer),
+    }
+
+
+def options_from_config(config: dict) -> dict:
+    """A copy of a layer's config with its initializer deserialized (the inverse of `options_config`)."""
+    config = dict(config)
+    if isinstance(config.get("embeddings_initializer"), dict):
+        config["embeddings_initializer"] = keras.initializers.deserialize(config["embeddings_initializer"])
+    return config
+
+
 def create_layer_table(layer: keras.layers.Layer, config: TableConfig, prefix: str):
     """Creates `config`'s table under the current strategy with its shards as `layer`'s own Keras variables.
 

@@ -92,6 +92,8 @@ class DynamicTable(_compat.Trackable):
         max_rows: Optional[int] = None,
         admission: Any = None,
         eviction: Any = None,
+        exchange: Any = None,
+        placement: Optional[str] = None,
     ):
         if not isinstance(name, str) or not name:
             raise ValueError(f"Argument `name` must be a non-empty string. Received: name={name!r}")
@@ -109,6 +111,7 @@ class DynamicTable(_compat.Trackable):
         self._initializer = initializers.per_key(initializer, self._dim, self._dtype, self._seed, name)
         self._trainable = bool(trainable)
         self._strategy = strategy
+        self._exchange, self._placement = exchange, placement
         self._admission, self._evictions = policies.parse(name, admission, eviction)
         bounded = [e for e in self._evictions if isinstance(e, policies.CapacityEviction)]
         max_keys = bounded[0].per_shard(len(devices)) if bounded else None
@@ -136,9 +139,9 @@ class DynamicTable(_compat.Trackable):
     shards = property(lambda self: tuple(self._shards))
     num_shards = property(lambda self: len(self._shards))
     devices = property(lambda self: tuple(s.device for s in self._shards))
-    # Not mirrored (yet): no gradient exchange, no mirrored placement.
-    exchange = property(lambda self: None)
-    placement = property(lambda self: None)
+    # Under MirroredStrategy: one host copy ("host") whose replicas' gradients are all-gathered; else None.
+    exchange = property(lambda self: self._exchange)
+    placement = property(lambda self: self._placement)
     # Unknown row count: the logical table is as long as its live keys.
     shape = property(lambda self: tf.TensorShape([None, self._dim]))
     admission = property(lambda self: self._admission)

@@ -217,6 +217,10 @@ class DynamicShard:
             new_keys = tf.gather_nd(keys, positions)
             new_rows, allocated = self._allocate(tf.size(new_keys, out_type=tf.int64))
             with tf.control_dependencies([allocated]):
+                # A column created after the last growth (by a function traced before it) catches up first.
+                capacity = self.capacity.read_value()
+                caught_up = [self._extend_column(name, capacity) for name in self.columns]
+            with tf.control_dependencies(caught_up + [allocated]):
                 writes = self._write_new(new_rows, initial_rows(new_keys))
                 writes.append(self.index.insert(new_keys, new_rows))
             with tf.control_dependencies(writes):

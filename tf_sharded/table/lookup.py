@@ -373,25 +373,13 @@ def combine(rows: tf.Tensor, row_ids: tf.Tensor, num_rows, weights: tf.Tensor, c
     return tf.math.divide_no_nan(total, denom)
 
 
-@tf.experimental.dispatch_for_api(tf.nn.embedding_lookup, {"params": ShardedVariable})
+@tf.experimental.dispatch_for_api(tf.nn.embedding_lookup, {"params": Union[ShardedVariable, DynamicTable]})
 def _dispatch_embedding_lookup(params, ids, max_norm=None, name=None):
     return embedding_lookup(params, ids, max_norm=max_norm, name=name)
 
 
-@tf.experimental.dispatch_for_api(tf.nn.embedding_lookup_sparse, {"params": ShardedVariable})
+@tf.experimental.dispatch_for_api(tf.nn.embedding_lookup_sparse, {"params": Union[ShardedVariable, DynamicTable]})
 def _dispatch_embedding_lookup_sparse(
-    params, sp_ids, sp_weights, combiner=None, max_norm=None, name=None, allow_fast_lookup=False
-):
-    return embedding_lookup_sparse(params, sp_ids, sp_weights, combiner or "mean", max_norm, name)
-
-
-@tf.experimental.dispatch_for_api(tf.nn.embedding_lookup, {"params": DynamicTable})
-def _dispatch_dynamic_lookup(params, ids, max_norm=None, name=None):
-    return embedding_lookup(params, ids, max_norm=max_norm, name=name)
-
-
-@tf.experimental.dispatch_for_api(tf.nn.embedding_lookup_sparse, {"params": DynamicTable})
-def _dispatch_dynamic_lookup_sparse(
     params, sp_ids, sp_weights, combiner=None, max_norm=None, name=None, allow_fast_lookup=False
 ):
     return embedding_lookup_sparse(params, sp_ids, sp_weights, combiner or "mean", max_norm, name)
