@@ -82,6 +82,43 @@ class DynamicEmbeddingTest(tf.test.TestCase):
         probe = tf.ragged.constant([["tag-1", "tag-2"], ["new"]])
         self.assertAllClose(loaded.predict(probe, verbose=0), model.predict(probe, verbose=0), atol=1e-6)
 
+    def test_collection_with_dynamic_and_static_tables_trains_and_saves(self):
+        inputs = {"ids": keras.Input((3,), dtype="int64", name="ids"), "item": keras.Input((1,), dtype="int64")}
+        collection = tfs.layers.EmbeddingCollection(
+            tables={
+                "emb": {"vocabulary": "dynamic", "output_dim": 4, "seed": 5, "partitions": 2},
+                "items": {"input_dim": 10, "output_dim": 4, "seed": 1},
+            },
+            features={"ids": {"table": "emb", "combiner": "mean"}, "item": "items"},
+            name="features",
+        )
+        vectors = collection(inputs)
+        out = keras.layers.Dense(1, kernel_initializer="ones", name="dense")(vectors["ids"])
+        model = keras.Model(inputs, [out, vectors["item"]])
+        model.compile(optimizer=tfs.optimizers.SGD(0.3, momentum=0.5), loss=["mse", None])
+        table = collection.tables["emb"]
+        self.assertIsInstance(table, tfs.DynamicTable)
+        self.assertEqual(table.name, "features/emb")
+        x = {"ids": RAW_KEYS[IDS], "item": np.zeros((len(IDS), 1), np.int64)}
+        model.predict(x, verbose=0)
+        self.assertEqual(int(table.size()), 0)
+        steps = 3
+        model.fit(x, LABELS, batch_size=len(IDS), epochs=steps, shuffle=False, verbose=0)
+        expected, kernel = dynamic_reference(model, steps, table=table)
+        rows = by_key(table)
+        self.assertEqual(set(rows), set(expected))
+        for key, row in expected.items():
+            self.assertAllClose(rows[key], row, atol=1e-5)
+        self.assertAllClose(model.get_layer("dense").kernel.numpy(), kernel, atol=1e-5)
+        path = os.path.join(self.get_temp_dir(), "collection.keras")
+        model.save(path)
+        loaded = keras.models.load_model(path)
+        self.assertAllClose(loaded.predict(x, verbose=0)[0], model.predict(x, verbose=0)[0], atol=1e-6)
+        with self.assertRaisesRegex(ValueError, r"`tables\['u'\]\['vocabulary'\]` must be 'static'.*'dynamic'"):
+            tfs.layers.EmbeddingCollection({"u": {"vocabulary": "open", "output_dim": 2}}, {"u": "u"})
+        with self.assertRaisesRegex(ValueError, r"`tables\['u'\]\['output_dim'\]` must be a positive"):
+            tfs.layers.EmbeddingCollection({"u": {"vocabulary": "dynamic", "output_dim": 0}}, {"u": "u"})
+
     def test_config_round_trip_and_mixed_precision(self):
         layer = tfs.layers.DynamicEmbedding(3, key_dtype="string", combiner="mean", seed=4, max_rows=10, name="d")
         clone = tfs.layers.DynamicEmbedding.from_config(layer.get_config())

@@ -192,11 +192,23 @@ class TableConfig:
                   "placement", "seed")  # fmt: skip
 
     @classmethod
-    def from_layer_config(cls, name: str, config: Any) -> TableConfig:
-        """A table from an `EmbeddingCollection` table dict (`input_dim`, `output_dim`, ...), validated."""
-        if isinstance(config, TableConfig):
+    def from_layer_config(cls, name: str, config: Any):
+        """A table from an `EmbeddingCollection` table dict (`input_dim`, `output_dim`, ...), validated.
+
+        A dict with `"vocabulary": "dynamic"` gives a `DynamicTableConfig`.
+        """
+        if isinstance(config, (TableConfig, DynamicTableConfig)):
             return config
         arg = f"tables['{name}']"
+        if isinstance(config, dict) and config.get("vocabulary", "static") != "static":
+            if config["vocabulary"] != "dynamic":
+                raise ValueError(
+                    f"Argument `{arg}['vocabulary']` must be 'static' (ids in [0, input_dim)) or 'dynamic' (raw "
+                    f"keys). Received: {config['vocabulary']!r}"
+                )
+            return DynamicTableConfig.from_layer_config(name, config)
+        if isinstance(config, dict):
+            config = {k: v for k, v in config.items() if k != "vocabulary"}
         if not isinstance(config, dict) or "input_dim" not in config or "output_dim" not in config:
             raise ValueError(f"Argument `{arg}` must be a dict with 'input_dim' and 'output_dim'. Received: {config!r}")
         unknown = sorted(set(config) - set(cls.LAYER_KEYS))
@@ -213,6 +225,69 @@ class TableConfig:
         if not (isinstance(self.initializer, str) and self.initializer == "uniform"):
             config["embeddings_initializer"] = self.initializer
         for key in ("partitions", "scheme", "exchange", "placement", "seed"):
+            if getattr(self, key) is not None:
+                config[key] = getattr(self, key)
+        return config
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicTableConfig:
+    """A dynamic table of an `EmbeddingCollection` (`"vocabulary": "dynamic"`): `create_dynamic_table`'s arguments.
+
+    Example:
+
+    >>> from tf_sharded.config import DynamicTableConfig
+    >>> DynamicTableConfig.from_layer_config("users", {"vocabulary": "dynamic", "output_dim": 8}).shape
+    (None, 8)
+    """
+
+    name: str
+    dim: int
+    key_dtype: str = "int64"
+    initializer: Any = "uniform"
+    partitions: Optional[int] = None
+    seed: Optional[int] = None
+    admission: Any = None
+    eviction: Any = None
+    max_rows: Optional[int] = None
+
+    LAYER_KEYS = ("vocabulary", "output_dim", "key_dtype", "embeddings_initializer", "partitions", "seed",
+                  "admission", "eviction", "max_rows")  # fmt: skip
+
+    def __post_init__(self):
+        object.__setattr__(self, "dim", positive_int("output_dim", self.dim))
+        if self.key_dtype not in ("int64", "string"):
+            raise TypeError(f"Argument `key_dtype` must be 'int64' or 'string'. Received: key_dtype={self.key_dtype!r}")
+        object.__setattr__(self, "partitions", optional_positive_int("partitions", self.partitions))
+        object.__setattr__(self, "max_rows", optional_positive_int("max_rows", self.max_rows))
+
+    @property
+    def shape(self) -> Tuple[Optional[int], int]:
+        return (None, self.dim)
+
+    @classmethod
+    def from_layer_config(cls, name: str, config: dict) -> DynamicTableConfig:
+        arg = f"tables['{name}']"
+        unknown = sorted(set(config) - set(cls.LAYER_KEYS))
+        if unknown:
+            raise ValueError(
+                f"Argument `{arg}` has unknown keys {unknown} for a dynamic table; allowed: {cls.LAYER_KEYS}"
+            )
+        if "output_dim" not in config:
+            raise ValueError(f"Argument `{arg}` must have 'output_dim'. Received: {config!r}")
+        options = {k: config[k] for k in ("key_dtype", "partitions", "seed", "admission", "eviction", "max_rows")
+                   if k in config}  # fmt: skip
+        try:
+            initializer = config.get("embeddings_initializer", "uniform")
+            return cls(name, config["output_dim"], initializer=initializer, **options)
+        except (TypeError, ValueError) as e:
+            raise type(e)(str(e).replace("Argument `", f"Argument `{arg}['", 1).replace("` ", "']` ", 1)) from None
+
+    def to_layer_config(self) -> dict:
+        config = {"vocabulary": "dynamic", "output_dim": self.dim, "key_dtype": self.key_dtype}
+        if not (isinstance(self.initializer, str) and self.initializer == "uniform"):
+            config["embeddings_initializer"] = self.initializer
+        for key in ("partitions", "seed", "admission", "eviction", "max_rows"):
             if getattr(self, key) is not None:
                 config[key] = getattr(self, key)
         return config

@@ -236,6 +236,20 @@ class CapacityEviction(Eviction):
         return tf.bitwise.left_shift(first, 32) + tf.minimum(second, 2**32 - 1)
 
 
+def serialize_policies(policy):
+    """A policy, or a list of them, as Keras configs (for a layer's `get_config`)."""
+    if isinstance(policy, (list, tuple)):
+        return [keras.saving.serialize_keras_object(p) for p in policy]
+    return None if policy is None else keras.saving.serialize_keras_object(policy)
+
+
+def deserialize_policies(config):
+    """The inverse of `serialize_policies` (objects passed through)."""
+    if isinstance(config, list):
+        return [deserialize_policies(c) for c in config]
+    return keras.saving.deserialize_keras_object(config) if isinstance(config, dict) else config
+
+
 def parse(table: str, admission, eviction) -> Tuple[Optional[Admission], Tuple[Eviction, ...]]:
     """Validated `(admission, evictions)`; errors name the table and the argument."""
     if admission is not None and not isinstance(admission, Admission):

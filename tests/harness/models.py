@@ -52,9 +52,9 @@ def make_dynamic_model(partitions=None, seed=5):
     return model
 
 
-def dynamic_reference(model, steps):
+def dynamic_reference(model, steps, table=None):
     """`single_device_reference` from the initial rows of `make_dynamic_model`'s keys: (rows by key, kernel)."""
-    table = model.get_layer("emb").table
+    table = table or model.get_layer("emb").table
     table0 = table.initial_rows(RAW_KEYS).numpy()
     rows, kernel = single_device_reference(table0, steps)
     used = np.unique(IDS)

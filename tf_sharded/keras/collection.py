@@ -7,9 +7,18 @@ import dataclasses
 import keras
 
 from tf_sharded import _compat
-from tf_sharded.config import FeatureConfig, TableConfig
-from tf_sharded.keras.layer_tables import create_layer_table, load_table, padded_to_ragged, refuse_multi_hot
+from tf_sharded.config import DynamicTableConfig, FeatureConfig, TableConfig
+from tf_sharded.keras.layer_tables import (
+    create_layer_dynamic_table,
+    create_layer_table,
+    dense_keys_to_ragged,
+    load_table,
+    padded_to_ragged,
+    refuse_multi_hot,
+)
 from tf_sharded.partition import PartitionSpec
+from tf_sharded.policies import deserialize_policies, serialize_policies
+from tf_sharded.table.dynamic import keys_from_file, keys_to_file
 from tf_sharded.table.lookup import FeatureLookup, lookup_features
 
 
@@ -28,7 +37,12 @@ class EmbeddingCollection(keras.layers.Layer):
       tables: `{table name: {"input_dim": int, "output_dim": int, and
         optionally "embeddings_initializer", "partitions", "scheme",
         "exchange", "placement", "seed"}}`, or `{table name:
-        tfs.TableConfig}`.
+        tfs.TableConfig}`. A table with `"vocabulary": "dynamic"` is a
+        `tfs.DynamicTable` over raw keys: `{"vocabulary": "dynamic",
+        "output_dim": int, and optionally "key_dtype" ("int64" / "string"),
+        "embeddings_initializer", "partitions", "seed", "admission",
+        "eviction", "max_rows"}`; its features take raw keys (multi-hot as
+        ragged or sparse; dense `[batch, n]` keys are all counted).
       features: `{feature name: table name}`, `{feature name: {"table":
         table name, "combiner": None | "sum" | "mean" | "sqrtn"}}`, or
         `{feature name: tfs.FeatureConfig}`.
@@ -80,9 +94,11 @@ class EmbeddingCollection(keras.layers.Layer):
         }
         self.tables: dict = {}
 
-    def _with_defaults(self, config: TableConfig) -> TableConfig:
+    def _with_defaults(self, config):
         """`config` with the collection's `partitions` / `scheme` where it sets none (validated, naming the
-        table)."""
+        table); a dynamic table takes neither (its shards follow the strategy)."""
+        if isinstance(config, DynamicTableConfig):
+            return config
         changes = {}
         if config.partitions is None and self.partitions is not None:
             p = self.partitions
@@ -102,7 +118,10 @@ class EmbeddingCollection(keras.layers.Layer):
             return
         for name, config in self.table_configs.items():
             try:
-                table = create_layer_table(self, dataclasses.replace(config, name=f"{self.name}/{name}"), name)
+                if isinstance(config, DynamicTableConfig):
+                    table = self._create_dynamic(name, config)
+                else:
+                    table = create_layer_table(self, dataclasses.replace(config, name=f"{self.name}/{name}"), name)
             except (ValueError, TypeError) as e:
                 kind = ValueError if isinstance(e, ValueError) else TypeError
                 raise kind(f"Table '{name}' of layer '{self.name}': {e}") from None
@@ -111,7 +130,14 @@ class EmbeddingCollection(keras.layers.Layer):
             _compat.keras_track(self, self.tables[name], f"tables_{name}")
         self.built = True
 
-    def call(self, inputs):
+    def _create_dynamic(self, name: str, config: DynamicTableConfig):
+        options = {k: getattr(config, k) for k in ("key_dtype", "partitions", "seed", "admission", "eviction")}
+        return create_layer_dynamic_table(
+            self, f"{self.name}/{name}", config.dim, name, initializer=config.initializer, max_rows=config.max_rows,
+            **options,
+        )  # fmt: skip
+
+    def call(self, inputs, training=None):
         if not isinstance(inputs, dict) or set(inputs) != set(self.feature_configs):
             got = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
             raise ValueError(
@@ -121,12 +147,16 @@ class EmbeddingCollection(keras.layers.Layer):
         requests = []
         for feature, spec in self.feature_configs.items():
             ids, who = inputs[feature], f"Feature '{feature}' of layer '{self.name}'"
+            table = self.tables[spec.table]
             if spec.combiner is None:
                 refuse_multi_hot(ids, who)
+            elif isinstance(self.table_configs[spec.table], DynamicTableConfig):
+                ids = dense_keys_to_ragged(table, ids)
             else:
                 ids = padded_to_ragged(ids, spec.combiner, False, who)
-            requests.append(FeatureLookup(self.tables[spec.table], ids, spec.combiner, arg=f"inputs['{feature}']"))
-        return dict(zip(self.feature_configs, lookup_features(requests)))
+            requests.append(FeatureLookup(table, ids, spec.combiner, arg=f"inputs['{feature}']"))
+        # `training` matters to dynamic tables only: a training call gives unseen keys a row.
+        return dict(zip(self.feature_configs, lookup_features(requests, training=training is not False)))
 
     def compute_output_shape(self, input_shape):
         shapes = {}
@@ -138,17 +168,29 @@ class EmbeddingCollection(keras.layers.Layer):
 
     def save_own_variables(self, store):
         for name, table in self.tables.items():
-            store[name] = table.numpy()
+            if isinstance(self.table_configs[name], DynamicTableConfig):
+                keys, values = table.export()
+                keys_to_file(store, f"{name}__keys", keys)
+                store[f"{name}__values"] = values.numpy()
+            else:
+                store[name] = table.numpy()
 
     def load_own_variables(self, store):
         for name, table in self.tables.items():
-            load_table(table, store, name, self.name)
+            if isinstance(self.table_configs[name], DynamicTableConfig):
+                keys = keys_from_file(store, f"{name}__keys", table.key_dtype)
+                table.assign_keys(keys, store[f"{name}__values"][...])
+            else:
+                load_table(table, store, name, self.name)
 
     def get_config(self):
         config = super().get_config()
         tables = {}
         for name, table_config in self.table_configs.items():
             table_config = table_config.to_layer_config()
+            for policy in ("admission", "eviction"):
+                if table_config.get(policy) is not None:
+                    table_config[policy] = serialize_policies(table_config[policy])
             init = table_config.get("embeddings_initializer")
             if init is not None and not isinstance(init, (str, dict)):
                 table_config["embeddings_initializer"] = keras.initializers.serialize(init)
@@ -164,6 +206,9 @@ class EmbeddingCollection(keras.layers.Layer):
     def from_config(cls, config):
         config = dict(config)
         for table_config in config["tables"].values():
+            for policy in ("admission", "eviction"):
+                if table_config.get(policy) is not None:
+                    table_config[policy] = deserialize_policies(table_config[policy])
             if isinstance(table_config.get("partitions"), dict):
                 table_config["partitions"] = PartitionSpec.from_config(table_config["partitions"])
         if isinstance(config.get("partitions"), dict):

@@ -15,11 +15,16 @@ from typing import Any, Optional
 import keras
 import tensorflow as tf
 
-from tf_sharded import _compat
 from tf_sharded.config import Combiner
-from tf_sharded.creation import create_dynamic_table
 from tf_sharded.errors import positive_int
-from tf_sharded.keras.layer_tables import keras_initializer, options_config, options_from_config, refuse_multi_hot
+from tf_sharded.keras.layer_tables import (
+    create_layer_dynamic_table,
+    dense_keys_to_ragged,
+    options_config,
+    options_from_config,
+    refuse_multi_hot,
+)
+from tf_sharded.policies import deserialize_policies, serialize_policies
 from tf_sharded.table.dynamic import DynamicTable, keys_from_file, keys_to_file, parse_key_dtype
 from tf_sharded.table.lookup import FeatureLookup, lookup_features
 
@@ -93,31 +98,20 @@ class DynamicEmbedding(keras.layers.Layer):
     def build(self, input_shape=None):
         if self.built:
             return
-        with _compat.outside_keras_stateless_scope():
-            self.table = create_dynamic_table(
-                self.name,
-                self.output_dim,
-                key_dtype=self.key_dtype,
-                initializer=keras_initializer(self.embeddings_initializer),
-                partitions=self.partitions,
-                seed=self.seed,
-                admission=self.admission,
-                eviction=self.eviction,
-                dtype=self.variable_dtype,
-                trainable=self.trainable,
-                max_rows=self.max_rows,
-                growth=self.growth,
-            )
-            for i, pool in enumerate(self.table.variables):
-                weight = self.add_weight(
-                    shape=(0, self.output_dim),
-                    initializer="zeros",
-                    dtype=self.variable_dtype,
-                    trainable=self.trainable,
-                    name=f"rows_{i}",
-                    autocast=False,
-                )
-                _compat.keras_adopt_variable(weight, pool)
+        self.table = create_layer_dynamic_table(
+            self,
+            self.name,
+            self.output_dim,
+            "rows",
+            key_dtype=self.key_dtype,
+            initializer=self.embeddings_initializer,
+            partitions=self.partitions,
+            seed=self.seed,
+            admission=self.admission,
+            eviction=self.eviction,
+            max_rows=self.max_rows,
+            growth=self.growth,
+        )
         self.built = True
 
     def call(self, inputs, training=None):
@@ -126,9 +120,7 @@ class DynamicEmbedding(keras.layers.Layer):
             refuse_multi_hot(inputs, who)
             request = FeatureLookup(self.table, inputs, arg="inputs")
         else:
-            if not isinstance(inputs, (tf.RaggedTensor, tf.SparseTensor)):
-                inputs = tf.RaggedTensor.from_tensor(self.table.check_ids(inputs, arg="inputs", max_rank=2)[0])
-            request = FeatureLookup(self.table, inputs, self.combiner, arg="inputs")
+            request = FeatureLookup(self.table, dense_keys_to_ragged(self.table, inputs), self.combiner, arg="inputs")
         out = lookup_features([request], training=training is not False)[0]
         if self.embeddings_regularizer is not None:
             self.add_loss(self.embeddings_regularizer(out))
@@ -171,8 +163,8 @@ class DynamicEmbedding(keras.layers.Layer):
                 **options_config(self.embeddings_initializer, self.embeddings_regularizer),
                 "partitions": self.partitions,
                 "seed": self.seed,
-                "admission": _serialize_policy(self.admission),
-                "eviction": _serialize_policy(self.eviction),
+                "admission": serialize_policies(self.admission),
+                "eviction": serialize_policies(self.eviction),
                 "max_rows": self.max_rows,
                 "growth": self.growth,
             }
@@ -183,15 +175,5 @@ class DynamicEmbedding(keras.layers.Layer):
     def from_config(cls, config):
         config = options_from_config(config)
         for arg in ("admission", "eviction"):
-            value = config.get(arg)
-            if isinstance(value, dict):
-                config[arg] = keras.saving.deserialize_keras_object(value)
-            elif isinstance(value, list):
-                config[arg] = [keras.saving.deserialize_keras_object(v) for v in value]
+            config[arg] = deserialize_policies(config.get(arg))
         return cls(**config)
-
-
-def _serialize_policy(policy):
-    if isinstance(policy, (list, tuple)):
-        return [keras.saving.serialize_keras_object(p) for p in policy]
-    return None if policy is None else keras.saving.serialize_keras_object(policy)

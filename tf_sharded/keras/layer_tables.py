@@ -66,6 +66,33 @@ def create_layer_table(layer: keras.layers.Layer, config: TableConfig, prefix: s
         return create_table(tf.distribute.get_strategy(), config, variable_factory=factory)
 
 
+def create_layer_dynamic_table(layer: keras.layers.Layer, name: str, dim: int, prefix: str, **options):
+    """Creates a dynamic table under the current strategy with its row pools as `layer`'s Keras weights.
+
+    The weights stand for the pools (which grow); Keras trains and counts
+    them, and TensorFlow checkpoints hold the table once, as its live keys.
+    """
+    from tf_sharded.creation import create_dynamic_table
+
+    options["initializer"] = keras_initializer(options.get("initializer", "uniform"))
+    with _compat.outside_keras_stateless_scope():
+        table = create_dynamic_table(name, dim, dtype=layer.variable_dtype, trainable=layer.trainable, **options)
+        for i, pool in enumerate(table.variables):
+            weight = layer.add_weight(
+                shape=(0, dim), initializer="zeros", dtype=layer.variable_dtype, trainable=layer.trainable,
+                name=f"{prefix}_{i}", autocast=False,
+            )  # fmt: skip
+            _compat.keras_adopt_variable(weight, pool)
+    return table
+
+
+def dense_keys_to_ragged(table, keys):
+    """Dense `[batch, n]` keys of a dynamic table as ragged, every key counted (any key value is valid)."""
+    if isinstance(keys, (tf.RaggedTensor, tf.SparseTensor)):
+        return keys
+    return tf.RaggedTensor.from_tensor(table.check_ids(keys, arg="inputs", max_rank=2)[0])
+
+
 def padded_to_ragged(ids, combiner: str, mask_zero: bool, who: str):
     """Ragged / sparse ids as they are; padded dense ids [batch, n] as ragged (negative, or 0 with mask_zero, = pad)."""
     if isinstance(ids, (tf.RaggedTensor, tf.SparseTensor)):
