@@ -13,9 +13,10 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "colab", "*.ipynb")))
 
 
 class NotebookTest(tf.test.TestCase):
-    def test_there_are_the_three_notebooks(self):
+    def test_there_are_the_four_notebooks(self):
         names = {os.path.basename(n) for n in NOTEBOOKS}
-        self.assertEqual(names, {"quickstart.ipynb", "mirrored_exchange.ipynb", "dlrm_end_to_end.ipynb"})
+        expected = {"quickstart.ipynb", "mirrored_exchange.ipynb", "dlrm_end_to_end.ipynb", "dynamic_vocabularies.ipynb"}
+        self.assertEqual(names, expected)
         for path in NOTEBOOKS:
             first_code = next(c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
             self.assertIn('"google.colab" in sys.modules', first_code.source, msg=path)  # installs on Colab
