@@ -96,6 +96,14 @@ def define_flags(values: flags.FlagValues) -> None:
         lower_bound=2,
         flag_values=values,
     )
+    flags.DEFINE_enum(
+        "vocabulary",
+        "hashed",
+        ["hashed", "dynamic"],
+        "Categorical values: hashed into each table's rows (--max_vocab or the schema's buckets), or raw "
+        "values as the keys of dynamic tables (no cap, no collisions).",
+        flag_values=values,
+    )
     flags.DEFINE_integer("embedding_dim", 16, "Embedding width.", lower_bound=1, flag_values=values)
     flags.DEFINE_boolean(
         "strict",
@@ -296,8 +304,28 @@ def inspect_checkpoint(path: str) -> int:
             where = f"{len(set(layout['devices']))} device(s)"
             saved = f"  table '{layout['table']}' saved as {layout['partition']} on {where} under {layout['strategy']}"
         print(f"{name:70s} {str(shape):18s} {dtype:8s} {size / 2**20:10.2f} MiB{saved}")
-    print(f"{len(rows)} variables, {total / 2**20:.1f} MiB")
+    dynamic = _dynamic_tables(shapes, dtypes)
+    for name, (keys, dim, key_dtype, size) in sorted(dynamic.items()):
+        total += size
+        print(f"{name:70s} {keys:>10,} live keys x {dim:<4d} {key_dtype:8s} {size / 2**20:10.2f} MiB  dynamic table")
+    print(f"{len(rows)} variables, {len(dynamic)} dynamic tables, {total / 2**20:.1f} MiB")
     return 0
+
+
+def _dynamic_tables(shapes: dict, dtypes: dict) -> dict:
+    """`{name: (live keys, dim, key dtype, bytes of rows and columns)}` of the dynamic tables in a checkpoint."""
+    tables = {}
+    for key in shapes:
+        if not key.endswith("/.ATTRIBUTES/keys"):
+            continue
+        prefix = key[: -len("keys")]
+        values = shapes.get(prefix + "values")
+        if values is None:
+            continue
+        parts = [k for k in shapes if k.startswith(prefix) and dtypes[k].name != "string"]
+        size = sum(int(np.prod(shapes[k])) * dtypes[k].size for k in parts if shapes[k])
+        tables[prefix[: -len("/.ATTRIBUTES/")]] = (shapes[key][0], values[1], dtypes[key].name, size)
+    return tables
 
 
 def main(argv: List[str]) -> int:

@@ -85,20 +85,27 @@ def plan(args, workers: int, strategy=None) -> Plan:
     done = steps_in_checkpoint(args.checkpoint_dir)
     skip = done // workers if workers > 1 else done
     shares = Shares(strategy, workers)
+    dynamic = getattr(args, "vocabulary", "hashed") == "dynamic"
     if args.data == "synthetic":
         criteo = schemas.criteo(data.vocab_sizes(args.max_vocab))
+        criteo = criteo.with_vocabulary("dynamic") if dynamic else criteo
+
+        def as_keys(dataset):
+            # Dynamic tables take the ids' decimal text as keys, as they would from a file.
+            convert = lambda x, y: ({k: v if k == "dense" else tf.strings.as_string(v) for k, v in x.items()}, y)  # noqa: E731
+            return dataset.map(convert) if dynamic else dataset
 
         def stretch(share):
             # Each worker reads its own stretch of the (deterministic) stream, from where it stopped.
             start = (0 if share is None else share[1] * 10_000_000) + skip
-            return data.synthetic_dataset(args.batch_size, args.max_vocab, args.seed, start=start)
+            return as_keys(data.synthetic_dataset(args.batch_size, args.max_vocab, args.seed, start=start))
 
         def synthetic(context: Optional[tf.distribute.InputContext] = None):
             return shares.dataset(stretch)
 
         held_out = data.synthetic_dataset(args.batch_size, args.max_vocab, args.seed + 1, num_batches=args.eval_steps)
-        return Plan(criteo, synthetic, held_out, None, "synthetic")
-    return _files_plan(args, shares, skip)
+        return Plan(criteo, synthetic, as_keys(held_out), None, "synthetic")
+    return _files_plan(args, shares, skip, dynamic)
 
 
 def _saved_schema(checkpoint_dir: Optional[str]) -> Optional[schemas.Schema]:
@@ -106,11 +113,13 @@ def _saved_schema(checkpoint_dir: Optional[str]) -> Optional[schemas.Schema]:
     return schemas.load(path) if path and os.path.exists(path) else None
 
 
-def _files_plan(args, shares: Shares, skip: int) -> Plan:
+def _files_plan(args, shares: Shares, skip: int, dynamic: bool = False) -> Plan:
     if args.schema:
         schema = schemas.load(args.schema)
     else:
         schema = schemas.criteo(data.vocab_sizes(args.max_vocab))
+    if dynamic:
+        schema = schema.with_vocabulary("dynamic")
     saved = _saved_schema(args.checkpoint_dir)
     if saved is not None and saved.columns == schema.columns:
         # A resumed run standardizes with the statistics it started with.

@@ -28,7 +28,8 @@ def _inputs(schema: Schema):
         inputs["dense"] = keras.Input((len(schema.numeric),), name="dense")
     for f in schema.embedded:
         ragged = f.type == FeatureType.MULTI_HOT
-        inputs[f.name] = keras.Input((None,) if ragged else (), dtype="int64", name=f.name, ragged=ragged)
+        dtype = "string" if f.vocabulary == "dynamic" else "int64"
+        inputs[f.name] = keras.Input((None,) if ragged else (), dtype=dtype, name=f.name, ragged=ragged)
     return inputs
 
 
@@ -45,12 +46,13 @@ def _embed(ids: dict, schema: Schema, dim: int, name: str, table_options: Option
                 "Argument `table_options` applies to tf_sharded tables only. "
                 f"Received: table_options={table_options!r} with embeddings='keras'"
             )
+        if any(f.vocabulary == "dynamic" for f in features):
+            raise ValueError("Argument `embeddings='keras'` has fixed vocabularies only, not dynamic ones")
         if any(f.type != FeatureType.CATEGORICAL for f in features):
             raise ValueError("Argument `embeddings='keras'` supports categorical features only, not multi_hot")
         return {f.name: keras.layers.Embedding(f.buckets, dim, name=f"{name}_{f.name}")(ids[f.name]) for f in features}
     tables = {
-        table: {"input_dim": int(rows), "output_dim": dim, "seed": i, **(table_options or {})}
-        for i, (table, rows) in enumerate(schema.tables().items())
+        table: _table_config(rows, dim, i, table_options) for i, (table, rows) in enumerate(schema.tables().items())
     }
     specs = {
         f.name: {"table": f.table_name, "combiner": f.combiner.value if f.type == FeatureType.MULTI_HOT else None}
@@ -58,6 +60,15 @@ def _embed(ids: dict, schema: Schema, dim: int, name: str, table_options: Option
     }
     collection = EmbeddingCollection(tables, specs, name=name)
     return collection({f.name: ids[f.name] for f in features})
+
+
+def _table_config(rows: Optional[int], dim: int, seed: int, options: Optional[dict]) -> dict:
+    """An `EmbeddingCollection` table: `rows` hashed ids, or (rows None) a dynamic table of string keys."""
+    if rows is None:
+        # Of the sharded-table options, a dynamic table takes its shard count.
+        extra = {k: v for k, v in (options or {}).items() if k == "partitions"}
+        return {"vocabulary": "dynamic", "output_dim": dim, "key_dtype": "string", "seed": seed, **extra}
+    return {"input_dim": int(rows), "output_dim": dim, "seed": seed, **(options or {})}
 
 
 def _check_embeddings(embeddings: str) -> None:

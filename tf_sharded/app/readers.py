@@ -221,6 +221,11 @@ def _ids(text: tf.Tensor, buckets: int) -> tf.Tensor:
     return tf.where(tf.equal(tf.strings.length(text), 0), tf.zeros_like(hashed), hashed)
 
 
+def _keys(text: tf.Tensor, feature: Feature) -> tf.Tensor:
+    """A categorical or multi-hot column's model input: hashed row ids, or its text as dynamic-table keys."""
+    return text if feature.vocabulary == "dynamic" else _ids(text, feature.buckets)
+
+
 _NUMBER = r"[+-]?([0-9]+[.]?[0-9]*|[.][0-9]+)([eE][+-]?[0-9]+)?"
 
 
@@ -306,14 +311,14 @@ def parse_record(
             x = _number(value, f"column '{f.name}'") if text else _typed_number(value)
             dense.append(_transform(f, x, raw_numeric))
         elif f.type == FeatureType.CATEGORICAL:
-            features[f.name] = _ids(_text_of(value) if text else _typed_text(value), f.buckets)
+            features[f.name] = _keys(_text_of(value) if text else _typed_text(value), f)
         else:
             if text or (value.dtype == tf.string and value.shape.rank == 0):
                 items = tf.strings.split(tf.strings.strip(value), f.delimiter)
             else:
                 items = _text_of(value)
             items = tf.boolean_mask(items, tf.strings.length(tf.strings.strip(items)) > 0)
-            features[f.name] = _ids(_text_of(items), f.buckets)
+            features[f.name] = _keys(_text_of(items), f)
     if dense:
         features["dense"] = tf.stack(dense)
     return features, tf.reshape(_label(schema, y), [1])

@@ -20,7 +20,10 @@ statistics pass over the training files, kept with the checkpoint); a missing
 numeric value is 0 after the transform. Categorical columns (integer ids or
 strings) are hashed into `buckets` rows: row 0 is "missing", values go to
 `1 + hash(text) mod (buckets - 1)` over their decimal or string text, so an id
-hashes the same whether a file stores it as a number or as a string.
+hashes the same whether a file stores it as a number or as a string. With
+`"vocabulary": "dynamic"` (or `train --vocabulary dynamic`) a column's values
+are instead the keys of a dynamic table, as text ("" when missing): no
+`buckets`, no collisions.
 Multi-hot columns are lists (Parquet, TFRecord) or `delimiter`-separated
 text (TSV, CSV), looked up with `combiner` (`sum`, `mean`, `sqrtn`).
 Features with the same `table` share one embedding table (their `buckets`
@@ -79,6 +82,8 @@ class Feature:
     table: Optional[str] = None
     delimiter: str = "|"
     combiner: Combiner = Combiner.MEAN
+    # "hashed" (ids = 1 + hash mod (buckets - 1)) or "dynamic" (raw values as string keys of a dynamic table).
+    vocabulary: str = "hashed"
     # standardize: mean and standard deviation from the statistics pass (None until it ran).
     mean: Optional[float] = None
     std: Optional[float] = None
@@ -107,12 +112,19 @@ class Schema:
         """Every column a file must have: the label first, then the features in schema order."""
         return [self.label.name] + [f.name for f in self.features]
 
-    def tables(self) -> Dict[str, int]:
-        """`{table name: rows}` in first-use order."""
-        tables: Dict[str, int] = {}
+    def tables(self) -> Dict[str, Optional[int]]:
+        """`{table name: rows}` in first-use order (None: a dynamic table, no fixed rows)."""
+        tables: Dict[str, Optional[int]] = {}
         for f in self.embedded:
-            tables.setdefault(f.table_name, f.buckets)
+            tables.setdefault(f.table_name, None if f.vocabulary == "dynamic" else f.buckets)
         return tables
+
+    def with_vocabulary(self, vocabulary: str) -> Schema:
+        """A copy whose categorical and multi-hot features all use `vocabulary` ("hashed" or "dynamic")."""
+        features = tuple(
+            f if f.type == FeatureType.NUMERIC else dataclasses.replace(f, vocabulary=vocabulary) for f in self.features
+        )
+        return dataclasses.replace(self, features=features)
 
     def needs_statistics(self) -> bool:
         return any(f.transform == Transform.STANDARDIZE and f.mean is None for f in self.numeric)
@@ -135,7 +147,10 @@ class Schema:
                 if f.mean is not None:
                     out.update(mean=f.mean, std=f.std)
             else:
-                out["buckets"] = f.buckets
+                if f.vocabulary == "dynamic":
+                    out["vocabulary"] = "dynamic"
+                if f.buckets is not None:
+                    out["buckets"] = f.buckets
                 if f.table:
                     out["table"] = f.table
             if f.type == FeatureType.MULTI_HOT:
@@ -158,8 +173,8 @@ def _enum(kind, value, where: str, key: str):
 
 _FEATURE_KEYS = {
     FeatureType.NUMERIC: {"name", "type", "transform", "mean", "std"},
-    FeatureType.CATEGORICAL: {"name", "type", "buckets", "table"},
-    FeatureType.MULTI_HOT: {"name", "type", "buckets", "table", "delimiter", "combiner"},
+    FeatureType.CATEGORICAL: {"name", "type", "buckets", "table", "vocabulary"},
+    FeatureType.MULTI_HOT: {"name", "type", "buckets", "table", "delimiter", "combiner", "vocabulary"},
 }
 
 
@@ -177,19 +192,26 @@ def _feature(entry, where: str) -> Feature:
         if (mean is None) != (std is None) or (std is not None and not (isinstance(std, (int, float)) and std > 0)):
             raise SchemaError(f"{where}: `mean` and `std` go together, with std > 0. Received: {mean!r}, {std!r}")
         return Feature(entry["name"], kind, transform=transform, mean=mean, std=std)
+    vocabulary = entry.get("vocabulary", "hashed")
+    if vocabulary not in ("hashed", "dynamic"):
+        raise SchemaError(f"{where}: `vocabulary` must be 'hashed' or 'dynamic'. Received: {vocabulary!r}")
     buckets = entry.get("buckets")
-    if not isinstance(buckets, int) or isinstance(buckets, bool) or buckets < 2:
+    if vocabulary == "dynamic" and buckets is None:
+        pass  # raw values are the keys: no buckets
+    elif not isinstance(buckets, int) or isinstance(buckets, bool) or buckets < 2:
         raise SchemaError(f"{where}: `buckets` must be an integer >= 2 (row 0 is 'missing'). Received: {buckets!r}")
     table = entry.get("table")
     if table is not None and (not isinstance(table, str) or not table):
         raise SchemaError(f"{where}: `table` must be a non-empty string. Received: {table!r}")
     if kind == FeatureType.CATEGORICAL:
-        return Feature(entry["name"], kind, buckets=buckets, table=table)
+        return Feature(entry["name"], kind, buckets=buckets, table=table, vocabulary=vocabulary)
     delimiter = entry.get("delimiter", "|")
     if not isinstance(delimiter, str) or len(delimiter) != 1:
         raise SchemaError(f"{where}: `delimiter` must be one character. Received: {delimiter!r}")
     combiner = _enum(Combiner, entry.get("combiner", "mean"), where, "combiner")
-    return Feature(entry["name"], kind, buckets=buckets, table=table, delimiter=delimiter, combiner=combiner)
+    return Feature(
+        entry["name"], kind, buckets=buckets, table=table, delimiter=delimiter, combiner=combiner, vocabulary=vocabulary
+    )
 
 
 def parse(config: dict, source: str = "schema") -> Schema:
@@ -211,17 +233,18 @@ def parse(config: dict, source: str = "schema") -> Schema:
         raise SchemaError(f"{source}: column(s) {repeated} appear more than once (label and features)")
     if not any(f.type != FeatureType.NUMERIC for f in features):
         raise SchemaError(f"{source}: at least one categorical or multi_hot feature is needed (an embedding table)")
-    rows: Dict[str, Tuple[int, str]] = {}
+    rows: Dict[str, Tuple[tuple, str]] = {}
     for f in features:
         if f.type == FeatureType.NUMERIC:
             continue
-        if f.table_name in rows and rows[f.table_name][0] != f.buckets:
-            other = rows[f.table_name][1]
+        if f.table_name in rows and rows[f.table_name][0] != (f.buckets, f.vocabulary):
+            (buckets, vocabulary), other = rows[f.table_name]
+            differ = f"vocabulary {vocabulary} and {f.vocabulary}" if vocabulary != f.vocabulary else ""
             raise SchemaError(
                 f"{source}: features '{other}' and '{f.name}' share table '{f.table_name}' but have "
-                f"buckets {rows[f.table_name][0]} and {f.buckets}"
+                + (differ or f"buckets {buckets} and {f.buckets}")
             )
-        rows.setdefault(f.table_name, (f.buckets, f.name))
+        rows.setdefault(f.table_name, ((f.buckets, f.vocabulary), f.name))
     return Schema(label, features)
 
 
