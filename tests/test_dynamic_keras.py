@@ -7,7 +7,14 @@ import numpy as np
 import tensorflow as tf
 
 import tf_sharded as tfs
-from tests.harness.models import IDS, LABELS, RAW_KEYS, dynamic_reference, make_dynamic_model
+from tests.harness.models import (
+    IDS,
+    LABELS,
+    RAW_KEYS,
+    assert_matches_dynamic_reference,
+    dynamic_reference,
+    make_dynamic_model,
+)
 from tests.test_dynamic import by_key
 
 
@@ -34,12 +41,7 @@ class DynamicEmbeddingTest(tf.test.TestCase):
         steps = 5
         history = model.fit(RAW_KEYS[IDS], LABELS, batch_size=len(IDS), epochs=steps, shuffle=False, verbose=0)
         self.assertLess(history.history["loss"][-1], history.history["loss"][0])
-        expected, kernel = dynamic_reference(model, steps)
-        rows = by_key(model.get_layer("emb").table)
-        self.assertEqual(set(rows), set(expected))
-        for key, row in expected.items():
-            self.assertAllClose(rows[key], row, atol=1e-5)
-        self.assertAllClose(model.get_layer("dense").kernel.numpy(), kernel, atol=1e-5)
+        assert_matches_dynamic_reference(self, model, steps)
 
     def test_tfs_fit_trains_weights_keras_sees(self):
         model = make_dynamic_model()
@@ -104,12 +106,7 @@ class DynamicEmbeddingTest(tf.test.TestCase):
         self.assertEqual(int(table.size()), 0)
         steps = 3
         model.fit(x, LABELS, batch_size=len(IDS), epochs=steps, shuffle=False, verbose=0)
-        expected, kernel = dynamic_reference(model, steps, table=table)
-        rows = by_key(table)
-        self.assertEqual(set(rows), set(expected))
-        for key, row in expected.items():
-            self.assertAllClose(rows[key], row, atol=1e-5)
-        self.assertAllClose(model.get_layer("dense").kernel.numpy(), kernel, atol=1e-5)
+        assert_matches_dynamic_reference(self, model, steps, table=table)
         path = os.path.join(self.get_temp_dir(), "collection.keras")
         model.save(path)
         loaded = keras.models.load_model(path)

@@ -5,7 +5,13 @@ import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
-from tests.harness.models import IDS, LABELS, RAW_KEYS, dynamic_reference, make_dynamic_model
+from tests.harness.models import (
+    IDS,
+    LABELS,
+    RAW_KEYS,
+    assert_matches_dynamic_reference,
+    make_dynamic_model,
+)
 from tests.harness.strategies import mirrored, uid
 from tests.test_dynamic import DIM, Reference, by_key, power_law_keys
 
@@ -53,12 +59,7 @@ class DynamicMirroredTest(tf.test.TestCase):
             model = make_dynamic_model(partitions=2)
         steps = 3
         model.fit(RAW_KEYS[IDS], LABELS, batch_size=len(IDS), epochs=steps, shuffle=False, verbose=0)
-        expected, kernel = dynamic_reference(model, steps)
-        rows = by_key(model.get_layer("emb").table)
-        self.assertEqual(set(rows), set(expected))
-        for key, row in expected.items():
-            self.assertAllClose(rows[key], row, atol=1e-5)
-        self.assertAllClose(model.get_layer("dense").kernel.numpy(), kernel, atol=1e-5)
+        assert_matches_dynamic_reference(self, model, steps)
 
     def test_multi_worker_mirrored_is_not_supported_yet(self):
         supported = tfs.creation.dynamic_strategies()

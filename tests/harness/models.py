@@ -59,3 +59,15 @@ def dynamic_reference(model, steps, table=None):
     rows, kernel = single_device_reference(table0, steps)
     used = np.unique(IDS)
     return {int(RAW_KEYS[i]): rows[i] for i in used}, kernel
+
+
+def assert_matches_dynamic_reference(test, model, steps, table=None):
+    """`model` (from `make_dynamic_model`, trained `steps` steps on IDS) has the reference's rows and kernel."""
+    table = table or model.get_layer("emb").table
+    expected, kernel = dynamic_reference(model, steps, table=table)
+    keys, values = table.export()
+    rows = dict(zip(keys.numpy().tolist(), values.numpy()))
+    test.assertEqual(set(rows), set(expected))
+    for key, row in expected.items():
+        test.assertAllClose(rows[key], row, atol=1e-5)
+    test.assertAllClose(model.get_layer("dense").kernel.numpy(), kernel, atol=1e-5)
