@@ -93,9 +93,9 @@ def run(quick: bool = False, mode: str = "inprocess") -> Dict:
     import tf_sharded as tfs
     from tf_sharded.benchmarks.ps_lookup import _ids, scheduled_seconds
 
-    features, rows = (4, 20_000) if quick else (26, 200_000)
-    steps, rounds = (3, 1) if quick else (10, 3)
-    memory = memory_per_key(50_000 if quick else 1_000_000)
+    features, rows = (2, 20_000) if quick else (26, 200_000)
+    steps, rounds = (2, 1) if quick else (10, 3)
+    memory = memory_per_key(20_000 if quick else 1_000_000)
     cluster = tfs.cluster.LocalCluster(num_workers=1, num_ps=2, mode=mode).start()
     try:
         strategy = cluster.strategy()
