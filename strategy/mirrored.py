@@ -144,8 +144,26 @@ MIRRORED = register(
     ),
     tf.distribute.MirroredStrategy,
 )
+
+
+def multi_worker_dynamic_devices(strategy, num_shards):
+    """Dynamic tables: one copy per worker, kept equal by inserting every replica's keys on every worker.
+
+    The copies agree because each worker applies the same inserts in the same
+    order (`tf_sharded.table.dynamic_agree`); several replicas of one worker
+    would insert the gathered keys once each, so one replica per worker only.
+    """
+    local = len(strategy.extended.worker_devices)
+    if local != 1:
+        raise ValueError(
+            f"Dynamic tables under MultiWorkerMirroredStrategy need one replica per worker (each worker's copy "
+            f"inserts every replica's keys once). Received: {local} local devices per worker "
+            f"({list(strategy.extended.worker_devices)}); use one device per worker process."
+        )
+    return dynamic_devices(strategy, num_shards)
+
+
 # Keras 3's model.fit fails before the first step under MultiWorkerMirroredStrategy (keras-team/keras#20585).
-# No dynamic tables yet: one host copy per worker would give a key different rows on different workers.
 MULTI_WORKER = register(
     StrategyFamily(
         name="multi_worker_mirrored",
@@ -153,6 +171,7 @@ MULTI_WORKER = register(
         mirrors_tables=True,
         transport=transport,
         fit_loop=lambda strategy, steps_per_execution: FitLoop.REPLICAS,
+        dynamic_devices=multi_worker_dynamic_devices,
     ),
     tf.distribute.MultiWorkerMirroredStrategy,
 )

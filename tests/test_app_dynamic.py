@@ -20,7 +20,7 @@ def live_keys(inspected: str) -> dict:
 
 
 class DynamicVocabularyAppTest(tf.test.TestCase):
-    def test_tsv_under_parameter_servers_and_parquet_by_default_strategy(self):
+    def test_tsv_under_parameter_servers_and_parquet_under_the_other_strategies(self):
         out = self.get_temp_dir()
         csv_path, schema_path = os.path.join(out, "ratings.csv"), os.path.join(out, "schema.json")
         write_ratings(csv_path, rows=700)
@@ -59,9 +59,10 @@ class DynamicVocabularyAppTest(tf.test.TestCase):
         self.assertBetween(keys["movie"], 20, len(set(columns["movie"])))
         self.assertBetween(keys["genres"], 2, 8)
 
-        proc = run_python(["-m", "tf_sharded", "train", *TINY, *common, "--data", parquet, "--strategy", "default"])
-        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-        self.assertRegex(summary(proc), r"default \| 4 steps")
+        for strategy in ("default", "mirrored", "multi_worker"):
+            proc = run_python(["-m", "tf_sharded", "train", *TINY, *common, "--data", parquet, "--strategy", strategy])
+            self.assertEqual(proc.returncode, 0, f"{strategy}: {proc.stderr[-3000:]}")
+            self.assertRegex(summary(proc), rf"{strategy}( \(1 replicas\))? \| 4 steps")
 
     def test_schema_vocabulary_dynamic_and_its_errors(self):
         from tf_sharded.app import schema as schemas

@@ -61,10 +61,15 @@ class DynamicMirroredTest(tf.test.TestCase):
         model.fit(RAW_KEYS[IDS], LABELS, batch_size=len(IDS), epochs=steps, shuffle=False, verbose=0)
         assert_matches_dynamic_reference(self, model, steps)
 
-    def test_multi_worker_mirrored_is_not_supported_yet(self):
-        supported = tfs.creation.dynamic_strategies()
-        self.assertIn("MirroredStrategy", supported)
-        self.assertNotIn("CollectiveAllReduceStrategy", supported)
+    def test_multi_worker_mirrored_needs_one_replica_per_worker(self):
+        from types import SimpleNamespace
+
+        from tf_sharded.strategy.mirrored import multi_worker_dynamic_devices
+
+        self.assertIn("CollectiveAllReduceStrategy", tfs.creation.dynamic_strategies())
+        two = SimpleNamespace(extended=SimpleNamespace(worker_devices=["/job:worker/task:0/device:CPU:0"] * 2))
+        with self.assertRaisesRegex(ValueError, r"one replica per worker.*Received: 2 local devices per worker"):
+            multi_worker_dynamic_devices(two, None)
 
 
 if __name__ == "__main__":

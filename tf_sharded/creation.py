@@ -155,7 +155,9 @@ def create_dynamic_table(
         (seed, key) only.
       partitions: None (the strategy's default: one shard per ps under
         ParameterServerStrategy, else one) or a number of shards. Under
-        MirroredStrategy the shards are on the host, shared by the replicas.
+        MirroredStrategy the shards are on the host, shared by the replicas;
+        under MultiWorkerMirroredStrategy each worker (one replica each) has
+        its own copy, kept identical to the others'.
       seed: seed of the initial rows (drawn from TF's global seed if None).
       admission: None (every key met in training gets a row) or
         `tfs.MinCountAdmission` / `tfs.ProbabilityAdmission`.

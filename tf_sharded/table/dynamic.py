@@ -23,7 +23,9 @@ import tensorflow as tf
 
 from tf_sharded import _compat, initializers, policies
 from tf_sharded.errors import positive_int
+from tf_sharded.table.dynamic_agree import agreeing_context, gather_keys
 from tf_sharded.table.dynamic_shard import DynamicShard
+from tf_sharded.table.dynamic_slot import DynamicSlot
 from tf_sharded.table.protocol import MAX_IDS_RANK, register_shards
 
 KEY_DTYPES = (tf.int64, tf.string)
@@ -208,6 +210,25 @@ class DynamicTable(_compat.Trackable):
 
     # -------------------------------------------------------------- lookups --
 
+    def _partition(self, keys, *tensors):
+        """`keys` and tensors aligned with them, split by the keys' shards (one list per tensor)."""
+        if self.num_shards == 1:
+            return [[t] for t in (keys, *tensors)]
+        shard = self.shard_of(keys)
+        return [tf.dynamic_partition(t, shard, self.num_shards) for t in (keys, *tensors)]
+
+    def _resolve(self, uniq, counts, inserting: bool):
+        """Per shard: `(keys, their positions in uniq, their rows or -1)`; `inserting` admits absent keys first."""
+        keys, where, counts = self._partition(uniq, tf.range(tf.size(uniq, out_type=tf.int32)), counts)
+        if not inserting:
+            return keys, where, [s.find(k) for s, k in zip(self._shards, keys)]
+        step = self._step.assign_add(1)
+        rows = [
+            s.find_or_insert(k, key_fingerprints(k), c, step, self.initial_rows, self._evictions, self._seed)
+            for s, k, c in zip(self._shards, keys, counts)
+        ]
+        return keys, where, rows
+
     def lookup(self, flat_keys, training: bool = True) -> tf.Tensor:
         """Rows of rank-1 `flat_keys`; `training` inserts absent keys (if trainable), else they read their initial row.
 
@@ -217,22 +238,21 @@ class DynamicTable(_compat.Trackable):
         uniq, idx = tf.unique(flat_keys, out_idx=tf.int32)
         num_unique = tf.size(uniq, out_type=tf.int32)
         counts = tf.math.unsorted_segment_sum(tf.ones_like(idx, tf.int64), idx, num_unique)
-        parts = [uniq, tf.range(num_unique), counts]
-        if self.num_shards > 1:
-            shard = self.shard_of(uniq)
-            parts = [tf.dynamic_partition(p, shard, self.num_shards) for p in parts]
-        else:
-            parts = [[p] for p in parts]
         inserting = training and self._trainable
-        step = self._step.assign_add(1) if inserting else None
+        ctx = agreeing_context(self._strategy) if inserting else None
+        if ctx is not None:
+            # Several workers, one copy each: every worker inserts everyone's keys, then reads its own.
+            all_keys, all_counts, start = gather_keys(ctx, uniq, counts)
+            every, at = tf.unique(all_keys, out_idx=tf.int32)
+            total = tf.size(every, out_type=tf.int32)
+            summed = tf.math.unsorted_segment_sum(all_counts, at, total)
+            _, where, found = self._resolve(every, summed, True)
+            rows = tf.add_n([tf.scatter_nd(w[:, None], r, tf.shape(every, tf.int32)) for w, r in zip(where, found)])
+            parts = self._partition(uniq, tf.range(num_unique), tf.gather(rows, tf.slice(at, [start], [num_unique])))
+        else:
+            parts = self._resolve(uniq, counts, inserting)
         unique_rows = tf.zeros(tf.stack([num_unique, self._dim]), self._dtype)
-        for shard, keys, where, count in zip(self._shards, *parts):
-            if inserting:
-                rows = shard.find_or_insert(
-                    keys, key_fingerprints(keys), count, step, self.initial_rows, self._evictions, self._seed
-                )
-            else:
-                rows = shard.find(keys)
+        for shard, keys, where, rows in zip(self._shards, *parts):
             found = rows >= 0
             stored = tf.where(found)
             absent = tf.where(tf.logical_not(found))
@@ -380,52 +400,6 @@ class DynamicTable(_compat.Trackable):
                 if shard.admission_state is not None:
                     shard.admission_state.assign(restored_tensors["sketch"])
         return tf.no_op() if not tf.executing_eagerly() else None
-
-
-def keys_to_file(store, entry: str, keys) -> None:
-    """Writes keys to a Keras weight store (numeric arrays only): int64 as is, strings as UTF-8 bytes + lengths."""
-    keys = keys.numpy() if hasattr(keys, "numpy") else np.asarray(keys)
-    if keys.dtype != object:
-        store[entry] = keys
-        return
-    encoded = [k if isinstance(k, bytes) else str(k).encode() for k in keys]
-    store[entry] = np.frombuffer(b"".join(encoded), np.uint8) if encoded else np.zeros([0], np.uint8)
-    store[entry + "_lengths"] = np.array([len(k) for k in encoded], np.int64)
-
-
-def keys_from_file(store, entry: str, key_dtype: tf.DType) -> tf.Tensor:
-    """The keys `keys_to_file` wrote, as a tensor of `key_dtype`."""
-    stored = np.asarray(store[entry][...])
-    if key_dtype != tf.string:
-        return tf.constant(stored, key_dtype)
-    lengths = np.asarray(store[entry + "_lengths"][...])
-    ends, data = np.cumsum(lengths), stored.tobytes()
-    return tf.constant([data[e - n : e] for e, n in zip(ends, lengths)], tf.string)
-
-
-class DynamicSlot(_compat.Trackable):
-    """An optimizer slot of a dynamic table: one column per shard, saved with the table (not on its own)."""
-
-    def __init__(self, table: DynamicTable, name: str, variables):
-        self.table, self.name, self.variables = table, name, tuple(variables)
-
-    def numpy(self):
-        """The slot's rows of every live key, in `table.export()` order."""
-        return self.table.export_columns([self.name])[2][self.name].numpy()
-
-    def save_to(self, store, key: str) -> None:
-        """Writes the slot to a Keras weight store as `key` (values) and `key + "_keys"` (their keys)."""
-        keys, _, extra = self.table.export_columns([self.name])
-        keys_to_file(store, key + "_keys", keys)
-        store[key] = extra[self.name].numpy()
-
-    def load_from(self, store, key: str) -> None:
-        """Sets the slot's rows of the keys `save_to` wrote (keys the table does not hold are skipped)."""
-        keys = keys_from_file(store, key + "_keys", self.table.key_dtype)
-        self.table.set_column(self.name, keys, store[key][...])
-
-    def _serialize_to_tensors(self):
-        return {}
 
 
 @tf.custom_gradient

@@ -1,0 +1,117 @@
+"""Dynamic tables under MultiWorkerMirroredStrategy: 2 worker processes, one copy each, against references.
+
+Each worker checks its copy against a plain reference computed in the same
+process and prints a digest of the copy; the test checks the digests agree
+and restores worker 0's checkpoint into a 3-shard table here.
+"""
+
+import os
+import re
+import tempfile
+
+import numpy as np
+import tensorflow as tf
+
+import tf_sharded as tfs
+from tests.harness.strategies import run_multi_worker, uid
+
+WORKER = """
+import hashlib, os, sys
+import numpy as np, tensorflow as tf
+import tf_sharded as tfs
+from tests.harness.models import IDS, LABELS, RAW_KEYS, assert_matches_dynamic_reference, make_dynamic_model
+from tests.test_dynamic import Reference, power_law_keys, train_step
+
+task = int(os.environ["TASK"])
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+assert strategy.num_replicas_in_sync == 2
+check = tf.test.TestCase()
+
+
+def digest(table):
+    keys, values, extra = table.export_columns(sorted(table._slots) + ["seen", "hits"])
+    order = np.argsort(keys.numpy())
+    parts = [keys.numpy()[order], values.numpy()[order]] + [extra[c].numpy()[order] for c in sorted(extra)]
+    data = [b"".join(p.tolist()) if p.dtype == object else np.ascontiguousarray(p).tobytes() for p in parts]
+    return hashlib.sha256(b"".join(data)).hexdigest()[:16]
+
+
+def per_replica(batches):
+    return strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(batches[ctx.replica_id_in_sync_group]))
+
+
+# 1. Custom loop, int64 keys over 2 shards, Adagrad: the copies agree and match one dense variable.
+with strategy.scope():
+    table = strategy.create_dynamic_table("users", dim=4, partitions=2, seed=3)
+    optimizer = tfs.optimizers.Adagrad(0.3)
+assert (table.placement, table.exchange.mode) == ("host", "allgather")
+rng = np.random.default_rng(2)  # the same keys in both processes; worker r feeds steps[s][r]
+steps = [[power_law_keys(rng, 24) for _ in range(2)] for _ in range(4)]
+steps[1][1] = steps[1][1][:0]  # worker 1 meets no keys in step 2
+ref = Reference(table, [np.concatenate(s) for s in steps], tfs.optimizers.Adagrad(0.3))
+step = train_step(table, optimizer)
+for keys in steps:
+    loss = strategy.reduce(tf.distribute.ReduceOp.SUM, step(per_replica(keys)), axis=None)
+    check.assertAllClose(float(loss), ref.step(np.concatenate(keys)), rtol=1e-5)
+keys, values = table.export()
+rows = dict(zip(keys.numpy().tolist(), values.numpy()))
+assert set(rows) == set(ref.row), (len(rows), len(ref.row))
+for key, value in rows.items():
+    check.assertAllClose(value, ref.var.numpy()[ref.row[key]], atol=1e-5)
+tf.train.Checkpoint(table=table).write(os.path.join(sys.argv[1], f"worker{task}", "ckpt"))
+np.savez(os.path.join(sys.argv[1], f"worker{task}", "rows.npz"), keys=keys.numpy(), values=values.numpy())
+print(f"worker {task} custom digest {digest(table)} keys {len(rows)}", flush=True)
+
+# 2. String keys with admission by count: a key met once on each worker has met its count of 2.
+with strategy.scope():
+    words = strategy.create_dynamic_table("words", dim=2, key_dtype=tf.string, seed=1,
+                                          admission=tfs.MinCountAdmission(2))
+    sgd = tfs.optimizers.SGD(0.1)
+word_step = train_step(words, sgd)
+first = [np.array([b"a", b"b"]), np.array([b"a", "\\u00e9t\\u00e9".encode()])]
+second = [np.array([b"b", b""]), np.array([b"", b"zz"])]
+initial = words.initial_rows(tf.constant([b"a", b"b", b""])).numpy()
+word_step(per_replica(first))
+assert sorted(words.export()[0].numpy().tolist()) == [b"a"], words.export()[0]
+word_step(per_replica(second))
+got = dict(zip(*[t.numpy().tolist() for t in words.export()]))
+assert sorted(got) == [b"", b"a", b"b"], sorted(got)
+# Each occurrence of an admitted key adds 2 * (row - 1) to its gradient, and SGD(0.1) moves it by 0.1 times that.
+check.assertAllClose(got[b"a"], initial[0] - 0.1 * 2 * 2 * (initial[0] - 1), atol=1e-6)
+check.assertAllClose(got[b"b"], initial[1] - 0.1 * 2 * (initial[1] - 1), atol=1e-6)
+check.assertAllClose(got[b""], initial[2] - 0.1 * 2 * 2 * (initial[2] - 1), atol=1e-6)
+print(f"worker {task} strings digest {digest(words)}", flush=True)
+
+# 3. tfs.fit with tfs.layers.DynamicEmbedding against plain Keras on one device (the same global batches).
+with strategy.scope():
+    model = make_dynamic_model(partitions=2)
+data = tf.data.Dataset.from_tensor_slices((RAW_KEYS[IDS], LABELS)).batch(len(IDS)).repeat()
+tfs.fit(model, data, epochs=3, steps_per_epoch=1, verbose=0)
+assert_matches_dynamic_reference(check, model, 3)
+print(f"worker {task} fit digest {digest(model.get_layer('emb').table)}", flush=True)
+print("MWMS DYNAMIC OK", flush=True)
+"""
+
+
+class DynamicMultiWorkerTest(tf.test.TestCase):
+    def test_two_workers_agree_and_match_references(self):
+        workdir = tempfile.mkdtemp()
+        outputs = run_multi_worker(WORKER.replace("sys.argv[1]", repr(workdir)), num_workers=2, timeout=360)
+        for rc, out, err in outputs:
+            self.assertEqual(rc, 0, msg=out + err[-4000:])
+            self.assertIn("MWMS DYNAMIC OK", out)
+        for part in ("custom", "strings", "fit"):
+            digests = {re.search(rf"{part} digest (\w+)", out).group(1) for _, out, _ in outputs}
+            self.assertEqual(len(digests), 1, msg=f"{part}: the workers' copies differ: {digests}")
+        # Worker 0's checkpoint restores into 3 local shards under the default strategy.
+        saved = np.load(os.path.join(workdir, "worker0", "rows.npz"))
+        table = tfs.create_dynamic_table(uid("users"), dim=4, partitions=3, seed=3)
+        tf.train.Checkpoint(table=table).read(os.path.join(workdir, "worker0", "ckpt")).assert_consumed()
+        self.assertEqual(int(table.size()), len(saved["keys"]))
+        restored = tf.gather(table.lookup(tf.constant(saved["keys"]), training=False), tf.range(len(saved["keys"])))
+        self.assertAllClose(restored, saved["values"], atol=0)
+
+
+if __name__ == "__main__":
+    tf.test.main()

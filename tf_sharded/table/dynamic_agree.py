@@ -1,0 +1,76 @@
+"""Dynamic tables under MultiWorkerMirroredStrategy: every worker inserts the same keys, so all copies agree.
+
+Each worker holds its own host copy of a dynamic table. Copies stay equal
+if every worker applies the same operations in the same order: a training
+lookup first all-gathers the distinct keys (and their counts) of every
+replica, then each worker inserts the gathered keys, in replica order, into
+its own copy. Admission counts, eviction, the rows handed out and the free
+list then evolve identically everywhere, so a key has the same row in every
+copy and the sparse gradients (rows of the pool) go through the ordinary
+all-gather exchange.
+
+Collectives carry numbers only, so string keys travel as their bytes
+(int64 codes) and lengths and are joined again after the gather. Every
+payload carries one marker entry per replica (count -1, code -1): a
+collective to which every participant sends nothing never completes, and the
+markers also tell where each replica's keys start.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import tensorflow as tf
+
+# Byte value -> its one-byte string: rebuilds gathered string keys with core ops.
+_BYTES = [bytes([b]) for b in range(256)]
+
+
+def agreeing_context(strategy):
+    """The replica context whose replicas must agree on inserts (several workers, one copy each), else None."""
+    if strategy is None or not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return None
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync == 1 or tf.distribute.in_cross_replica_context():
+        return None
+    return ctx
+
+
+def _string_codes(keys: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+    """`(byte lengths, bytes as int64 codes)` of string keys."""
+    lengths = tf.cast(tf.strings.length(keys), tf.int64)
+    pieces = tf.strings.bytes_split(keys).flat_values
+    codes = tf.reshape(tf.io.decode_raw(pieces, tf.uint8), [-1])
+    return lengths, tf.cast(codes, tf.int64)
+
+
+def _join_codes(lengths: tf.Tensor, codes: tf.Tensor) -> tf.Tensor:
+    pieces = tf.gather(tf.constant(_BYTES), codes)
+    return tf.strings.reduce_join(tf.RaggedTensor.from_row_lengths(pieces, lengths), axis=1)
+
+
+def gather_keys(ctx, keys: tf.Tensor, counts: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """All replicas' distinct `keys` and their `counts`, in replica order, and where this replica's keys start.
+
+    Returns `(keys, counts, start)`; the same keys and counts on every
+    replica, and `keys[start : start + len(keys)]` are this replica's.
+    """
+    marker = tf.constant([-1], tf.int64)
+    if keys.dtype == tf.string:
+        lengths, codes = _string_codes(keys)
+        word = lengths
+    else:
+        word = keys
+    meta = ctx.all_gather(
+        tf.concat([tf.stack([tf.zeros([1], tf.int64), marker], 1), tf.stack([word, counts], 1)], 0), 0
+    )
+    valid = meta[:, 1] >= 0
+    markers = tf.cast(tf.where(tf.logical_not(valid))[:, 0], tf.int32)
+    rid = tf.cast(ctx.replica_id_in_sync_group, tf.int32)
+    start = tf.gather(markers, rid) - rid  # the markers before it (its own included) drop out
+    words, all_counts = tf.boolean_mask(meta[:, 0], valid), tf.boolean_mask(meta[:, 1], valid)
+    if keys.dtype != tf.string:
+        return words, all_counts, start
+    all_codes = ctx.all_gather(tf.concat([marker, codes], 0), 0)
+    all_codes = tf.boolean_mask(all_codes, all_codes >= 0)
+    return _join_codes(words, all_codes), all_counts, start
