@@ -33,6 +33,9 @@ setup(
             "matplotlib==3.9.2",  # plots
             "psutil==7.2.2",  # process memory (B3)
         ],
+        # peer baselines in the benchmarks (B7 measures TFRA beside ours); never needed by `make test`.
+        # TFRA 0.8.1 declares tensorflow<=2.16.2, so it installs beside the pinned TensorFlow.
+        "peers": ["tensorflow-recommenders-addons==0.8.1"],
         "test": [
             "pytest-timeout==2.4.0",
             "psutil==7.2.2",  # the cluster tests check that tasks are cleaned up

@@ -103,6 +103,14 @@ class BenchmarkSuiteTest(tf.test.TestCase):
         self.assertGreater(row["insert_keys_per_s"], 0)
         self.assertEqual(dynamic["memory"]["keys"], 20_000)
         self.assertIn("TFRA: ", proc.stdout)
+        if dynamic["tfra"].startswith("skipped"):
+            print(f"B7's TFRA baseline {dynamic['tfra']}")
+        else:  # installed (`pip install -e ".[peers]"`): measured on the same keys, with the same rows after
+            self.assertLess(row["tfra_max_row_difference"], 1e-6)
+            self.assertAlmostEqual(
+                row["ours_vs_tfra"], min(row["tfra_per_feature_s"], row["tfra_one_table_s"]) / row["dynamic_s"]
+            )
+            self.assertEqual(row["tfra_live_keys"]["tfra_per_feature"], row["live_keys"])
 
     def test_unknown_benchmark_is_named(self):
         proc = run_python(["-m", "tf_sharded", "bench", "nope"], timeout=120)

@@ -28,6 +28,8 @@ from typing import Dict, List
 
 import numpy as np
 
+from tf_sharded.benchmarks import dynamic_peer
+
 DIM, BATCH = 16, 512
 KEY_BYTES, META_BYTES = 8, 16  # an int64 key; its last-seen step and occurrences
 
@@ -37,29 +39,30 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _peer_status() -> str:
-    try:
-        import tensorflow_recommenders_addons  # noqa: F401
-    except Exception as e:  # any import failure (missing, or built for another TensorFlow) means skip
-        return f"skipped: tensorflow_recommenders_addons cannot be imported here ({type(e).__name__}: {e})"
-    return "installed, not yet wired into B7"
+def _loss(tf, rows):
+    return tf.add_n([tf.reduce_sum(tf.square(r - 0.5)) for r in rows])
+
+
+def _scheduled(tf, strategy, fn):
+    """`fn(batch)` as a function the coordinator schedules on a worker."""
+
+    @tf.function
+    def step(batch):
+        return strategy.run(fn, args=(batch,))
+
+    return step
 
 
 def _train_step(tfs, tf, strategy, tables, optimizer):
     variables = [v for t in tables for v in t.variables]
 
-    @tf.function
-    def step(batch):
-        def fn(batch):
-            with tf.GradientTape() as tape:
-                rows = [tfs.embedding_lookup(t, ids) for t, ids in zip(tables, batch)]
-                loss = 1e-3 * tf.add_n([tf.reduce_sum(tf.square(r)) for r in rows])
-            optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
-            return loss
+    def fn(batch):
+        with tf.GradientTape() as tape:
+            loss = _loss(tf, [tfs.embedding_lookup(t, ids) for t, ids in zip(tables, batch)])
+        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return loss
 
-        return strategy.run(fn, args=(batch,))
-
-    return step
+    return _scheduled(tf, strategy, fn)
 
 
 def memory_per_key(keys: int) -> Dict:
@@ -96,7 +99,10 @@ def run(quick: bool = False, mode: str = "inprocess") -> Dict:
     features, rows = (2, 20_000) if quick else (26, 200_000)
     steps, rounds = (2, 1) if quick else (10, 3)
     memory = memory_per_key(20_000 if quick else 1_000_000)
-    cluster = tfs.cluster.LocalCluster(num_workers=1, num_ps=2, mode=mode).start()
+    de, skipped = dynamic_peer.load()
+    # In "process" mode the parameter servers must load TFRA's kernels too.
+    imports = ("tensorflow_recommenders_addons.dynamic_embedding",) if de is not None else ()
+    cluster = tfs.cluster.LocalCluster(num_workers=1, num_ps=2, mode=mode, imports=imports).start()
     try:
         strategy = cluster.strategy()
         coordinator = cluster.coordinator(strategy)
@@ -104,11 +110,13 @@ def run(quick: bool = False, mode: str = "inprocess") -> Dict:
         pools = [rng.integers(-(2**63), 2**63 - 1, size=rows, dtype=np.int64) for _ in range(features)]
         with strategy.scope():
             static = [tfs.create_sharded_variable(f"b7_static_{i}", [rows, DIM], seed=i) for i in range(features)]
-            dynamic = [tfs.create_dynamic_table(f"b7_dynamic_{i}", DIM, seed=i) for i in range(features)]
+            # Zero initial rows, as TFRA's below: after the same steps every variant holds the same rows.
+            dynamic = [tfs.create_dynamic_table(f"b7_dynamic_{i}", DIM, initializer="zeros") for i in range(features)]
             fresh = [tfs.create_dynamic_table(f"b7_fresh_{i}", DIM, seed=i) for i in range(features)]
             optimizers = {name: tfs.optimizers.Adagrad(0.05) for name in ("static", "dynamic", "fresh")}
             for name, tables in (("static", static), ("dynamic", dynamic), ("fresh", fresh)):
                 optimizers[name].build([v for t in tables for v in t.variables])
+        peers: Dict[str, dynamic_peer.TfraTables] = {}
         fns = {
             "static": _train_step(tfs, tf, strategy, static, optimizers["static"]),
             "dynamic": _train_step(tfs, tf, strategy, dynamic, optimizers["dynamic"]),
@@ -118,6 +126,13 @@ def run(quick: bool = False, mode: str = "inprocess") -> Dict:
             "static": [[tf.constant(i) for i in step] for step in ids],
             "dynamic": [[tf.constant(pools[f][i]) for f, i in enumerate(step)] for step in ids],
         }
+        if de is not None:
+            devices = [f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in range(2)]
+            for name, one_table in (("tfra_per_feature", False), ("tfra_one_table", True)):
+                peer = dynamic_peer.TfraTables(de, tf, strategy, features, DIM, devices, one_table, f"b7_{name}")
+                peers[name] = peer
+                fns[name] = _scheduled(tf, strategy, lambda b, p=peer: p.step(b, lambda r: _loss(tf, r), 0.05))
+                batches[name] = batches["dynamic"]
         for name, fn in fns.items():  # warm-up: traces, and inserts the dynamic tables' keys
             scheduled_seconds(coordinator, fn, batches[name])
         times: Dict[str, List[float]] = {name: [] for name in fns}
@@ -127,6 +142,15 @@ def run(quick: bool = False, mode: str = "inprocess") -> Dict:
         result = {f"{name}_s": statistics.median(t) for name, t in times.items()}
         result["dynamic_vs_static"] = result["dynamic_s"] / result["static_s"]
         result["live_keys"] = int(sum(int(t.size()) for t in dynamic))
+        if peers:
+            # Throughput ratio against TFRA's faster layout; and every variant holds the same rows.
+            result["ours_vs_tfra"] = min(result[f"{name}_s"] for name in peers) / result["dynamic_s"]
+            keys = batches["dynamic"][-1][0]
+            ours = tfs.embedding_lookup(dynamic[0], keys, training=False).numpy()
+            result["tfra_max_row_difference"] = max(
+                float(np.abs(peer.read(0, keys).numpy() - ours).max()) for peer in peers.values()
+            )
+            result["tfra_live_keys"] = {name: peer.size() for name, peer in peers.items()}
 
         # Insert rate: every key of every step is new.
         insert = _train_step(tfs, tf, strategy, fresh, optimizers["fresh"])
@@ -148,7 +172,7 @@ def run(quick: bool = False, mode: str = "inprocess") -> Dict:
             "rows": rows,
             "dim": DIM,
             "batch": BATCH,
-            "tfra": _peer_status(),
+            "tfra": "measured (TFRA 0.8.1)" if de is not None else skipped,
             "results": [result],
             "memory": memory,
         }
@@ -167,4 +191,12 @@ def format_rows(report: Dict) -> List[str]:
         f"  memory {m['bytes_per_key']:.0f} B per live key (pools {m['pool_bytes_per_key']:.0f} B) over "
         f"{m['keys']:,} keys; bound {m['bound_bytes']:.0f} B: {m['per_key_vs_bound']:.2f} x bound",
         f"  TFRA: {report['tfra']}",
+    ] + (_peer_rows(r) if "ours_vs_tfra" in r else [])
+
+
+def _peer_rows(r: Dict) -> List[str]:
+    per_feature, one_table = r["tfra_per_feature_s"] * 1e3, r["tfra_one_table_s"] * 1e3
+    return [
+        f"  TFRA per feature {per_feature:.1f} ms  one table {one_table:.1f} ms  ours/TFRA throughput "
+        f"{r['ours_vs_tfra']:.2f} (goal >= 1.5); rows differ by at most {r['tfra_max_row_difference']:.1e}"
     ]

@@ -120,12 +120,17 @@ def _plot(name: str, reports: List[Dict], out: str) -> str:
     elif name == "dynamic":
         fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
         labels = [r["mode"] for r in reports]
-        for offset, key, label in ((-0.2, "static_s", "static table, ids"), (0.2, "dynamic_s", "dynamic, raw keys")):
-            a.bar([i + offset for i in range(len(reports))], [r["results"][0][key] * 1e3 for r in reports], 0.4,
+        bars = [("static_s", "static table, ids"), ("dynamic_s", "dynamic, raw keys")]
+        if all("tfra_one_table_s" in r["results"][0] for r in reports):
+            bars += [("tfra_per_feature_s", "TFRA, table per feature"), ("tfra_one_table_s", "TFRA, one table")]
+        width = 0.8 / len(bars)
+        for j, (key, label) in enumerate(bars):
+            offset = (j - (len(bars) - 1) / 2) * width
+            a.bar([i + offset for i in range(len(reports))], [r["results"][0][key] * 1e3 for r in reports], width,
                   label=label)  # fmt: skip
         a.set_xticks(range(len(reports)), labels)
         a.set(ylabel="ms / step", title=f"B7: {reports[0]['features']} features, lookup + Adagrad")
-        a.legend()
+        a.legend(fontsize=8, loc="upper left")
         m = reports[0]["memory"]
         b.bar(["measured", "pools", "bound"], [m["bytes_per_key"], m["pool_bytes_per_key"], m["bound_bytes"]])
         b.set(ylabel="bytes per live key", title=f"memory, {m['keys']:,} keys")

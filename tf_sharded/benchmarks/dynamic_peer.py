@@ -1,0 +1,76 @@
+"""B7's peer: TFRA 0.8.1 `dynamic_embedding` on the same parameter-server cluster, keys and update rule.
+
+TFRA's tables (`de.get_variable(..., devices=[ps, ...])`, cuckoo hash tables
+from its custom ops, one shard per ps) are trained by the same sparse Adagrad
+as ours, written out with TFRA's own ops: look the rows and accumulators up,
+update them, upsert both. (TFRA's optimizer wrapper needs Keras 2 and TF2's
+`ParameterServerStrategy` is not supported by it: tensorflow/recommenders-addons
+#487, #182; its ops are what that wrapper runs.) Two layouts: one table per
+feature, and one table for all features (its maintainers' advice for many
+features, TFRA #493; the features' raw keys are disjoint random 64-bit values).
+
+Install it with `pip install -e ".[peers]"`; where it cannot be imported the
+report says why and B7 runs without it.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+INITIAL_ACCUMULATOR, EPSILON = 0.1, 1e-7  # tfs.optimizers.Adagrad's defaults
+
+
+def load() -> Tuple[Optional[object], str]:
+    """`(tensorflow_recommenders_addons.dynamic_embedding, "")`, or `(None, why it was skipped)`."""
+    try:
+        import tensorflow_recommenders_addons.dynamic_embedding as de
+    except Exception as e:  # missing, or built for another TensorFlow: either way the peer is skipped
+        return None, f"skipped: tensorflow_recommenders_addons cannot be imported here ({type(e).__name__}: {e})"
+    return de, ""
+
+
+class TfraTables:
+    """TFRA tables (and Adagrad accumulators) for `features` features, one per feature or one for all."""
+
+    def __init__(self, de, tf, strategy, features: int, dim: int, devices: List[str], one_table: bool, prefix: str):
+        self.tf, self.one_table, self.features, self.dim = tf, one_table, features, dim
+        count = 1 if one_table else features
+
+        def table(name, value):
+            return de.get_variable(name, key_dtype=tf.int64, value_dtype=tf.float32, dim=dim, devices=devices,
+                                   initializer=value)  # fmt: skip
+
+        with strategy.scope():
+            self.rows = [table(f"{prefix}_{i}", 0.0) for i in range(count)]
+            self.accumulators = [table(f"{prefix}_{i}_acc", INITIAL_ACCUMULATOR) for i in range(count)]
+
+    def read(self, feature: int, keys):
+        """Rows of `feature`'s keys (nothing inserted)."""
+        return self.rows[0 if self.one_table else feature].lookup(keys)
+
+    def step(self, batch, loss_of, learning_rate: float):
+        """One lookup + sparse Adagrad update of every feature's keys in `batch`; returns the loss."""
+        tf = self.tf
+        groups = [tf.concat(batch, 0)] if self.one_table else list(batch)
+        sizes = [tf.size(k) for k in batch]
+        uniques, rows = [], []
+        for table, keys in zip(self.rows, groups):
+            uniq, idx = tf.unique(keys)
+            uniques.append((uniq, idx))
+            rows.append(table.lookup(uniq))
+        with tf.GradientTape() as tape:
+            tape.watch(rows)
+            looked_up = [tf.gather(r, idx) for r, (_, idx) in zip(rows, uniques)]
+            per_feature = tf.split(looked_up[0], sizes, 0) if self.one_table else looked_up
+            loss = loss_of(per_feature)
+        writes = []
+        for table, acc_table, r, g, (uniq, _) in zip(self.rows, self.accumulators, rows, tape.gradient(loss, rows),
+                                                     uniques):  # fmt: skip
+            g = tf.convert_to_tensor(g)
+            acc = acc_table.lookup(uniq) + tf.square(g)
+            writes += [acc_table.upsert(uniq, acc), table.upsert(uniq, r - learning_rate * g / tf.sqrt(acc + EPSILON))]
+        with tf.control_dependencies(writes):
+            return tf.identity(loss)
+
+    def size(self) -> int:
+        return sum(int(t.size()) for t in self.rows)
