@@ -31,7 +31,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format tf_sharded strategy tests setup.py
 
 test: $(STAMP) lint
-	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q tests
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q --durations=15 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

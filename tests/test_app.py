@@ -15,7 +15,7 @@ import numpy as np
 import portpicker
 import tensorflow as tf
 
-from tests.harness.subprocs import ROOT, run_python
+from tests.harness.subprocs import ROOT, run_python, run_python_together
 
 TINY = [
     "--steps",
@@ -33,13 +33,21 @@ TINY = [
 ]
 
 
+def train_args(*args):
+    return ["-m", "tf_sharded", "train", *TINY, *args]
+
+
 def train(*args, timeout=300):
-    return run_python(["-m", "tf_sharded", "train", *TINY, *args], timeout=timeout)
+    return run_python(train_args(*args), timeout=timeout)
+
+
+def synthesize_args(fmt, rows, out):
+    return ["-m", "tf_sharded", "data", "synthesize", "--format", fmt, "--rows", str(rows), "--out", out,
+            "--max_vocab", "500"]  # fmt: skip
 
 
 def synthesize(fmt, rows, out):
-    args = ["--format", fmt, "--rows", str(rows), "--out", out, "--max_vocab", "500"]
-    return run_python(["-m", "tf_sharded", "data", "synthesize", *args])
+    return run_python(synthesize_args(fmt, rows, out))
 
 
 def summary(proc):
@@ -50,23 +58,22 @@ def summary(proc):
 
 class ApplicationTest(tf.test.TestCase):
     def test_each_strategy_trains_and_reports(self):
-        for strategy, model, per_execution in (
+        cases = (
             ("default", "deepfm", "1"),
             ("mirrored", "dlrm", "1"),
             ("multi_worker", "deepfm", "1"),
             ("parameter_server", "dlrm", "3"),  # 2 steps per epoch at 3 per execution: one execution of 2
-        ):
-            ckpt = os.path.join(self.get_temp_dir(), strategy)
-            proc = train(
-                "--strategy",
-                strategy,
-                "--model",
-                model,
-                "--steps_per_execution",
-                per_execution,
-                "--checkpoint_dir",
-                ckpt,
-            )
+        )
+        ckpts = {strategy: os.path.join(self.get_temp_dir(), strategy) for strategy, _, _ in cases}
+        commands = [
+            train_args("--strategy", strategy, "--model", model, "--steps_per_execution", per_execution,
+                       "--checkpoint_dir", ckpts[strategy])
+            for strategy, model, per_execution in cases
+        ]  # fmt: skip
+        # Two runs at a time (independent processes): most of a tiny run is start-up and tracing.
+        procs = run_python_together(commands[:2], 300) + run_python_together(commands[2:], 300)
+        for (strategy, model, _), proc in zip(cases, procs):
+            ckpt = ckpts[strategy]
             self.assertEqual(proc.returncode, 0, msg=f"{strategy}: {proc.stderr[-3000:]}")
             line = summary(proc)
             self.assertIn(f"{model} | {strategy}", line)
@@ -99,34 +106,45 @@ class ApplicationTest(tf.test.TestCase):
 
     def test_files_resume_and_inspect(self):
         out = self.get_temp_dir()
-        made = synthesize("tsv", 1500, os.path.join(out, "tsv"))
-        self.assertEqual(made.returncode, 0, made.stderr[-2000:])
+        tsv, pq = os.path.join(out, "tsv"), os.path.join(out, "pq")
+        # Independent runs go two at a time (start-up and tracing overlap on two cores).
+        made = run_python_together([synthesize_args("tsv", 1500, tsv), synthesize_args("parquet", 800, pq)])
+        for proc in made:
+            self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
         # A malformed line where training reads (the first 2 batches of 64 are held out).
-        name = os.path.join(out, "tsv", "part-00000.tsv")
+        name = os.path.join(tsv, "part-00000.tsv")
         with open(name) as f:
             lines = f.readlines()
         with open(name, "w") as f:
             f.writelines(lines[:149] + ["not\ta\tcriteo\tline\n"] + lines[149:])
         ckpt = os.path.join(out, "ckpt")
         # The default strategy (parameter servers, a local cluster): each worker opens the file itself.
-        first = train("--data", os.path.join(out, "tsv"), "--checkpoint_dir", ckpt)
+        first, strict = run_python_together(
+            [train_args("--data", tsv, "--checkpoint_dir", ckpt), train_args("--strategy", "default", "--data", tsv,
+                                                                             "--strict")]
+        )  # fmt: skip
         self.assertEqual(first.returncode, 0, first.stderr[-3000:])
         self.assertIn("under parameter_server", first.stdout)
         self.assertIn("4 steps (4 this run)", summary(first))
         self.assertIn(f"skipped 1 malformed record(s); first: {name}:150: Expect 40 fields but have 4", first.stdout)
         self.assertIn(f"checkpoint: {ckpt}/ckpt-4", first.stdout)
-        again = train(
-            "--strategy", "mirrored", "--data", os.path.join(out, "tsv"), "--checkpoint_dir", ckpt, "--steps", "6"
-        )
-        self.assertEqual(again.returncode, 0, again.stderr[-3000:])
-        self.assertIn("6 steps (2 this run)", summary(again))
-        strict = train("--strategy", "default", "--data", os.path.join(out, "tsv"), "--strict")
         self.assertEqual(strict.returncode, 1)
         self.assertEqual(
             strict.stderr.strip().splitlines()[-1],
             f"error: malformed input (--strict): {name}:150: Expect 40 fields but have 4 in record 0",
         )
         self.assertNotIn("training dlrm", strict.stdout)  # refused before training
+
+        # Parquet under parameter servers with a process per task: each worker process reads its own share.
+        again, from_parquet = run_python_together(
+            [train_args("--strategy", "mirrored", "--data", tsv, "--checkpoint_dir", ckpt, "--steps", "6"),
+             train_args("--local_cluster", "process", "--data", pq)]
+        )  # fmt: skip
+        self.assertEqual(again.returncode, 0, again.stderr[-3000:])
+        self.assertIn("6 steps (2 this run)", summary(again))
+        self.assertEqual(from_parquet.returncode, 0, from_parquet.stderr[-3000:])
+        where = "(local cluster, a process per task: 2 ps, 2 workers)"
+        self.assertIn(f"{where} | 4 steps (4 this run)", summary(from_parquet))
 
         shown = run_python(["-m", "tf_sharded", "inspect", ckpt])
         self.assertEqual(shown.returncode, 0, shown.stderr[-2000:])
@@ -135,14 +153,6 @@ class ApplicationTest(tf.test.TestCase):
             r"tables_C3\s+\[500, 16\]\s+float32\s+0\.03 MiB\s+table 'embeddings/C3' saved as "
             r"PartitionSpec\(num_shards=1, scheme='div'\) on 1 device\(s\) under MirroredStrategy",
         )
-
-        pq = synthesize("parquet", 800, os.path.join(out, "pq"))
-        self.assertEqual(pq.returncode, 0, pq.stderr[-2000:])
-        # Parquet under parameter servers with a process per task: each worker process reads its own share.
-        from_parquet = train("--local_cluster", "process", "--data", os.path.join(out, "pq"))
-        self.assertEqual(from_parquet.returncode, 0, from_parquet.stderr[-3000:])
-        where = "(local cluster, a process per task: 2 ps, 2 workers)"
-        self.assertIn(f"{where} | 4 steps (4 this run)", summary(from_parquet))
 
     def test_bad_flags_and_unreadable_input(self):
         bad = train("--model", "xgboost")

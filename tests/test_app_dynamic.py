@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import tensorflow as tf
 
-from tests.harness.subprocs import run_python
+from tests.harness.subprocs import run_python, run_python_together
 from tests.test_app import RATINGS_SCHEMA, TINY, summary, write_ratings
 
 
@@ -45,8 +45,14 @@ class DynamicVocabularyAppTest(tf.test.TestCase):
         common = ["--schema", schema_path, "--model", "mlp", "--vocabulary", "dynamic", "--embedding_dim", "8"]
 
         ckpt = os.path.join(out, "ckpt")
-        # The app's default strategy: parameter servers on a local cluster.
-        proc = run_python(["-m", "tf_sharded", "train", *TINY, *common, "--data", tsv, "--checkpoint_dir", ckpt])
+        train = ["-m", "tf_sharded", "train", *TINY, *common]
+        strategies = ("default", "mirrored", "multi_worker")
+        # The app's default strategy (parameter servers on a local cluster) on TSV, the others on Parquet;
+        # two runs at a time.
+        runs = run_python_together([train + ["--data", tsv, "--checkpoint_dir", ckpt],
+                                    train + ["--data", parquet, "--strategy", strategies[0]]])  # fmt: skip
+        runs += run_python_together([train + ["--data", parquet, "--strategy", s] for s in strategies[1:]])
+        proc = runs[0]
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
         self.assertIn("under parameter_server", proc.stdout)
         self.assertRegex(summary(proc), r"4 steps \(4 this run\) .* RMSE \d+\.\d+")
@@ -59,8 +65,7 @@ class DynamicVocabularyAppTest(tf.test.TestCase):
         self.assertBetween(keys["movie"], 20, len(set(columns["movie"])))
         self.assertBetween(keys["genres"], 2, 8)
 
-        for strategy in ("default", "mirrored", "multi_worker"):
-            proc = run_python(["-m", "tf_sharded", "train", *TINY, *common, "--data", parquet, "--strategy", strategy])
+        for strategy, proc in zip(strategies, runs[1:]):
             self.assertEqual(proc.returncode, 0, f"{strategy}: {proc.stderr[-3000:]}")
             self.assertRegex(summary(proc), rf"{strategy}( \(1 replicas\))? \| 4 steps")
 

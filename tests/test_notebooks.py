@@ -1,7 +1,9 @@
 """Every notebook in colab/ runs headlessly, top to bottom, so none can rot."""
 
+import concurrent.futures
 import glob
 import os
+import tempfile
 
 import nbformat
 import tensorflow as tf
@@ -24,14 +26,16 @@ class NotebookTest(tf.test.TestCase):
 
     def test_notebooks_execute(self):
         os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
-        for path in NOTEBOOKS:
+
+        def execute(path):
             notebook = nbformat.read(path, as_version=4)
-            client = NotebookClient(
-                notebook,
-                timeout=600,
-                kernel_name="python3",
-                resources={"metadata": {"path": self.get_temp_dir()}},
-            )
+            workdir = tempfile.mkdtemp(dir=self.get_temp_dir())
+            client = NotebookClient(notebook, timeout=600, kernel_name="python3",
+                                    resources={"metadata": {"path": workdir}})  # fmt: skip
             client.execute()  # raises CellExecutionError, with the cell and its traceback, on any failure
-            errors = [o for c in notebook.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
-            self.assertEqual(errors, [], msg=path)
+            return [o for c in notebook.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+
+        # Two kernels at a time: a notebook's time is mostly one Python thread (imports, tracing).
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            for path, errors in zip(NOTEBOOKS, pool.map(execute, NOTEBOOKS)):
+                self.assertEqual(errors, [], msg=path)
