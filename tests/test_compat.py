@@ -273,6 +273,21 @@ class KerasInternalsTest(tf.test.TestCase):
             self.assertTrue(in_stateless_scope())
         self.assertIsInstance(inside.value, tf.Variable)  # created for real, not deferred
 
+    @exercises("keras_weights_rollback")
+    def test_weights_added_in_a_failing_block_leave_the_layer(self):
+        layer = keras.layers.Layer()
+        layer.add_weight(shape=(1,), name="kept")
+        kept = [v.path for v in layer.weights]
+        with self.assertRaisesRegex(RuntimeError, "boom"):
+            with _compat.keras_weights_rollback(layer):
+                layer.add_weight(shape=(2,), name="extra")
+                layer.add_weight(shape=(2,), name="frozen", trainable=False)
+                raise RuntimeError("boom")
+        self.assertEqual([v.path for v in layer.weights], kept)
+        with _compat.keras_weights_rollback(layer):
+            layer.add_weight(shape=(2,), name="extra")
+        self.assertLen(layer.weights, 2)
+
 
 def test_every_compat_name_is_exercised():
     tree = ast.parse(pathlib.Path(_compat.__file__).read_text())

@@ -34,6 +34,28 @@ class BadArgumentTest(tf.test.TestCase):
         with self.assertRaisesRegex(ValueError, "Argument `initializer` must be a known initializer name"):
             tfs.create_sharded_variable(uid("b"), [10, 2], initializer="orthogonal-ish")
 
+    def test_a_failed_layer_creation_leaves_no_weights(self):
+        def second_shard_wrong(calls):
+            def init(shape, dtype=None):
+                calls.append(shape)
+                return tf.zeros([shape[0] + (len(calls) == 2), shape[1]])
+
+            return init
+
+        layer = tfs.layers.Embedding(10, 4, partitions=2, embeddings_initializer=second_shard_wrong([]))
+        with self.assertRaisesRegex(ValueError, r"requested shape \[5, 4\]. Received: a tensor of shape \[6, 4\]"):
+            layer.build((None,))
+        self.assertEqual((layer.weights, layer.built, layer.embeddings), ([], False, None))
+        # A collection whose second table fails keeps neither table.
+        collection = tfs.layers.EmbeddingCollection(
+            tables={"a": {"input_dim": 10, "output_dim": 4}, "b": {"input_dim": 10, "output_dim": 4,
+                                                                   "embeddings_initializer": second_shard_wrong([None])}},
+            features={"x": "a", "y": "b"},
+        )  # fmt: skip
+        with self.assertRaisesRegex(ValueError, r"Table 'b' of layer .*requested shape"):
+            collection.build(None)
+        self.assertEqual((collection.weights, collection.built, dict(collection.tables)), ([], False, {}))
+
     def test_bad_layout_arguments(self):
         with self.assertRaisesRegex(ValueError, "Argument `scheme` must be one of"):
             tfs.create_sharded_variable(uid("b"), [10, 2], partitions=2, scheme="hash")

@@ -80,6 +80,29 @@ class FitTest(tf.test.TestCase):
         self.assertAllClose(again.get_layer(index=1).embeddings.numpy(), table_of(twin), atol=1e-6)
         self.assertEqual(tfs.training.steps_done(again), 18)
 
+    def test_layout_file_is_replaced_whole_or_not_at_all(self):
+        directory = self.get_temp_dir()
+        model, _ = model_and_twin()
+        path = checkpoints.write_layouts(model, directory)
+        with open(path) as f:
+            before = f.read()
+        self.assertIn("PartitionSpec(num_shards=3", before)
+
+        def fail_midway(obj, f, **kwargs):
+            f.write('{"tables": {"half')
+            raise OSError("disk full")
+
+        original = json.dump
+        json.dump = fail_midway
+        try:
+            with self.assertRaisesRegex(OSError, "disk full"):
+                checkpoints.write_layouts(model, directory)
+        finally:
+            json.dump = original
+        with open(path) as f:
+            self.assertEqual(f.read(), before)
+        self.assertEqual(os.listdir(directory), [checkpoints.LAYOUT_FILE])  # no partial file left behind
+
     def test_bad_arguments_are_named(self):
         ours, _ = model_and_twin()
         uncompiled = keras.Sequential([keras.layers.Dense(1)])

@@ -165,6 +165,24 @@ def keras_variable_value(variable):
     return None
 
 
+@contextlib.contextmanager
+def keras_weights_rollback(layer):
+    """If the block raises, the Keras weights `layer` gained in it are untracked: creation is all or nothing.
+
+    Keras 3 keeps a layer's own weights in `_trainable_variables` /
+    `_non_trainable_variables` and removes one with `_untrack_variable`.
+    """
+    owned = lambda: list(layer._trainable_variables) + list(layer._non_trainable_variables)  # noqa: E731
+    before = {id(v) for v in owned()}
+    try:
+        yield
+    except BaseException:
+        for variable in owned():
+            if id(variable) not in before:
+                layer._untrack_variable(variable)
+        raise
+
+
 def keras_track(owner, trackable, name: str) -> None:
     """Makes TensorFlow checkpoints follow `owner.<name>` (Keras's own containers hide what they hold)."""
     owner._track_trackable(trackable, name=name, overwrite=True)

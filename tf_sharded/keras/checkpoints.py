@@ -108,8 +108,17 @@ def write_layouts(root, directory: str) -> str:
         for key, t in table_keys(root).items()
     }
     path = os.path.join(directory, LAYOUT_FILE)
-    with open(path, "w") as f:
-        json.dump({"tables": tables}, f, indent=1)
+    # Written whole beside the file, then renamed over it: a crash mid-write leaves the previous file.
+    partial = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(partial, "w") as f:
+            json.dump({"tables": tables}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
     return path
 
 

@@ -116,18 +116,23 @@ class EmbeddingCollection(keras.layers.Layer):
     def build(self, input_shape=None):
         if self.built:
             return
-        for name, config in self.table_configs.items():
-            try:
-                if isinstance(config, DynamicTableConfig):
-                    table = self._create_dynamic(name, config)
-                else:
-                    table = create_layer_table(self, dataclasses.replace(config, name=f"{self.name}/{name}"), name)
-            except (ValueError, TypeError) as e:
-                kind = ValueError if isinstance(e, ValueError) else TypeError
-                raise kind(f"Table '{name}' of layer '{self.name}': {e}") from None
+        created = {}
+        # All or nothing: a table that fails takes the weights of the tables made before it off the layer.
+        with _compat.keras_weights_rollback(self):
+            for name, config in self.table_configs.items():
+                try:
+                    if isinstance(config, DynamicTableConfig):
+                        created[name] = self._create_dynamic(name, config)
+                    else:
+                        config = dataclasses.replace(config, name=f"{self.name}/{name}")
+                        created[name] = create_layer_table(self, config, name)
+                except (ValueError, TypeError) as e:
+                    kind = ValueError if isinstance(e, ValueError) else TypeError
+                    raise kind(f"Table '{name}' of layer '{self.name}': {e}") from None
+        for name, table in created.items():
             self.tables[name] = table
             # Keras wraps `self.tables` in its own container, which TensorFlow checkpoints do not follow.
-            _compat.keras_track(self, self.tables[name], f"tables_{name}")
+            _compat.keras_track(self, table, f"tables_{name}")
         self.built = True
 
     def _create_dynamic(self, name: str, config: DynamicTableConfig):

@@ -43,7 +43,8 @@ def create_layer_table(layer: keras.layers.Layer, config: TableConfig, prefix: s
     """Creates `config`'s table under the current strategy with its shards as `layer`'s own Keras variables.
 
     Keras then trains, counts and saves them. Created outside Keras's
-    StatelessScope, where a new variable would only be deferred.
+    StatelessScope, where a new variable would only be deferred. All or
+    nothing: if a shard fails, the shards made before it leave the layer.
     """
     config = dataclasses.replace(
         config, dtype=layer.variable_dtype, trainable=layer.trainable, initializer=keras_initializer(config.initializer)
@@ -62,7 +63,7 @@ def create_layer_table(layer: keras.layers.Layer, config: TableConfig, prefix: s
         )
         return weight.value
 
-    with _compat.outside_keras_stateless_scope():
+    with _compat.outside_keras_stateless_scope(), _compat.keras_weights_rollback(layer):
         return create_table(tf.distribute.get_strategy(), config, variable_factory=factory)
 
 
@@ -75,7 +76,7 @@ def create_layer_dynamic_table(layer: keras.layers.Layer, name: str, dim: int, p
     from tf_sharded.creation import create_dynamic_table
 
     options["initializer"] = keras_initializer(options.get("initializer", "uniform"))
-    with _compat.outside_keras_stateless_scope():
+    with _compat.outside_keras_stateless_scope(), _compat.keras_weights_rollback(layer):
         table = create_dynamic_table(name, dim, dtype=layer.variable_dtype, trainable=layer.trainable, **options)
         for i, pool in enumerate(table.variables):
             weight = layer.add_weight(
