@@ -47,11 +47,10 @@ class BadArgumentTest(tf.test.TestCase):
             layer.build((None,))
         self.assertEqual((layer.weights, layer.built, layer.embeddings), ([], False, None))
         # A collection whose second table fails keeps neither table.
+        failing = {"input_dim": 10, "output_dim": 4, "embeddings_initializer": second_shard_wrong([None])}
         collection = tfs.layers.EmbeddingCollection(
-            tables={"a": {"input_dim": 10, "output_dim": 4}, "b": {"input_dim": 10, "output_dim": 4,
-                                                                   "embeddings_initializer": second_shard_wrong([None])}},
-            features={"x": "a", "y": "b"},
-        )  # fmt: skip
+            tables={"a": {"input_dim": 10, "output_dim": 4}, "b": failing}, features={"x": "a", "y": "b"}
+        )
         with self.assertRaisesRegex(ValueError, r"Table 'b' of layer .*requested shape"):
             collection.build(None)
         self.assertEqual((collection.weights, collection.built, dict(collection.tables)), ([], False, {}))
