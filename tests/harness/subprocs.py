@@ -15,8 +15,12 @@ def run_python(args, timeout=300, env=None):
         text=True,
         timeout=timeout,
         cwd=ROOT,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})},
+        env=_env(env),
     )
+
+
+def _env(extra):
+    return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(extra or {})}
 
 
 def run_python_together(commands, timeout=300, env=None):
@@ -29,7 +33,7 @@ def run_python_together(commands, timeout=300, env=None):
 
     procs = [
         subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})})
+                         env=_env(env))
         for args in commands
     ]  # fmt: skip
     deadline = time.monotonic() + timeout
