@@ -146,7 +146,7 @@ class MirroredInternalsTest(tf.test.TestCase):
 
 
 class ParameterServerInternalsTest(tf.test.TestCase):
-    @exercises("ps_variable_partitioner", "ps_num_ps")
+    @exercises("ps_variable_partitioner", "ps_num_ps", "ps_num_workers")
     def test_ps_extended_attributes(self):
         # A real strategy needs a cluster connection (last in the suite); the
         # constructor's source is what these two names read, so guard that.
@@ -155,6 +155,7 @@ class ParameterServerInternalsTest(tf.test.TestCase):
         init_src = inspect.getsource(ps.ParameterServerStrategyV2Extended.__init__)
         self.assertIn("self._variable_partitioner = variable_partitioner", init_src)
         self.assertIn("self._num_ps", init_src)
+        self.assertIn("self._num_workers", init_src)
         # Shards rely on the PS creator honouring `colocate_with` (and not partitioning).
         self.assertIn(
             '"colocate_with" in kwargs', inspect.getsource(ps.ParameterServerStrategyV2Extended._create_variable)
@@ -169,7 +170,39 @@ class ParameterServerClusterTest(tf.test.TestCase):
         partitioner = tfs.partitioners.FixedShards(3)
         strategy = cluster.strategy(variable_partitioner=partitioner)
         self.assertEqual(_compat.ps_num_ps(strategy), 2)
+        self.assertEqual(_compat.ps_num_workers(strategy), 2)
         self.assertIs(_compat.ps_variable_partitioner(strategy), partitioner)
+
+    @exercises("task_alive", "refresh_cluster", "remote_state", "renew_remote_state")
+    def test_renewing_the_resources_of_a_ps(self):
+        # Renewing on a live task gives the same objects new, empty resources there, as after a restart.
+        strategy = tfs.cluster.local_cluster(num_workers=2, num_ps=2).strategy()
+        self.assertTrue(_compat.task_alive("/job:ps/replica:0/task:1"))
+        with strategy.scope():
+            v = tf.Variable(tf.ones([3]), name="renewed_v")
+        device = v.device.split("/device:")[0]
+        with tf.device(device):
+            table = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, default_value=-1)
+            table.insert(tf.constant([7], tf.int64), tf.constant([1], tf.int64))
+            lock = tf.CriticalSection(name="renewed_lock")
+        _compat.refresh_cluster()
+        found = {id(obj): task for obj, task in _compat.remote_state()}
+        self.assertEqual(found.get(id(v._v if hasattr(v, "_v") else v)), device)  # the variable itself, not a wrapper
+        self.assertEqual((found.get(id(table)), found.get(id(lock))), (device, device))
+        inner = v._v if hasattr(v, "_v") else v
+        self.assertTrue(_compat.renew_remote_state(inner))
+        self.assertFalse(bool(inner.is_initialized()))
+        v.assign([1.0, 2.0, 3.0])
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(v * v)
+        self.assertAllEqual(tape.gradient(loss, v), [2.0, 4.0, 6.0])  # reads and the tape meet on the new handle
+        old_handle = table.resource_handle
+        self.assertFalse(_compat.renew_remote_state(table))
+        self.assertIsNot(table.resource_handle, old_handle)
+        table.insert(tf.constant([8], tf.int64), tf.constant([2], tf.int64))  # TF shares a table by its name on a
+        self.assertAllEqual(table.lookup(tf.constant([8], tf.int64)), [2])  # task: empty only on a restarted one
+        self.assertFalse(_compat.renew_remote_state(lock))
+        self.assertAllEqual(lock.execute(lambda: tf.constant(5)), 5)
 
 
 class KerasInternalsTest(tf.test.TestCase):

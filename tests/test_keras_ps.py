@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import tf_sharded as tfs
 from tests.harness.graphs import ROW_OPS
-from tests.harness.models import IDS, LABELS, make_model, single_device_reference
+from tests.harness.models import IDS, LABELS, ROWS, make_model, single_device_reference
 from tests.harness.serving import serve_elsewhere
 from tests.harness.strategies import ps_strategy
 from tests.harness.subprocs import run_python
@@ -122,6 +122,35 @@ class KerasParameterServerTest(tf.test.TestCase):
         restored = tf.train.Checkpoint(model=local, optimizer=local.optimizer)
         restored.restore(state.model_checkpoint_path).assert_existing_objects_matched()
         self.assertAllEqual(local.get_layer("emb").embeddings.numpy(), model.get_layer("emb").embeddings.numpy())
+
+    def test_a_failing_step_counts_nowhere_and_applies_nothing(self):
+        with self.strategy.scope():
+            model = make_model()
+        emb = model.get_layer("emb").embeddings
+        table0 = emb.numpy()
+        bad = IDS.copy()
+        bad[1, 2] = ROWS + 5  # out of range: the step's lookup fails before any update
+
+        def four_good_then_bad(input_context=None):
+            good = tf.data.Dataset.from_tensors((IDS, LABELS)).repeat(4)
+            return good.concatenate(tf.data.Dataset.from_tensors((bad, LABELS))).repeat()
+
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, r"must hold row ids in \[0, 60\)"):
+            tfs.fit(model, four_good_then_bad, epochs=1, steps_per_epoch=12, verbose=0, log_every=1)
+        # Each of the two workers reads four good batches, then the bad one: the first bad step ends the run
+        # after 4 to 8 good ones (one at a time, log_every=1). It applied nothing and is counted nowhere,
+        # Keras's own count included.
+        done = tfs.training.steps_done(model)
+        self.assertBetween(done, 4, 8)
+        self.assertEqual(int(model.optimizer.iterations.numpy()), done)
+        ref_table, _ = single_device_reference(table0, done)
+        self.assertAllClose(emb.numpy(), ref_table, atol=1e-5)
+        # Without a checkpoint directory a later call trains its own epochs (as model.fit does).
+        history = tfs.fit(model, dataset_fn, epochs=2, steps_per_epoch=3, verbose=0, log_every=1)
+        self.assertLen(history.history["loss"], 2)
+        self.assertEqual(tfs.training.steps_done(model), done + 6)
+        ref_table, _ = single_device_reference(table0, done + 6)
+        self.assertAllClose(emb.numpy(), ref_table, atol=1e-5)
 
     def test_steps_per_execution_runs_several_steps_per_dispatch(self):
         with self.strategy.scope():

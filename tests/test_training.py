@@ -103,6 +103,18 @@ class FitTest(tf.test.TestCase):
             self.assertEqual(f.read(), before)
         self.assertEqual(os.listdir(directory), [checkpoints.LAYOUT_FILE])  # no partial file left behind
 
+    def test_a_failing_step_advances_no_step_count(self):
+        ours, _ = model_and_twin()
+        tfs.fit(ours, data(), epochs=1, verbose=0)
+        before = [v.numpy().copy() for v in ours.weights]
+        steps = int(ours.optimizer.iterations.numpy())
+        bad = tf.data.Dataset.from_tensors((np.array([[1, 2, ROWS + 3]]), np.array([[1.0]], np.float32)))
+        with self.assertRaises(tf.errors.InvalidArgumentError):
+            tfs.fit(ours, bad, epochs=1, verbose=0)
+        self.assertEqual(int(ours.optimizer.iterations.numpy()), steps)  # Keras's own Embedding counts it
+        for old, new in zip(before, ours.weights):
+            self.assertAllEqual(old, new.numpy())
+
     def test_bad_arguments_are_named(self):
         ours, _ = model_and_twin()
         uncompiled = keras.Sequential([keras.layers.Dense(1)])
@@ -114,4 +126,8 @@ class FitTest(tf.test.TestCase):
             tfs.fit(ours, data(), epochs=0)
         with self.assertRaisesRegex(ValueError, "Argument `checkpoint_every` must be a positive int"):
             tfs.fit(ours, data(), checkpoint_every=-1)
+        with self.assertRaisesRegex(ValueError, "Argument `checkpoint_secs` must be a positive number. Received: 0"):
+            tfs.fit(ours, data(), checkpoint_secs=0)
+        with self.assertRaisesRegex(ValueError, "Argument `max_restarts` must be an int >= 0. Received: -1"):
+            tfs.fit(ours, data(), max_restarts=-1)
         self.assertEqual(tfs.training.steps_done(ours), 0)  # nothing ran

@@ -99,6 +99,11 @@ def ps_num_ps(strategy) -> int:
     return int(strategy.extended._num_ps)
 
 
+def ps_num_workers(strategy) -> int:
+    """Number of worker tasks of a ParameterServerStrategy."""
+    return int(strategy.extended._num_workers)
+
+
 def register_dispatchable_type(cls: type) -> type:
     """Lets `tf.experimental.dispatch_for_api` dispatch on a plain Python class.
 
@@ -319,3 +324,86 @@ def plain_variable(initial_value, name: str, trainable: bool, shape=None) -> tf.
 def keras_adopt_variable(weight, variable) -> None:
     """Makes the Keras variable `weight` stand for the existing tf.Variable `variable` (read, train, checkpoint)."""
     weight._value = variable
+
+
+# ----------------------------------------------------------- cluster recovery --
+# After a parameter server restarts, this client still holds handles to resources of the task that died.
+# TensorFlow's coordinator recovers restarted *workers* by refreshing the eager context's view of the
+# cluster; it treats a restarted ps as unrecoverable. `tf_sharded.keras.recovery` does the same refresh,
+# then gives every variable, lookup table and critical section on the restarted task a new resource.
+
+
+def task_alive(task: str) -> bool:
+    """Whether `task` ("/job:ps/replica:0/task:1") answers this client."""
+    from tensorflow.python.eager import context
+
+    try:
+        return bool(context.check_alive(task))
+    except (tf.errors.OpError, ValueError):
+        return False
+
+
+def refresh_cluster() -> None:
+    """Re-reads the cluster: tasks that restarted get a new remote context (as TF's coordinator does for a
+    restarted worker)."""
+    from tensorflow.python.eager import context
+
+    context.context().update_server_def(context.get_server_def())
+
+
+def remote_state() -> list:
+    """Every live variable, lookup table and critical section of this process that holds a remote handle,
+    as `(object, task)`, `task` like "/job:ps/replica:0/task:1"."""
+    import gc
+
+    from tensorflow.python.ops import critical_section_ops, resource_variable_ops
+    from tensorflow.python.trackable import resource
+
+    kinds = (
+        resource_variable_ops.BaseResourceVariable,
+        resource.CapturableResource,
+        critical_section_ops.CriticalSection,
+    )
+    found = []
+    for obj in gc.get_objects():
+        if not isinstance(obj, kinds):
+            continue
+        handle = _remote_handle(obj)
+        device = getattr(handle, "device", "") if handle is not None else ""
+        if device.startswith("/job:"):
+            found.append((obj, device.split("/device:")[0]))
+    return found
+
+
+def _remote_handle(obj):
+    # The object's own handle: wrappers that delegate to a variable (a parameter server's
+    # `CachingVariable`) pass isinstance checks but hold none, and must keep delegating.
+    own = getattr(obj, "__dict__", {})
+    handle = own.get("_resource_handle_value", own.get("_handle"))
+    return handle if isinstance(handle, tf.__internal__.EagerTensor) else None
+
+
+def renew_remote_state(obj) -> bool:
+    """Gives `obj` (from `remote_state`) a new resource on its device. A variable is left uninitialised
+    (restore or assign it next); a table is a new handle to the table of its name, empty on a restarted task.
+    Returns whether `obj` is a variable."""
+    from tensorflow.python.ops import critical_section_ops, gen_resource_variable_ops, resource_variable_ops
+
+    old = _remote_handle(obj)
+    with tf.device(old.device):
+        if isinstance(obj, resource_variable_ops.BaseResourceVariable):
+            handle = resource_variable_ops._variable_handle_from_shape_and_dtype(
+                obj.shape, obj.dtype, shared_name=None, name=obj._handle_name.split(":")[0], graph_mode=False
+            )
+            for attr in ("_parent_trackable", "_name", "_unique_id"):
+                if hasattr(old, attr):
+                    setattr(handle, attr, getattr(old, attr))
+            obj._handle = handle
+            obj._cached_value = None
+            return True
+        if isinstance(obj, critical_section_ops.CriticalSection):
+            obj._handle = gen_resource_variable_ops.mutex_v2(shared_name="", container="")
+            obj._signature = (obj._signature[0], id(obj._handle), obj._signature[2])
+            return False
+        obj._resource_handle = obj._create_resource()
+        return False

@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -103,6 +104,7 @@ class LocalCluster:
         mode: str = "inprocess",
         start_timeout: float = 60.0,
         imports: Sequence[str] = (),
+        restart: bool = True,
     ):
         positive_int("num_workers", num_workers)
         positive_int("num_ps", num_ps)
@@ -113,6 +115,11 @@ class LocalCluster:
         self.mode = mode
         self.start_timeout = start_timeout
         self.imports = tuple(imports)
+        self.restart = restart
+        self.restarts: List[tuple] = []
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._supervisor: Optional[threading.Thread] = None
         self._procs: List[subprocess.Popen] = []
         self._servers = []
         self._started = False
@@ -147,46 +154,70 @@ class LocalCluster:
         for i in range(self.num_ps):
             self._servers.append(tf.distribute.Server(spec, job_name="ps", task_index=i, protocol="grpc", start=True))
 
+    def _launch(self, job: str, index: int) -> subprocess.Popen:
+        env = dict(os.environ)
+        env["TF_CONFIG"] = json.dumps({"cluster": self.cluster_dict, "task": {"type": job, "index": index}})
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        if job == "ps":
+            env = {**PS_ENV, **env}
+        return subprocess.Popen(
+            [sys.executable, "-m", "tf_sharded.cluster", "--serve", str(self.num_workers), *self.imports],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
     def _start_processes(self) -> None:
         atexit.register(self.stop)
         try:
-            for job in ("worker", "ps"):
-                for i in range(len(self.cluster_dict[job])):
-                    env = dict(os.environ)
-                    env["TF_CONFIG"] = json.dumps({"cluster": self.cluster_dict, "task": {"type": job, "index": i}})
-                    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-                    if job == "ps":
-                        env = {**PS_ENV, **env}
-                    self._procs.append(
-                        subprocess.Popen(
-                            [
-                                sys.executable,
-                                "-m",
-                                "tf_sharded.cluster",
-                                "--serve",
-                                str(self.num_workers),
-                                *self.imports,
-                            ],  # fmt: skip
-                            env=env,
-                            stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL,
-                            start_new_session=True,
-                        )
-                    )
+            for job, index in self._tasks():
+                self._procs.append(self._launch(job, index))
             _wait_for_ports(self.cluster_dict["worker"] + self.cluster_dict["ps"], self.start_timeout, self._procs)
         except BaseException:
             self.stop()
             raise
+        if self.restart:
+            self._stopping.clear()
+            self._supervisor = threading.Thread(target=self._supervise, name="LocalClusterSupervisor", daemon=True)
+            self._supervisor.start()
+
+    def _tasks(self) -> List[tuple]:
+        return [(job, i) for job in ("worker", "ps") for i in range(len(self.cluster_dict[job]))]
+
+    def _supervise(self) -> None:
+        # A task that exits while the cluster runs is started again on its address, as a Kubernetes pod
+        # of a StatefulSet is: TensorFlow's coordinator lets a restarted worker rejoin, and `tfs.fit`
+        # restores a restarted parameter server from its checkpoint.
+        while not self._stopping.wait(0.2):
+            with self._lock:
+                for n, (task, proc) in enumerate(zip(self._tasks(), self._procs)):
+                    if proc.poll() is not None and not self._stopping.is_set():
+                        self._procs[n] = self._launch(*task)
+                        self.restarts.append(task)
+
+    def kill(self, job: str, index: int) -> None:
+        """Kills one task of a "process" cluster with SIGKILL, as a machine failure would (fault injection)."""
+        if self.mode != "process":
+            raise ValueError(f"Only a mode='process' cluster has tasks to kill. Received a {self.mode!r} cluster")
+        position = self._tasks().index((job, index))
+        with self._lock:
+            proc = self._procs[position]
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
     def task_pids(self) -> dict:
         """`{(job, index): pid}` of a "process" cluster's tasks (empty in-process)."""
         if self.mode != "process":
             return {}
-        tasks = [(job, i) for job in ("worker", "ps") for i in range(len(self.cluster_dict[job]))]
-        return {task: p.pid for task, p in zip(tasks, self._procs)}
+        return {task: p.pid for task, p in zip(self._tasks(), self._procs)}
 
     def stop(self) -> None:
         """Stops "process" tasks; in-process servers live as long as the process."""
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=5)
+            self._supervisor = None
         for p in self._procs:
             if p.poll() is None:
                 try:

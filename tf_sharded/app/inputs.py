@@ -95,13 +95,14 @@ def plan(args, workers: int, strategy=None) -> Plan:
             convert = lambda x, y: ({k: v if k == "dense" else tf.strings.as_string(v) for k, v in x.items()}, y)  # noqa: E731
             return dataset.map(convert) if dynamic else dataset
 
-        def stretch(share):
+        def stretch(share, position: Optional[int] = None):
             # Each worker reads its own stretch of the (deterministic) stream, from where it stopped.
-            start = (0 if share is None else share[1] * 10_000_000) + skip
+            start = (0 if share is None else share[1] * 10_000_000) + (skip if position is None else position)
             return as_keys(data.synthetic_dataset(args.batch_size, args.max_vocab, args.seed, start=start))
 
-        def synthetic(context: Optional[tf.distribute.InputContext] = None):
-            return shares.dataset(stretch)
+        def synthetic(context: Optional[tf.distribute.InputContext] = None, skip: Optional[int] = None):
+            # `skip`: as for files, below.
+            return shares.dataset(lambda share: stretch(share, skip))
 
         held_out = data.synthetic_dataset(args.batch_size, args.max_vocab, args.seed + 1, num_batches=args.eval_steps)
         return Plan(criteo, synthetic, as_keys(held_out), None, "synthetic")
@@ -166,9 +167,14 @@ def _files_plan(args, shares: Shares, skip: int, dynamic: bool = False) -> Plan:
             return rest if share is None else rest.shard(*share)
         return readers.records(source, schema, train_files, share)
 
-    def train_fn(context: Optional[tf.distribute.InputContext] = None):
+    resumed_at = skip
+
+    def train_fn(context: Optional[tf.distribute.InputContext] = None, skip: Optional[int] = None):
+        # `skip`: where `tfs.fit` resumes this pipeline (after a parameter-server recovery), else where the
+        # checkpoint this run started from left it.
         records = shares.dataset(lambda share: share_of_records(share).repeat())
-        return readers.batched(records, args.batch_size, drop_remainder=True).skip(skip)
+        batches = readers.batched(records, args.batch_size, drop_remainder=True)
+        return batches.skip(resumed_at if skip is None else skip)
 
     held_out = readers.batched(readers.records(source, schema, held_files), args.batch_size)
     held_out = held_out.take(args.eval_steps)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+import time
+from typing import Optional, Tuple
 
 import keras
 import tensorflow as tf
@@ -39,8 +40,18 @@ class Checkpoints:
         self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=max_to_keep)
         self._max_to_keep = max_to_keep
         self._writers = {} if several_tasks else None
+        self._model, self._step = model, step
         if self.manager.latest_checkpoint:
             self.checkpoint.restore(self.manager.latest_checkpoint).assert_existing_objects_matched()
+
+    def restore_latest(self) -> Tuple[str, int]:
+        """Restores the latest checkpoint again (after a parameter server came back empty): its path and step."""
+        if self._writers is not None:
+            self._writers.clear()  # traced writers hold the resources that were renewed
+        path = tf.train.latest_checkpoint(self.directory)
+        self.checkpoint.restore(path).assert_existing_objects_matched()
+        step = self._step if self._step is not None else self._model.optimizer.iterations
+        return path, int(step.numpy())
 
     def save(self, step: int) -> Optional[str]:
         if self.manager is None:
@@ -123,16 +134,24 @@ def write_layouts(root, directory: str) -> str:
 
 
 class PeriodicCheckpoint(keras.callbacks.Callback):
-    def __init__(self, checkpoints: Checkpoints, every: Optional[int]):
+    """Checkpoints under Keras's `model.fit`: every `every` steps, every `secs` seconds and at epoch ends."""
+
+    def __init__(self, checkpoints: Checkpoints, every: Optional[int], secs: Optional[float] = None):
         super().__init__()
-        self._checkpoints, self._every = checkpoints, every
+        self._checkpoints, self._every, self._secs = checkpoints, every, secs
+        self._last = time.monotonic()
 
     def on_train_batch_end(self, batch, logs=None):
-        if not self._every:
+        timed = self._secs is not None and time.monotonic() - self._last >= self._secs
+        if not (self._every or timed):
             return  # reading the step count syncs with the device: only when it can matter
         step = int(self.model.optimizer.iterations.numpy())
-        if step % self._every == 0:
-            self._checkpoints.save(step)
+        if timed or step % self._every == 0:
+            self._save(step)
+
+    def _save(self, step: int) -> None:
+        self._checkpoints.save(step)
+        self._last = time.monotonic()
 
     def on_epoch_end(self, epoch, logs=None):
-        self._checkpoints.save(int(self.model.optimizer.iterations.numpy()))
+        self._save(int(self.model.optimizer.iterations.numpy()))

@@ -78,6 +78,18 @@ def check_trains_tables(optimizer, variables) -> None:
             )
 
 
+def _gradient_tensors(grads) -> list:
+    if tf.executing_eagerly():
+        return []  # eager ops run in order: a failed gradient raised before the update began
+    out = []
+    for g in grads:
+        if isinstance(g, tf.IndexedSlices):
+            out += [g.values, g.indices]
+        elif g is not None:
+            out.append(g)
+    return out
+
+
 class _TableSlots(_compat.KerasOptimizerHooks):
     """Mixin placed before a Keras optimizer: sharded slots and lazy row updates for tables.
 
@@ -178,7 +190,11 @@ class _TableSlots(_compat.KerasOptimizerHooks):
     def apply(self, grads, trainable_variables=None):
         if trainable_variables is None and getattr(self, "_tfs_variables", None) is not None:
             trainable_variables = self._tfs_variables
-        return super().apply(grads, trainable_variables)
+        # Keras increments `iterations` with nothing tying it to the step: in a traced step whose lookup or
+        # gradient fails, the increment still runs and a step that applied nothing is counted. Every op of
+        # the update, the increment included, waits for every gradient here.
+        with tf.control_dependencies(_gradient_tensors(grads)):
+            return super().apply(grads, trainable_variables)
 
     def dense_decay_variables(self, variables):
         # A table's decay is applied to its touched rows in `update_step`.

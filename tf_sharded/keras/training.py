@@ -14,7 +14,6 @@ checkpoints that a rerun resumes from. Under every other strategy it calls
 
 from __future__ import annotations
 
-import time
 import weakref
 from typing import Callable, List, Optional, Union
 
@@ -24,8 +23,12 @@ import tensorflow as tf
 from tf_sharded.errors import positive_int
 from tf_sharded.keras import evaluation
 from tf_sharded.keras.checkpoints import Checkpoints, PeriodicCheckpoint
+from tf_sharded.keras.fit_loop import Loop
 from tf_sharded.keras.optimizers import check_trains_tables
 from tf_sharded.strategy import FitLoop, family_of
+
+# Seconds `tfs.fit` waits for a failed parameter server to come back before it gives up.
+RESTART_TIMEOUT = 300.0
 
 DatasetSource = Union[Callable[[tf.distribute.InputContext], tf.data.Dataset], tf.data.Dataset]
 
@@ -50,6 +53,8 @@ def fit(
     log_every: int = 10,
     validation_data: Optional[DatasetSource] = None,
     validation_steps: Optional[int] = None,
+    checkpoint_secs: Optional[float] = None,
+    max_restarts: int = 2,
 ) -> keras.callbacks.History:
     """Trains a compiled Keras 3 model under the current strategy.
 
@@ -65,9 +70,11 @@ def fit(
         `ParameterServerStrategy` (worker datasets should repeat), and under
         `MultiWorkerMirroredStrategy` unless `dataset` is a finite Dataset.
       callbacks: Keras callbacks.
-      checkpoint_dir: if set, the model and optimizer are checkpointed there
-        at every epoch end (and every `checkpoint_every` steps), and a rerun
-        restores the latest checkpoint and continues from its epoch.
+      checkpoint_dir: if set, the model, optimizer and step are checkpointed
+        there at the start, at every epoch end, every `checkpoint_every` steps
+        and every `checkpoint_secs` seconds, and a rerun restores the latest
+        checkpoint and continues from its step (its own loop also from that
+        input position, see below).
       checkpoint_every: optional step interval between checkpoints.
       verbose: 0 (silent) or 1 (progress bar).
       log_every: under `ParameterServerStrategy` and
@@ -79,9 +86,29 @@ def fit(
         progress line, the history and the callbacks' epoch logs.
       validation_steps: batches of `validation_data` per evaluation (default:
         all; required for a dataset function under parameter servers).
+      checkpoint_secs: optional time interval between checkpoints: it bounds
+        the work a parameter-server failure loses.
+      max_restarts: under `ParameterServerStrategy`, how many parameter-server
+        failures this call recovers from (0: none). On a failure it waits up to
+        `RESTART_TIMEOUT` seconds for the task to return, restores model,
+        optimizer, step and input position from the latest checkpoint in
+        `checkpoint_dir` (required), prints one line (`ps:1 failed at step
+        137; restored ckpt-120; resuming`) and continues.
+
+    Steps are counted exactly: a step counts once, when it completes (also
+    when the coordinator runs it again after a worker failure), and a step
+    that fails counts nowhere, `optimizer.iterations` included. In its own
+    loop (parameter servers, multi-worker mirrored), a resumed or recovered
+    run also resumes the input: a dataset function is called with `skip=`
+    (the batches its pipeline already consumed: per worker under parameter
+    servers, `steps / workers`) when it takes that argument, and otherwise
+    its first batches are dropped; a finite Dataset resumes mid-epoch.
 
     Returns:
-      The `keras.callbacks.History` of the run.
+      The `keras.callbacks.History` of the run; in `tfs.fit`'s own loop its
+      `recoveries` lists each parameter-server recovery (`tasks`, `failed_at`
+      and `restored` steps, and `first_step_time`, the wall-clock time the
+      first step after it completed).
 
     Raises:
       ValueError: the model is not compiled, or a required argument is missing
@@ -116,6 +143,10 @@ def fit(
         steps_per_epoch = positive_int("steps_per_epoch", steps_per_epoch)
     if checkpoint_every is not None:
         checkpoint_every = positive_int("checkpoint_every", checkpoint_every)
+    if checkpoint_secs is not None and not (isinstance(checkpoint_secs, (int, float)) and checkpoint_secs > 0):
+        raise ValueError(f"Argument `checkpoint_secs` must be a positive number. Received: {checkpoint_secs!r}")
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        raise ValueError(f"Argument `max_restarts` must be an int >= 0. Received: {max_restarts!r}")
     strategy = evaluation.strategy_of(model)
     validation = evaluation.validation(model, strategy, validation_data, validation_steps)
     loop = family_of(strategy).fit_loop(strategy, getattr(model, "steps_per_execution", 1) or 1)
@@ -133,24 +164,24 @@ def fit(
                 "tf.data.Dataset of known, finite length (parameter-server workers read their own, usually "
                 "repeated, datasets). Received: steps_per_epoch=None"
             )
-        return _fit_loop(
-            model,
-            strategy,
-            dataset,
-            epochs,
-            steps_per_epoch,
-            callbacks,
-            checkpoint_dir,
-            checkpoint_every,
-            verbose,
-            positive_int("log_every", log_every),
-            validation,
+        settings = dict(
+            epochs=epochs,
+            steps_per_epoch=steps_per_epoch,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            checkpoint_secs=checkpoint_secs,
+            verbose=verbose,
+            log_every=positive_int("log_every", log_every),
+            validation=validation,
+            max_restarts=max_restarts,
+            restart_timeout=RESTART_TIMEOUT,
         )
+        return _fit_loop(model, strategy, dataset, callbacks, settings)
     checkpoints = Checkpoints(model, checkpoint_dir) if checkpoint_dir else None
     callbacks = list(callbacks or [])
     initial_epoch = 0
     if checkpoints is not None:
-        callbacks.append(PeriodicCheckpoint(checkpoints, checkpoint_every))
+        callbacks.append(PeriodicCheckpoint(checkpoints, checkpoint_every, checkpoint_secs))
         if steps_per_epoch:
             initial_epoch = int(model.optimizer.iterations.numpy()) // steps_per_epoch
     if validation_data is not None:
@@ -167,9 +198,10 @@ def fit(
     )
 
 
-# Per model, where workers apply steps asynchronously (parameter servers): a step counter on a ps. Keras
-# increments `optimizer.iterations` with a read-then-assign, which loses counts when two workers race;
-# `assign_add` on a resource variable does not.
+# Per model, where workers apply steps asynchronously (parameter servers): the step count, kept on a ps so
+# that checkpoints hold it. This process counts completed steps and assigns it (`fit_loop`): Keras's own
+# `optimizer.iterations` is incremented with a read-then-assign that loses counts when two workers race,
+# and by every run of a step the coordinator retries.
 _STEP_COUNTERS = weakref.WeakKeyDictionary()
 
 
@@ -191,15 +223,12 @@ def train_function(model: keras.Model, strategy) -> tf.types.experimental.Generi
 
     Returns the logs (metric results) plus `_samples`, the batch size.
     """
-    counter = _step_counter(model, strategy)
 
     @tf.function
     def step_fn(data):
         def step(data):
             logs = dict(model.train_step(data))
             logs["_samples"] = _batch_size(keras.utils.unpack_x_y_sample_weight(data)[0])
-            if counter is not None:
-                counter.assign_add(1)
             return logs
 
         return strategy.run(step, args=(data,))
@@ -207,91 +236,7 @@ def train_function(model: keras.Model, strategy) -> tf.types.experimental.Generi
     return step_fn
 
 
-class _Runner:
-    """How one step is launched and its results collected, per strategy."""
-
-    def __init__(self, strategy, dataset, step_fn):
-        self.strategy = strategy
-        self.ps = family_of(strategy).fit_loop(strategy, 1) == FitLoop.COORDINATOR
-        if self.ps:
-            self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
-            source = evaluation.per_worker(dataset) if callable(dataset) else (lambda: dataset)
-            self.per_epoch = False
-            self.distributed = self.coordinator.create_per_worker_dataset(source)
-        else:
-            self.coordinator = None
-            # A finite Dataset is read once per epoch, like model.fit; a dataset function should repeat.
-            self.per_epoch = isinstance(dataset, tf.data.Dataset)
-            if callable(dataset) and not isinstance(dataset, tf.data.Dataset):
-                self.distributed = strategy.distribute_datasets_from_function(dataset)
-            else:
-                self.distributed = strategy.experimental_distribute_dataset(dataset)
-
-        # Unrolled copies must each trace their own collectives: the undecorated step, not one function
-        # called several times (its collectives would share their instance keys).
-        inline_step = getattr(step_fn, "python_function", step_fn)
-
-        def one_step(iterator, inline=False):
-            # The first replica's logs (its batch size stands for every replica's): plain tensors.
-            logs = (inline_step if inline else step_fn)(next(iterator))
-            return logs if self.ps else self._first_replica(logs)
-
-        @tf.function
-        def scheduled(iterator, count):
-            # `count` consecutive steps in one function (Keras's `steps_per_execution`): one dispatch
-            # for all of them. The logs are the last step's, the batch sizes summed. On parameter
-            # servers a loop; with collectives unrolled, so that every step's collectives have their
-            # own instance (in a loop, replicas one iteration apart would meet in one instance).
-            logs = one_step(iterator, inline=not self.ps)
-            if count == 1:
-                return logs
-            samples = logs["_samples"]
-            for _ in tf.range(count - 1) if self.ps else range(count - 1):
-                logs = one_step(iterator, inline=not self.ps)
-                samples += logs["_samples"]
-            logs["_samples"] = samples
-            return logs
-
-        self._scheduled = scheduled
-        self.iterator = iter(self.distributed)
-
-    def new_epoch(self):
-        if self.per_epoch:
-            self.iterator = iter(self.distributed)
-
-    def launch(self, count: int = 1):
-        """Starts `count` steps (one scheduled function, traced once per distinct count)."""
-        if self.ps:
-            return self.coordinator.schedule(self._scheduled, args=(self.iterator, count))
-        return self._scheduled(self.iterator, count)
-
-    def results(self, launched: list) -> list:
-        """Per launch: its last step's logs as floats and its samples over all replicas."""
-        if self.ps:
-            self.coordinator.join()
-            values = [r.fetch() for r in launched]
-        else:
-            values = [tf.nest.map_structure(lambda v: v.numpy(), r) for r in launched]
-        replicas = 1 if self.ps else self.strategy.num_replicas_in_sync
-        return [({k: float(v) for k, v in r.items() if k != "_samples"}, int(r["_samples"]) * replicas) for r in values]
-
-    def _first_replica(self, out):
-        return tf.nest.map_structure(lambda v: self.strategy.experimental_local_results(v)[0], out)
-
-
-def _fit_loop(
-    model,
-    strategy,
-    dataset,
-    epochs,
-    steps_per_epoch,
-    callbacks,
-    checkpoint_dir,
-    checkpoint_every,
-    verbose,
-    log_every,
-    validation,
-):
+def _fit_loop(model, strategy, dataset, callbacks, settings: dict):
     # Variables (model, optimizer, metrics) are created before the first step,
     # in scope: a worker function cannot create them.
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(_first_batch(dataset))
@@ -301,71 +246,21 @@ def _fit_loop(
         model.optimizer.build(model.trainable_variables)
     model.reset_metrics()
     counter = _step_counter(model, strategy)
-    checkpoints = Checkpoints(model, checkpoint_dir, step=counter, several_tasks=counter is not None)
-    global_step = _steps_done(model, counter)
-    initial_epoch = min(epochs, global_step // steps_per_epoch)
-    runner = _Runner(strategy, dataset, train_function(model, strategy))
-    per_execution = positive_int("steps_per_execution", getattr(model, "steps_per_execution", 1) or 1)
-
+    checkpoints = Checkpoints(model, settings["checkpoint_dir"], step=counter, several_tasks=counter is not None)
+    settings["per_execution"] = positive_int("steps_per_execution", getattr(model, "steps_per_execution", 1) or 1)
+    loop = Loop(model, strategy, dataset, settings, checkpoints, counter, lambda: train_function(model, strategy))
     history = keras.callbacks.History()
     callback_list = keras.callbacks.CallbackList(
         list(callbacks or []) + [history],
         add_history=False,
         add_progbar=False,
         model=model,
-        epochs=epochs,
-        steps=steps_per_epoch,
-        verbose=verbose,
+        epochs=settings["epochs"],
+        steps=settings["steps_per_epoch"],
+        verbose=settings["verbose"],
     )
-    callback_list.on_train_begin()
-    logs = {}
-    for epoch in range(initial_epoch, epochs):
-        model.reset_metrics()
-        runner.new_epoch()
-        callback_list.on_epoch_begin(epoch)
-        bar = keras.utils.Progbar(steps_per_epoch, verbose=verbose) if verbose else None
-        launched, samples, start = [], 0, time.perf_counter()
-        step = 0
-        while step < steps_per_epoch:
-            count = min(per_execution, steps_per_epoch - step)
-            callback_list.on_train_batch_begin(step)
-            launched.append(runner.launch(count))
-            before, global_step, step = global_step, global_step + count, step + count
-            last = step == steps_per_epoch
-            due = bool(checkpoint_every) and global_step // checkpoint_every > before // checkpoint_every
-            if step // log_every > (step - count) // log_every or last or due:
-                results = runner.results(launched)
-                launched = []
-                samples += sum(n for _, n in results)
-                logs = results[-1][0]
-                rate = samples / max(time.perf_counter() - start, 1e-9)
-                callback_list.on_train_batch_end(step - 1, logs)
-                if bar is not None and not last:
-                    bar.update(step, [*logs.items(), ("samples/s", rate)], finalize=False)
-                if due:
-                    _save(checkpoints, model, counter, global_step)
-        logs = {name: float(value) for name, value in model.get_metrics_result().items()}
-        logs["samples_per_second"] = samples / max(time.perf_counter() - start, 1e-9)
-        if validation is not None:
-            logs.update({f"val_{name}": value for name, value in validation().items()})
-        if bar is not None:
-            shown = [(k, v) for k, v in logs.items() if k != "samples_per_second"]
-            bar.update(steps_per_epoch, shown + [("samples/s", logs["samples_per_second"])], finalize=True)
-        _save(checkpoints, model, counter, global_step)
-        callback_list.on_epoch_end(epoch, logs)
-        if getattr(model, "stop_training", False):
-            break
-    callback_list.on_train_end(logs)
+    loop.run(callback_list, history)
     return history
-
-
-def _save(checkpoints, model, counter, global_step: int) -> None:
-    """A checkpoint at `global_step` (every launched step has finished). Where workers race on the
-    optimizer's own step count, it is set to the exact count first, so that a run resumed under another
-    strategy (which reads `optimizer.iterations`) continues from the right step."""
-    if counter is not None:
-        model.optimizer.iterations.assign(global_step)
-    checkpoints.save(global_step)
 
 
 def steps_done(model: keras.Model) -> int:

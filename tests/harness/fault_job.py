@@ -1,0 +1,117 @@
+"""A `tfs.fit` run on a process-per-task cluster with one task killed mid-run (run as a script by the tests).
+
+    python -m tests.harness.fault_job OUT.json [--kill ps:1] [--workers 1] [--dynamic] [--after SECONDS]
+
+Trains a sharded (or dynamic) embedding and a dense layer for a fixed number
+of steps with checkpoints, kills the named task with SIGKILL once training
+has begun (the cluster restarts it), and writes the result: steps counted,
+`optimizer.iterations`, the cluster's restarts, the recoveries `tfs.fit`
+reports, and every weight.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tf_sharded as tfs  # noqa: E402
+
+STEPS_PER_EPOCH, EPOCHS, BATCH = 150, 2, 64
+
+
+def dataset_fn(context=None):
+    rng = np.random.RandomState(0)
+    ids = rng.randint(0, 60, (BATCH * 8, 3))
+    labels = (ids[:, 0] % 2).astype(np.float32)[:, None]
+    return tf.data.Dataset.from_tensor_slices((ids, labels)).batch(BATCH).repeat()
+
+
+def build(strategy, dynamic: bool):
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        inp = keras.Input((3,), dtype="int64")
+        if dynamic:
+            emb = tfs.layers.DynamicEmbedding(4, key_dtype="int64", combiner="mean", seed=5, name="emb")
+        else:
+            emb = tfs.layers.Embedding(60, 4, combiner="mean", partitions=2, seed=5, name="emb")
+        out = keras.layers.Dense(1, name="dense")(emb(inp))
+        model = keras.Model(inp, out)
+        model.compile(optimizer=tfs.optimizers.Adagrad(0.1), loss="mse")
+    return model
+
+
+def weights_of(model, dynamic: bool) -> dict:
+    out = {"kernel": model.get_layer("dense").kernel.numpy(), "bias": model.get_layer("dense").bias.numpy()}
+    layer = model.get_layer("emb")
+    if dynamic:
+        keys, values = layer.table.export()
+        order = np.argsort(keys.numpy())
+        out["keys"], out["rows"] = keys.numpy()[order], values.numpy()[order]
+    else:
+        out["rows"] = layer.embeddings.numpy()
+    return {k: np.asarray(v).tolist() for k, v in out.items()}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--kill", default=None, help="job:index of the task to kill, e.g. ps:1")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--dynamic", action="store_true")
+    parser.add_argument("--after", type=float, default=1.0, help="seconds after the first step to kill")
+    args = parser.parse_args(argv)
+    tf.get_logger().setLevel("ERROR")
+    started = threading.Event()
+    killed_at = {}
+
+    class Started(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            started.set()
+
+    with tfs.cluster.LocalCluster(args.workers, 2, mode="process") as cluster:
+        model = build(cluster.strategy(), args.dynamic)
+
+        def kill():
+            job, index = args.kill.split(":")
+            if started.wait(120):
+                time.sleep(args.after)
+                killed_at["time"] = time.time()
+                cluster.kill(job, int(index))
+
+        if args.kill:
+            threading.Thread(target=kill, daemon=True).start()
+        history = tfs.fit(
+            model,
+            dataset_fn,
+            epochs=EPOCHS,
+            steps_per_epoch=STEPS_PER_EPOCH,
+            checkpoint_dir=tempfile.mkdtemp(),
+            checkpoint_every=50,
+            callbacks=[Started()],
+            verbose=0,
+            log_every=5,
+        )
+        result = {
+            "steps": tfs.training.steps_done(model),
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "restarts": [list(t) for t in cluster.restarts],
+            "recoveries": history.recoveries,
+            "killed_at": killed_at.get("time"),
+            "weights": weights_of(model, args.dynamic),
+        }
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Fault injection: tasks killed with SIGKILL on process-per-task clusters, checked against uninterrupted runs.
+
+Each run is `tests/harness/fault_job.py` in its own process (a client connects
+to one cluster per process), two at a time. The application killed mid-run
+and rerun is `test_app.KilledRunTest`.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.harness.subprocs import ROOT, _env, run_python_together
+
+pytestmark = pytest.mark.timeout(600)
+
+TOTAL = 300  # fault_job: 2 epochs of 150 steps
+
+
+def _runs(test, *variants):
+    outs = [os.path.join(test.get_temp_dir(), f"run{i}.json") for i in range(len(variants))]
+    procs = run_python_together([["-m", "tests.harness.fault_job", out, *v] for out, v in zip(outs, variants)], 420)
+    results = []
+    for proc, out in zip(procs, outs):
+        test.assertEqual(proc.returncode, 0, proc.stderr[-4000:])
+        with open(out) as f:
+            results.append((json.load(f), proc.stdout))
+    return results
+
+
+class ParameterServerFailureTest(tf.test.TestCase):
+    def test_a_killed_ps_is_restored_and_training_ends_where_an_uninterrupted_run_does(self):
+        (whole, _), (killed, printed) = _runs(self, [], ["--kill", "ps:1"])
+        self.assertEqual(whole["steps"], TOTAL)
+        self.assertEqual((killed["steps"], killed["iterations"]), (TOTAL, TOTAL))  # every step counted once
+        self.assertIn(["ps", 1], killed["restarts"])
+        (event,) = killed["recoveries"]
+        self.assertEqual(event["tasks"], [1])
+        self.assertLessEqual(event["restored"], event["failed_at"])
+        self.assertEqual(event["restored"] % 50, 0)  # a checkpoint_every=50 checkpoint
+        self.assertIn(f"ps:1 failed at step {event['failed_at']}; restored ckpt-{event['restored']}; resuming", printed)
+        self.assertGreater(event["first_step_time"], killed["killed_at"])
+        # Restored from the checkpoint and the input resumed at the batch after it (one worker): the same steps
+        # on the same batches, so the same weights.
+        for name, value in whole["weights"].items():
+            self.assertAllClose(killed["weights"][name], value, atol=1e-6, msg=name)
+
+    def test_the_ps_holding_the_step_count_and_dynamic_tables_which_say_they_are_not_recovered(self):
+        outs = [os.path.join(self.get_temp_dir(), f"{n}.json") for n in ("ps0", "dynamic")]
+        ps0, dynamic = run_python_together(
+            [
+                ["-m", "tests.harness.fault_job", outs[0], "--kill", "ps:0", "--after", "0.5"],
+                ["-m", "tests.harness.fault_job", outs[1], "--dynamic", "--kill", "ps:1"],
+            ],
+            420,
+        )
+        self.assertEqual(ps0.returncode, 0, ps0.stderr[-4000:])
+        with open(outs[0]) as f:
+            result = json.load(f)
+        self.assertEqual((result["steps"], result["iterations"]), (TOTAL, TOTAL))
+        self.assertEqual([e["tasks"] for e in result["recoveries"]], [[0]])
+        self.assertIn("ps:0 failed at step", ps0.stdout)
+        self.assertNotEqual(dynamic.returncode, 0)
+        self.assertRegex(
+            dynamic.stderr, r"RuntimeError: ps:1 failed at step \d+; dynamic tables \(.*\) are not recovered"
+        )
+        self.assertIn("rerun with the same checkpoint_dir", dynamic.stderr)
+
+
+class WorkerFailureTest(tf.test.TestCase):
+    def test_a_killed_worker_rejoins_and_steps_count_once(self):
+        # One worker: the run can only finish if the restarted worker rejoins. Two workers: it continues on
+        # the other. Either way a step whose worker died is run again, and counted once.
+        (alone, _), (whole, _) = _runs(self, ["--kill", "worker:0"], [])
+        ((pair, _),) = _runs(self, ["--kill", "worker:1", "--workers", "2"])
+        for result in (alone, pair):
+            self.assertEqual(result["steps"], TOTAL)
+            self.assertEqual(result["iterations"], TOTAL)
+            self.assertEqual(result["recoveries"], [])  # no restore: the coordinator reschedules
+        self.assertIn(["worker", 0], alone["restarts"])
+        self.assertIn(["worker", 1], pair["restarts"])
+        # The rescheduled step ran again after its first run may have applied part of its update (TensorFlow
+        # runs a closure at least once): close to, not equal to, the uninterrupted run.
+        for name, value in whole["weights"].items():
+            self.assertAllClose(alone["weights"][name], value, atol=0.05, msg=name)
+
+
+SAVER = """
+import os, sys
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+import keras, tensorflow as tf, tf_sharded as tfs
+from tf_sharded.keras.checkpoints import Checkpoints
+inp = keras.Input((2,), dtype="int64")
+model = keras.Model(inp, keras.layers.Dense(1)(tfs.layers.Embedding(2000, 64, partitions=3, combiner="sum")(inp)))
+model.compile(optimizer=tfs.optimizers.Adagrad(0.1), loss="mse")
+model.optimizer.build(model.trainable_variables)
+checkpoints = Checkpoints(model, sys.argv[1])
+step = int(model.optimizer.iterations.numpy())
+slot = model.optimizer.table_slot(model.layers[1].embeddings, "accumulator")
+print("ready", flush=True)
+while True:
+    step += 1
+    for v in model.variables + model.optimizer.variables + list(slot.variables):
+        v.assign(tf.fill(v.shape, tf.cast(step, v.dtype)))
+    checkpoints.save(step)
+"""
+
+
+class KillDuringSaveTest(tf.test.TestCase):
+    def test_a_kill_at_any_moment_of_a_save_leaves_a_restorable_consistent_checkpoint(self):
+        directory = os.path.join(self.get_temp_dir(), "ckpt")
+        rng = random.Random(0)
+        last = 0
+        for _ in range(4):
+            proc = subprocess.Popen(
+                [sys.executable, "-c", SAVER, directory], stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env(None)
+            )
+            self.assertEqual(proc.stdout.readline().strip(), "ready")
+            time.sleep(rng.uniform(0.5, 2.0))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+            latest = tf.train.latest_checkpoint(directory)
+            self.assertIsNotNone(latest)
+            step = int(latest.rsplit("-", 1)[1])
+            self.assertGreaterEqual(step, last)  # each restart continued from the checkpoint it found
+            last = step
+            reader = tf.train.load_checkpoint(latest)
+            names = [k for k in reader.get_variable_to_shape_map() if k.endswith("VARIABLE_VALUE")]
+            names = [k for k in names if not k.startswith("save_counter")]  # saves by this process, not steps
+            self.assertGreater(len(names), 5)
+            # Every variable, tables and their slots included, holds the value of the one save it belongs to.
+            for name in names:
+                self.assertTrue(np.all(reader.get_tensor(name) == step), (name, step))
+            with open(os.path.join(directory, "tf_sharded_layout.json")) as f:
+                self.assertIn("tables", json.load(f))
+        self.assertGreater(last, 0)

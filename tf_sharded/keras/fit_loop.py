@@ -1,0 +1,313 @@
+"""`tfs.fit`'s own training loop (parameter servers, and multi-worker mirrored): launching steps, counting
+them, checkpointing, resuming the input position, and recovering from a parameter-server failure.
+
+Steps are counted on this process from the steps that completed, never in
+the step itself: TensorFlow's coordinator runs a step whose worker failed
+again on another worker (at least once), and an in-graph counter would
+count both runs. A launch counts when its result arrives; when a launch
+fails, the launches that completed before it still count and nothing else
+does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Callable
+
+import keras
+import tensorflow as tf
+
+from tf_sharded import _compat
+from tf_sharded.keras import evaluation, recovery
+from tf_sharded.strategy import FitLoop, family_of
+from tf_sharded.table.dynamic import DynamicTable
+
+
+def _with_skip(fn: Callable, skip: int) -> Callable:
+    """The dataset function reading from `skip` batches on: called with `skip=` when it takes that argument
+    (so it can seek), else its dataset's first `skip` batches are dropped."""
+    if skip <= 0:
+        return fn
+    if "skip" in inspect.signature(fn).parameters:
+        return lambda context: fn(context, skip=skip)
+    return lambda context: fn(context).skip(skip)
+
+
+class Runner:
+    """How one step is launched and its results collected, per strategy.
+
+    `position`: steps of this run already done, whose input is skipped (per
+    worker under parameter servers: `position / workers`, exact with one).
+    """
+
+    def __init__(self, strategy, dataset, step_fn, position: int = 0):
+        self.strategy = strategy
+        self.ps = family_of(strategy).fit_loop(strategy, 1) == FitLoop.COORDINATOR
+        self._dataset, self._epoch_skip, self._finite = dataset, 0, False
+        if self.ps:
+            self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+            workers = _compat.ps_num_workers(strategy)
+            fn = dataset if callable(dataset) else (lambda context: dataset)
+            self.per_epoch = False
+            self.distributed = self.coordinator.create_per_worker_dataset(
+                evaluation.per_worker(_with_skip(fn, position // workers))
+            )
+        else:
+            self.coordinator = None
+            # A finite Dataset is read once per epoch, like model.fit; a dataset function should repeat.
+            self.per_epoch = isinstance(dataset, tf.data.Dataset)
+            if self.per_epoch:
+                self.distributed = strategy.experimental_distribute_dataset(dataset)
+                # A finite Dataset resumes mid-epoch; an endless one is a stream its caller positions.
+                self._finite = int(dataset.cardinality()) > 0
+                self._epoch_skip = position if self._finite else 0
+            else:
+                self.distributed = strategy.distribute_datasets_from_function(_with_skip(dataset, position))
+
+        # Unrolled copies must each trace their own collectives: the undecorated step, not one function
+        # called several times (its collectives would share their instance keys).
+        inline_step = getattr(step_fn, "python_function", step_fn)
+
+        def one_step(iterator, inline=False):
+            # The first replica's logs (its batch size stands for every replica's): plain tensors.
+            logs = (inline_step if inline else step_fn)(next(iterator))
+            return logs if self.ps else self._first_replica(logs)
+
+        @tf.function
+        def scheduled(iterator, count):
+            # `count` consecutive steps in one function (Keras's `steps_per_execution`): one dispatch
+            # for all of them. The logs are the last step's, the batch sizes summed. On parameter
+            # servers a loop; with collectives unrolled, so that every step's collectives have their
+            # own instance (in a loop, replicas one iteration apart would meet in one instance).
+            logs = one_step(iterator, inline=not self.ps)
+            if count == 1:
+                return logs
+            samples = logs["_samples"]
+            for _ in tf.range(count - 1) if self.ps else range(count - 1):
+                logs = one_step(iterator, inline=not self.ps)
+                samples += logs["_samples"]
+            logs["_samples"] = samples
+            return logs
+
+        self._scheduled = scheduled
+        self.iterator = iter(self.distributed)
+
+    def new_epoch(self, step_in_epoch: int = 0):
+        """A finite Dataset starts over, from batch `step_in_epoch` (a run resumed mid-epoch)."""
+        if not self.per_epoch:
+            return
+        skip = (step_in_epoch or self._epoch_skip) if self._finite else 0
+        self._epoch_skip = 0
+        source = self.strategy.experimental_distribute_dataset(self._dataset.skip(skip)) if skip else self.distributed
+        self.iterator = iter(source)
+
+    def launch(self, count: int = 1):
+        """Starts `count` steps (one scheduled function, traced once per distinct count)."""
+        if self.ps:
+            return self.coordinator.schedule(self._scheduled, args=(self.iterator, count))
+        return self._scheduled(self.iterator, count)
+
+    def results(self, launched: list) -> list:
+        """Per launch `(result, count)`: its last step's logs as floats and its samples over all replicas."""
+        if self.ps:
+            self.coordinator.join()
+            values = [r.fetch() for r, _ in launched]
+        else:
+            values = [tf.nest.map_structure(lambda v: v.numpy(), r) for r, _ in launched]
+        replicas = 1 if self.ps else self.strategy.num_replicas_in_sync
+        return [({k: float(v) for k, v in r.items() if k != "_samples"}, int(r["_samples"]) * replicas) for r in values]
+
+    def completed(self, launched: list) -> int:
+        """After a failure: the steps of `launched` that completed (a retried launch once)."""
+        done = 0
+        for result, count in launched:
+            if self.ps:
+                try:
+                    result.fetch()
+                except Exception:  # noqa: BLE001 - failed or cancelled: it did not complete
+                    continue
+            done += count
+        return done
+
+    def _first_replica(self, out):
+        return tf.nest.map_structure(lambda v: self.strategy.experimental_local_results(v)[0], out)
+
+
+def _names(tasks) -> str:
+    return ", ".join(f"ps:{t}" for t in sorted(tasks))
+
+
+class Recovered(Exception):
+    """Raised inside the loop once the cluster is restored; the loop continues from `Loop.global_step`."""
+
+
+class Loop:
+    """The epochs of one `tfs.fit` call under `FitLoop.COORDINATOR` or `FitLoop.REPLICAS`."""
+
+    def __init__(self, model, strategy, dataset, settings: dict, checkpoints, counter, make_step: Callable):
+        self.model, self.strategy, self.dataset, self.s = model, strategy, dataset, settings
+        self.checkpoints, self.counter, self.make_step = checkpoints, counter, make_step
+        self.global_step = int((counter if counter is not None else model.optimizer.iterations).numpy())
+        # Without a checkpoint directory every call trains its epochs (as model.fit does); with one, a
+        # rerun continues the run the checkpoints belong to.
+        self.first_step = 0 if checkpoints.manager is not None else self.global_step
+        self.restarts, self.recoveries = 0, []
+        self.runner = Runner(strategy, dataset, make_step(), self.global_step - self.first_step)
+        self.last_save = time.monotonic()
+        self._awaiting_first = None
+        if checkpoints.manager is not None and checkpoints.manager.latest_checkpoint is None:
+            self.save()  # what a parameter-server failure before the first periodic save restores
+
+    def position(self) -> int:
+        return self.global_step - self.first_step
+
+    def run(self, callbacks, history) -> None:
+        epochs, per_epoch = self.s["epochs"], self.s["steps_per_epoch"]
+        callbacks.on_train_begin()
+        logs = {}
+        if self.position() >= epochs * per_epoch and self.s["verbose"]:
+            print(f"checkpoint at step {self.global_step} already covers {epochs} epoch(s) of {per_epoch} steps")
+        while self.position() < epochs * per_epoch:
+            epoch = self.position() // per_epoch
+            try:
+                logs = self._epoch(epoch, callbacks)
+            except Recovered:
+                continue
+            if getattr(self.model, "stop_training", False):
+                break
+        callbacks.on_train_end(logs)
+        history.recoveries = self.recoveries
+
+    def _epoch(self, epoch, callbacks) -> dict:
+        per_epoch, verbose = self.s["steps_per_epoch"], self.s["verbose"]
+        self.model.reset_metrics()
+        step = self.position() - epoch * per_epoch
+        self.runner.new_epoch(step)
+        callbacks.on_epoch_begin(epoch)
+        bar = keras.utils.Progbar(per_epoch, verbose=verbose) if verbose else None
+        launched, samples, start = [], 0, time.perf_counter()
+        while step < per_epoch:
+            count = min(self.s["per_execution"], per_epoch - step)
+            callbacks.on_train_batch_begin(step)
+            step += count
+            last = step == per_epoch
+            try:
+                launched.append((self.runner.launch(count), count))
+                due = self._checkpoint_due(self.global_step + sum(n for _, n in launched), count)
+                every = self.s["log_every"]
+                collect = step // every > (step - count) // every or last or due or self._awaiting_first is not None
+                results = self.runner.results(launched) if collect else None
+            except Exception as error:  # noqa: BLE001 - counted, then recovered from or raised
+                self.global_step += self.runner.completed(launched)
+                self._fail(error)  # raises: the original error, or Recovered
+            if results is None:
+                continue
+            self.global_step += sum(n for _, n in launched)
+            launched = []
+            self._first_step_done()
+            samples += sum(n for _, n in results)
+            logs = results[-1][0]
+            rate = samples / max(time.perf_counter() - start, 1e-9)
+            callbacks.on_train_batch_end(step - 1, logs)
+            if bar is not None and not last:
+                bar.update(step, [*logs.items(), ("samples/s", rate)], finalize=False)
+            if due:
+                self.save()
+        logs = {name: float(value) for name, value in self.model.get_metrics_result().items()}
+        logs["samples_per_second"] = samples / max(time.perf_counter() - start, 1e-9)
+        if self.s["validation"] is not None:
+            logs.update({f"val_{name}": value for name, value in self.s["validation"]().items()})
+        if bar is not None:
+            shown = [(k, v) for k, v in logs.items() if k != "samples_per_second"]
+            bar.update(per_epoch, shown + [("samples/s", logs["samples_per_second"])], finalize=True)
+        self.save()
+        callbacks.on_epoch_end(epoch, logs)
+        return logs
+
+    def _checkpoint_due(self, launched_to: int, count: int) -> bool:
+        every, secs = self.s["checkpoint_every"], self.s["checkpoint_secs"]
+        if every and launched_to // every > (launched_to - count) // every:
+            return True
+        return secs is not None and time.monotonic() - self.last_save >= secs
+
+    def sync_step(self) -> None:
+        """Where workers race on Keras's own step count (parameter servers), it is set to the exact count,
+        so that a run resumed under another strategy (which reads `optimizer.iterations`) continues right."""
+        if self.counter is not None:
+            self.counter.assign(self.global_step)
+            self.model.optimizer.iterations.assign(self.global_step)
+
+    def save(self) -> None:
+        """A checkpoint at `global_step`: every launched step has finished and no other is running."""
+        self.sync_step()
+        self.checkpoints.save(self.global_step)
+        self.last_save = time.monotonic()
+
+    def _fail(self, error: BaseException) -> None:
+        """After a failed launch (the completed steps counted): recovers from a ps failure, or raises."""
+        tasks = recovery.failed_ps(error) if self.runner.ps else set()
+        tasks = (recovery.lost(tasks) or tasks) if tasks and self._awaiting_first is None else tasks
+        if not tasks:
+            self.sync_step()  # the exact count, where the failed step's own increments raced
+            raise error
+        # Until a step completes after a recovery, a failure is the same one: a worker's channel to the
+        # restarted task can take a moment to reconnect. It is retried within the restart timeout.
+        retrying = self._awaiting_first is not None
+        if retrying:
+            failed_at = self._awaiting_first["failed_at"]
+        else:
+            failed_at = self.global_step
+            self._check_restart_allowed(tasks, error)
+            self.restarts += 1
+            self._recovery_began = time.monotonic()
+        remaining = self.s["restart_timeout"] - (time.monotonic() - self._recovery_began)
+        if remaining <= 0:
+            raise RuntimeError(
+                f"{_names(tasks)} failed at step {failed_at} and did not serve steps again within "
+                f"{self.s['restart_timeout']:.0f}s: rerun with the same checkpoint_dir to resume"
+            ) from error
+        if retrying:
+            time.sleep(min(1.0, remaining))
+        recovery.wait_for(tasks, remaining)
+        renewed = recovery.reconnect(tasks)
+        path, self.global_step = self.checkpoints.restore_latest()
+        recovery.zero_unrestored(renewed)
+        self.sync_step()
+        self.model.reset_metrics()
+        self.runner = Runner(self.strategy, self.dataset, self.make_step(), self.position())
+        if not retrying:
+            print(
+                f"{_names(tasks)} failed at step {failed_at}; restored {path.rsplit('/', 1)[-1]}; resuming", flush=True
+            )
+        self._awaiting_first = {"tasks": sorted(tasks), "failed_at": failed_at, "restored": self.global_step}
+        raise Recovered() from error
+
+    def _check_restart_allowed(self, tasks, error) -> None:
+        where = f"{_names(tasks)} failed at step {self.global_step}"
+        if self.checkpoints.manager is None:
+            raise RuntimeError(
+                f"{where}; tfs.fit was given no checkpoint_dir, so there is nothing to restore: rerun with "
+                "checkpoint_dir=... to resume from checkpoints after a parameter-server failure"
+            ) from error
+        found = tf.train.TrackableView(self.checkpoints.checkpoint).descendants()
+        dynamic = sorted({t.name for t in found if isinstance(t, DynamicTable)})
+        if dynamic:
+            raise RuntimeError(
+                f"{where}; dynamic tables ({', '.join(dynamic)}) are not recovered inside tfs.fit yet: rerun with "
+                "the same checkpoint_dir to resume from the latest checkpoint"
+            ) from error
+        if self.restarts >= self.s["max_restarts"]:
+            raise RuntimeError(
+                f"{where}; max_restarts={self.s['max_restarts']} restarts already used: rerun with the same "
+                "checkpoint_dir to resume from the latest checkpoint"
+            ) from error
+
+    def _first_step_done(self) -> None:
+        if self._awaiting_first is not None:
+            self._awaiting_first["first_step_time"] = time.time()
+            self.recoveries.append(self._awaiting_first)
+            self._awaiting_first = None
+
+
+__all__ = ["Loop", "Runner"]
