@@ -2,6 +2,9 @@
 
     python -m tests.harness.fault_job OUT.json [--kill ps:1] [--workers 1] [--dynamic] [--after SECONDS]
 
+With `--kill ps:N` it also prints the recovery time (seconds from the kill to
+the first step completed after the restore) and the steps redone.
+
 Trains a sharded (or dynamic) embedding and a dense layer for a fixed number
 of steps with checkpoints, kills the named task with SIGKILL once training
 has begun (the cluster restarts it), and writes the result: steps counted,
@@ -110,6 +113,14 @@ def main(argv=None):
         }
     with open(args.out, "w") as f:
         json.dump(result, f)
+    for event in history.recoveries:
+        # The recovery time a user sees: from the kill to the first step that completed after the restore.
+        print(
+            f"recovery: {', '.join(f'ps:{t}' for t in event['tasks'])} failed at step {event['failed_at']}; "
+            f"restored step {event['restored']}; "
+            f"first new step {event['first_step_time'] - killed_at['time']:.1f}s after the kill; "
+            f"{event['failed_at'] - event['restored']} steps redone"
+        )
     return 0
 
 

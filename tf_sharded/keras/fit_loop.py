@@ -247,7 +247,6 @@ class Loop:
     def _fail(self, error: BaseException) -> None:
         """After a failed launch (the completed steps counted): recovers from a ps failure, or raises."""
         tasks = recovery.failed_ps(error) if self.runner.ps else set()
-        tasks = (recovery.lost(tasks) or tasks) if tasks and self._awaiting_first is None else tasks
         if not tasks:
             self.sync_step()  # the exact count, where the failed step's own increments raced
             raise error
@@ -270,7 +269,8 @@ class Loop:
         if retrying:
             time.sleep(min(1.0, remaining))
         recovery.wait_for(tasks, remaining)
-        renewed = recovery.reconnect(tasks)
+        lost, renewed = recovery.reconnect(tasks)
+        tasks = set(self._awaiting_first["tasks"]) if retrying else (lost or tasks)
         path, self.global_step = self.checkpoints.restore_latest()
         recovery.zero_unrestored(renewed)
         self.sync_step()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Set
+from typing import Set, Tuple
 
 import tensorflow as tf
 
@@ -48,20 +48,6 @@ def failed_ps(error: BaseException) -> Set[int]:
     return set()
 
 
-def lost(tasks: Set[int]) -> Set[int]:
-    """Of the ps tasks an error names, those that lost their state: an error from a step names every task
-    its cancelled parts touched, so each is asked to run an op in this client's current session, which a
-    restarted (or still absent) task cannot."""
-    gone = set()
-    for task in sorted(tasks):
-        try:
-            with tf.device(f"/job:ps/replica:0/task:{task}/device:CPU:0"):
-                tf.constant(1) + 1  # noqa: B018 - runs remotely, or raises
-        except (tf.errors.OpError, RuntimeError):
-            gone.add(task)
-    return gone
-
-
 def wait_for(tasks: Set[int], timeout: float) -> None:
     """Returns once every ps in `tasks` answers; raises TimeoutError after `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -72,18 +58,30 @@ def wait_for(tasks: Set[int], timeout: float) -> None:
             time.sleep(0.5)
 
 
-def reconnect(tasks: Set[int]) -> list:
-    """Refreshes the cluster and renews every resource that lived on `tasks`.
+def reconnect(tasks: Set[int]) -> Tuple[Set[int], list]:
+    """Refreshes the cluster and renews every resource on those of `tasks` that lost their state.
 
-    Returns the renewed variables (uninitialised until restored or assigned).
+    An error from a step names every task its cancelled parts touched, so
+    after the refresh each named task is asked to read one of its variables:
+    a restarted task no longer knows it. Returns those tasks, and the
+    renewed variables (uninitialised until restored or assigned).
     """
     _compat.refresh_cluster()
-    names = {f"/job:ps/replica:0/task:{t}" for t in tasks}
+    state = _compat.remote_state()
+    names = {f"/job:ps/replica:0/task:{t}": t for t in tasks}
+    lost = set()
+    for name, task in names.items():
+        held = [obj for obj, on in state if on == name and hasattr(obj, "is_initialized")]
+        try:
+            if held:
+                held[0].is_initialized()
+        except (tf.errors.OpError, RuntimeError):
+            lost.add(task)
     renewed = []
-    for obj, task in _compat.remote_state():
-        if task in names and _compat.renew_remote_state(obj):
+    for obj, on in state:
+        if names.get(on) in lost and _compat.renew_remote_state(obj):
             renewed.append(obj)
-    return renewed
+    return lost, renewed
 
 
 def zero_unrestored(variables: list) -> None:
@@ -93,4 +91,4 @@ def zero_unrestored(variables: list) -> None:
             v.assign(tf.zeros(v.shape, v.dtype))
 
 
-__all__ = ["failed_ps", "lost", "reconnect", "wait_for", "zero_unrestored"]
+__all__ = ["failed_ps", "reconnect", "wait_for", "zero_unrestored"]
