@@ -138,10 +138,6 @@ def _names(tasks) -> str:
     return ", ".join(f"ps:{t}" for t in sorted(tasks))
 
 
-class Recovered(Exception):
-    """Raised inside the loop once the cluster is restored; the loop continues from `Loop.global_step`."""
-
-
 class Loop:
     """The epochs of one `tfs.fit` call under `FitLoop.COORDINATOR` or `FitLoop.REPLICAS`."""
 
@@ -172,7 +168,8 @@ class Loop:
             epoch = self.position() // per_epoch
             try:
                 logs = self._epoch(epoch, callbacks)
-            except Recovered:
+            except Exception as error:  # noqa: BLE001 - a ps failure, in a step or a save, is recovered from
+                self._fail(error)  # returns once recovered; raises any other error
                 continue
             if getattr(self.model, "stop_training", False):
                 break
@@ -198,9 +195,9 @@ class Loop:
                 every = self.s["log_every"]
                 collect = step // every > (step - count) // every or last or due or self._awaiting_first is not None
                 results = self.runner.results(launched) if collect else None
-            except Exception as error:  # noqa: BLE001 - counted, then recovered from or raised
-                self.global_step += self.runner.completed(launched)
-                self._fail(error)  # raises: the original error, or Recovered
+            except Exception:
+                self.global_step += self.runner.completed(launched)  # the launches that completed count
+                raise
             if results is None:
                 continue
             self.global_step += sum(n for _, n in launched)
@@ -245,7 +242,8 @@ class Loop:
         self.last_save = time.monotonic()
 
     def _fail(self, error: BaseException) -> None:
-        """After a failed launch (the completed steps counted): recovers from a ps failure, or raises."""
+        """After a failure (the completed steps counted): recovers from a ps failure and returns, the loop
+        continuing from the restored `global_step`; raises any other error."""
         tasks = recovery.failed_ps(error) if self.runner.ps else set()
         if not tasks:
             self.sync_step()  # the exact count, where the failed step's own increments raced
@@ -281,7 +279,6 @@ class Loop:
                 f"{_names(tasks)} failed at step {failed_at}; restored {path.rsplit('/', 1)[-1]}; resuming", flush=True
             )
         self._awaiting_first = {"tasks": sorted(tasks), "failed_at": failed_at, "restored": self.global_step}
-        raise Recovered() from error
 
     def _check_restart_allowed(self, tasks, error) -> None:
         where = f"{_names(tasks)} failed at step {self.global_step}"
