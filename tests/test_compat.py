@@ -173,7 +173,7 @@ class ParameterServerClusterTest(tf.test.TestCase):
         self.assertEqual(_compat.ps_num_workers(strategy), 2)
         self.assertIs(_compat.ps_variable_partitioner(strategy), partitioner)
 
-    @exercises("task_alive", "refresh_cluster", "remote_state", "renew_remote_state")
+    @exercises("task_alive", "refresh_cluster", "remote_state", "renew_remote_state", "local_table_default")
     def test_renewing_the_resources_of_a_ps(self):
         # Renewing on a live task gives the same objects new, empty resources there, as after a restart.
         strategy = tfs.cluster.local_cluster(num_workers=2, num_ps=2).strategy()
@@ -185,6 +185,9 @@ class ParameterServerClusterTest(tf.test.TestCase):
             table = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, default_value=-1)
             table.insert(tf.constant([7], tf.int64), tf.constant([1], tf.int64))
             lock = tf.CriticalSection(name="renewed_lock")
+        self.assertTrue(table._default_value.device.startswith(device))
+        _compat.local_table_default(table)
+        self.assertFalse(table._default_value.device.startswith("/job:ps"))
         _compat.refresh_cluster()
         found = {id(obj): task for obj, task in _compat.remote_state()}
         self.assertEqual(found.get(id(v._v if hasattr(v, "_v") else v)), device)  # the variable itself, not a wrapper
@@ -201,6 +204,7 @@ class ParameterServerClusterTest(tf.test.TestCase):
         self.assertIsNot(table.resource_handle, old_handle)
         table.insert(tf.constant([8], tf.int64), tf.constant([2], tf.int64))  # TF shares a table by its name on a
         self.assertAllEqual(table.lookup(tf.constant([8], tf.int64)), [2])  # task: empty only on a restarted one
+        self.assertAllEqual(tf.function(lambda: table.lookup(tf.constant([9], tf.int64)))(), [-1])
         self.assertFalse(_compat.renew_remote_state(lock))
         self.assertAllEqual(lock.execute(lambda: tf.constant(5)), 5)
 

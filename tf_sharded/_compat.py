@@ -383,6 +383,14 @@ def _remote_handle(obj):
     return handle if isinstance(handle, tf.__internal__.EagerTensor) else None
 
 
+def local_table_default(table) -> None:
+    """Keeps a lookup table's default value on this process. TF creates it as an eager tensor on the table's
+    device, and a function captures it by value, reading it: on a task that restarted it is gone."""
+    value = table._default_value.numpy()
+    with tf.init_scope(), tf.device(None):  # None, not a partial spec: that would merge with the table's task
+        table._default_value = tf.constant(value)
+
+
 def renew_remote_state(obj) -> bool:
     """Gives `obj` (from `remote_state`) a new resource on its device. A variable is left uninitialised
     (restore or assign it next); a table is a new handle to the table of its name, empty on a restarted task.

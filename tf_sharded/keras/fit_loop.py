@@ -21,7 +21,6 @@ import tensorflow as tf
 from tf_sharded import _compat
 from tf_sharded.keras import evaluation, recovery
 from tf_sharded.strategy import FitLoop, family_of
-from tf_sharded.table.dynamic import DynamicTable
 
 
 def _with_skip(fn: Callable, skip: int) -> Callable:
@@ -268,6 +267,7 @@ class Loop:
             time.sleep(min(1.0, remaining))
         recovery.wait_for(tasks, remaining)
         lost, renewed = recovery.reconnect(tasks)
+        recovery.reset_dynamic(self.checkpoints.checkpoint)
         tasks = set(self._awaiting_first["tasks"]) if retrying else (lost or tasks)
         path, self.global_step = self.checkpoints.restore_latest()
         recovery.zero_unrestored(renewed)
@@ -286,13 +286,6 @@ class Loop:
             raise RuntimeError(
                 f"{where}; tfs.fit was given no checkpoint_dir, so there is nothing to restore: rerun with "
                 "checkpoint_dir=... to resume from checkpoints after a parameter-server failure"
-            ) from error
-        found = tf.train.TrackableView(self.checkpoints.checkpoint).descendants()
-        dynamic = sorted({t.name for t in found if isinstance(t, DynamicTable)})
-        if dynamic:
-            raise RuntimeError(
-                f"{where}; dynamic tables ({', '.join(dynamic)}) are not recovered inside tfs.fit yet: rerun with "
-                "the same checkpoint_dir to resume from the latest checkpoint"
             ) from error
         if self.restarts >= self.s["max_restarts"]:
             raise RuntimeError(

@@ -16,6 +16,8 @@ from a checkpoint. `tfs.fit` does that restart inside the running program:
    surviving ps are restored too: the cluster returns to one consistent
    state), reset what the checkpoint does not hold (metrics, counters) to
    zero, and retrace the step functions, which captured the old handles.
+   A dynamic table's shards on the task are first set to an empty table's
+   state: its restore exports every shard before it replaces their keys.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Set, Tuple
 import tensorflow as tf
 
 from tf_sharded import _compat
+from tf_sharded.table.dynamic import DynamicTable
 
 _PS_TASK = re.compile(r"/job:ps/replica:0/task:(\d+)")
 
@@ -84,6 +87,13 @@ def reconnect(tasks: Set[int]) -> Tuple[Set[int], list]:
     return lost, renewed
 
 
+def reset_dynamic(root) -> int:
+    """Dynamic tables under `root` whose shards lost their task: an empty table's state, which a restore
+    can read and refill (it exports every shard before it assigns). Returns how many variables were set."""
+    found = tf.train.TrackableView(root).descendants()
+    return sum(t.reset_lost() for t in found if isinstance(t, DynamicTable))
+
+
 def zero_unrestored(variables: list) -> None:
     """Renewed variables the checkpoint did not hold (metric totals, input claims) start again from zero."""
     for v in variables:
@@ -91,4 +101,4 @@ def zero_unrestored(variables: list) -> None:
             v.assign(tf.zeros(v.shape, v.dtype))
 
 
-__all__ = ["failed_ps", "reconnect", "wait_for", "zero_unrestored"]
+__all__ = ["failed_ps", "reconnect", "reset_dynamic", "wait_for", "zero_unrestored"]

@@ -314,6 +314,15 @@ class DynamicTable(_compat.Trackable):
         for i, s in enumerate(self._shards):
             s.replace(key_parts[i], value_parts[i], {k: parts[i] for k, parts in column_parts.items()})
 
+    def reset_lost(self) -> int:
+        """After a parameter server restarted: the shards it held (and the table step, if it held that) set
+        to an empty table's state, which a checkpoint restore then fills. Returns how many variables it set."""
+        done = sum(s.reset_lost() for s in self._shards)
+        if not bool(self._step.is_initialized()):
+            self._step.assign(0)
+            done += 1
+        return done
+
     # ---------------------------------------------------------- optimizers --
 
     def make_slot(self, name: str, fill: float) -> DynamicSlot:

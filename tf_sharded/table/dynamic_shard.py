@@ -99,6 +99,7 @@ class DynamicShard:
             self.index = tf.lookup.experimental.MutableHashTable(
                 key_dtype, tf.int64, default_value=-1, name=f"{name}_index_{shard}"
             )
+            _compat.local_table_default(self.index)  # what a step reads stays valid across a ps restart
             unknown = tf.TensorShape(None)
             new = lambda value, what, trainable=False: _compat.plain_variable(  # noqa: E731
                 value, f"{name}/{what}_{shard}", trainable, shape=unknown if value.shape.rank else None
@@ -368,6 +369,22 @@ class DynamicShard:
             return _settled(created)
 
         return self._locked(body)
+
+    def reset_lost(self) -> int:
+        """After this shard's task restarted (its variables renewed, uninitialised, its index empty): the
+        state of an empty shard, which a checkpoint restore then fills. Returns how many variables it set;
+        a shard whose task kept its state is left as it is."""
+        with tf.device(self.device):
+            empty = [(self.rows, self._rows.filled(0)), (self.free, tf.zeros([0], tf.int64))]
+            empty += [(c.variable, c.filled(0)) for c in (self.seen, self.hits, *self.columns.values())]
+            scalars = [self.capacity, self.count, self.free_count, *self._column_capacity.values()]
+            empty += [(v, tf.constant(0, tf.int64)) for v in scalars]
+            if self.admission_state is not None:
+                empty.append((self.admission_state, tf.zeros(self.admission_state.shape, self.admission_state.dtype)))
+            lost = [(v, value) for v, value in empty if not bool(v.is_initialized())]
+            for variable, value in lost:
+                variable.assign(value, read_value=False)
+        return len(lost)
 
     # -------------------------------------------------- export and restore --
 
