@@ -1,6 +1,6 @@
 """Fault injection: tasks killed with SIGKILL on process-per-task clusters, checked against uninterrupted runs.
 
-Each run is `tests/harness/fault_job.py` in its own process (a client connects
+Each run is `tf_sharded/benchmarks/fault_job.py` in its own process (a client connects
 to one cluster per process), two at a time. The application killed mid-run
 and rerun is `test_app.KilledRunTest`.
 """
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.harness.subprocs import ROOT, _env, run_python_together
+from tests.harness.subprocs import ROOT, _env, run_python, run_python_together
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -27,8 +27,15 @@ TOTAL = 300  # fault_job: 2 epochs of 150 steps
 def _launch(test, *variants):
     """Runs `fault_job` once per flag list, two at a time: `(process, result or None)` per run."""
     outs = [os.path.join(test.get_temp_dir(), f"run{i}.json") for i in range(len(variants))]
-    procs = run_python_together([["-m", "tests.harness.fault_job", out, *v] for out, v in zip(outs, variants)], 420)
+    job = ["-m", "tf_sharded.benchmarks.fault_job"]
+    procs = run_python_together([[*job, out, *v] for out, v in zip(outs, variants)], 420)
     return [(proc, _read(out) if os.path.exists(out) else None) for proc, out in zip(procs, outs)]
+
+
+def _traceback(stderr: str) -> str:
+    """The last traceback in a run's stderr (TensorFlow's connection warnings follow it)."""
+    start = stderr.rfind("Traceback (most recent call last)")
+    return stderr[start : start + 6000] if start >= 0 else stderr[-4000:]
 
 
 def _read(path):
@@ -40,27 +47,37 @@ def _runs(test, *variants):
     """`_launch` for runs that must succeed: `(result, stdout)` per run."""
     out = []
     for proc, result in _launch(test, *variants):
-        test.assertEqual(proc.returncode, 0, proc.stderr[-4000:])
+        test.assertEqual(proc.returncode, 0, _traceback(proc.stderr))
         out.append((result, proc.stdout))
     return out
 
 
 class ParameterServerFailureTest(tf.test.TestCase):
-    def test_a_killed_ps_is_restored_and_training_ends_where_an_uninterrupted_run_does(self):
-        (whole, _), (killed, printed) = _runs(self, [], ["--kill", "ps:1"])
-        self.assertEqual(whole["steps"], TOTAL)
-        self.assertEqual((killed["steps"], killed["iterations"]), (TOTAL, TOTAL))  # every step counted once
-        self.assertIn(["ps", 1], killed["restarts"])
-        (event,) = killed["recoveries"]
+    def test_the_recovery_benchmark_restores_a_killed_ps_to_where_an_uninterrupted_run_ends(self):
+        # B8 (`bench recovery --quick`): an uninterrupted run, then one with ps:1 killed, one after the other.
+        out = self.get_temp_dir()
+        proc = run_python(["-m", "tf_sharded", "bench", "recovery", "--quick", "--out", out], 480)
+        self.assertEqual(proc.returncode, 0, proc.stdout + _traceback(proc.stderr))
+        self.assertIn("B8 recovery", proc.stdout)
+        self.assertGreater(os.path.getsize(os.path.join(out, "recovery.png")), 1000)
+        (row,) = _read(os.path.join(out, "recovery.json"))["results"]
+        self.assertEqual(row["steps"], [TOTAL, TOTAL])  # every step counted once
+        self.assertEqual(row["iterations"], [TOTAL, TOTAL])
+        self.assertIn(["ps", 1], row["restarts"][0])
+        (event,) = row["events"]
         self.assertEqual(event["tasks"], [1])
         self.assertLessEqual(event["restored"], event["failed_at"])
         self.assertEqual(event["restored"] % 50, 0)  # a checkpoint_every=50 checkpoint
-        self.assertIn(f"ps:1 failed at step {event['failed_at']}; restored ckpt-{event['restored']}; resuming", printed)
-        self.assertGreater(event["first_step_time"], killed["killed_at"])
+        self.assertEqual(
+            row["printed"], [f"ps:1 failed at step {event['failed_at']}; restored ckpt-{event['restored']}; resuming"]
+        )
+        self.assertEqual(row["steps_redone"], event["failed_at"] - event["restored"])
+        self.assertGreater(row["recovery_s"], 0)
+        self.assertGreater(row["restart_s"], 0)
+        self.assertAllClose(row["restart_vs_recovery"], row["restart_s"] / row["recovery_s"])
         # Restored from the checkpoint and the input resumed at the batch after it (one worker): the same steps
         # on the same batches, so the same weights.
-        for name, value in whole["weights"].items():
-            self.assertAllClose(killed["weights"][name], value, atol=1e-6, msg=name)
+        self.assertLessEqual(row["max_weight_difference"], 1e-6)
 
     def test_a_killed_ps_holding_the_step_count_and_dynamic_table_shards_is_restored_exactly(self):
         # ps:0 holds the step count, the table's step and a shard of the dynamic table (index, rows, Adagrad

@@ -24,9 +24,10 @@ BENCHMARKS = {
     "memory": ("tf_sharded.benchmarks.memory", "B3: resident memory per task (one process per task)"),
     "e2e": ("tf_sharded.benchmarks.end_to_end", "B4: DLRM samples/s per strategy vs keras.layers.Embedding"),
     "dynamic": ("tf_sharded.benchmarks.dynamic", "B7: dynamic tables (raw keys) vs static tables, inserts, memory"),
+    "recovery": ("tf_sharded.benchmarks.recovery", "B8: ps failure: tfs.fit recovery vs a program restart"),
 }
 # Benchmarks that pick their own cluster (or none): run once, whatever --mode says.
-SINGLE_RUN = ("exchange", "memory", "e2e")
+SINGLE_RUN = ("exchange", "memory", "e2e", "recovery")
 
 
 def _json_path(out: str, name: str, mode: str) -> str:
@@ -134,6 +135,15 @@ def _plot(name: str, reports: List[Dict], out: str) -> str:
         m = reports[0]["memory"]
         b.bar(["measured", "pools", "bound"], [m["bytes_per_key"], m["pool_bytes_per_key"], m["bound_bytes"]])
         b.set(ylabel="bytes per live key", title=f"memory, {m['keys']:,} keys")
+    elif name == "recovery":
+        fig, ax = plt.subplots(figsize=(6, 4))
+        rows = reports[0]["results"]
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [r["recovery_s"] for r in rows], width=0.4, label="tfs.fit recovery")
+        ax.bar([i + 0.2 for i in x], [r["restart_s"] for r in rows], width=0.4, label="restarting the program")
+        ax.set_xticks(list(x), [r["table"] for r in rows])
+        ax.set(ylabel="seconds from the kill to a new step", title=f"B8: {reports[0]['killed']} killed")
+        ax.legend()
     else:
         fig, ax = plt.subplots(figsize=(6, 4))
         for report in reports:

@@ -249,36 +249,49 @@ class Loop:
             raise error
         # Until a step completes after a recovery, a failure is the same one: a worker's channel to the
         # restarted task can take a moment to reconnect. It is retried within the restart timeout.
-        retrying = self._awaiting_first is not None
+        announced = retrying = self._awaiting_first is not None
         if retrying:
-            failed_at = self._awaiting_first["failed_at"]
+            failed_at, tasks = self._awaiting_first["failed_at"], set(self._awaiting_first["tasks"])
         else:
             failed_at = self.global_step
             self._check_restart_allowed(tasks, error)
             self.restarts += 1
-            self._recovery_began = time.monotonic()
-        remaining = self.s["restart_timeout"] - (time.monotonic() - self._recovery_began)
-        if remaining <= 0:
-            raise RuntimeError(
-                f"{_names(tasks)} failed at step {failed_at} and did not serve steps again within "
-                f"{self.s['restart_timeout']:.0f}s: rerun with the same checkpoint_dir to resume"
-            ) from error
-        if retrying:
-            time.sleep(min(1.0, remaining))
-        recovery.wait_for(tasks, remaining)
-        lost, renewed = recovery.reconnect(tasks)
-        recovery.reset_dynamic(self.checkpoints.checkpoint)
-        tasks = set(self._awaiting_first["tasks"]) if retrying else (lost or tasks)
-        path, self.global_step = self.checkpoints.restore_latest()
-        recovery.zero_unrestored(renewed)
-        self.sync_step()
-        self.model.reset_metrics()
-        self.runner = Runner(self.strategy, self.dataset, self.make_step(), self.position())
-        if not retrying:
+            self._recovery_began, self._renewed, self._lost = time.monotonic(), [], set()
+        while True:
+            remaining = self.s["restart_timeout"] - (time.monotonic() - self._recovery_began)
+            if remaining <= 0:
+                raise RuntimeError(
+                    f"{_names(tasks)} failed at step {failed_at} and did not serve steps again within "
+                    f"{self.s['restart_timeout']:.0f}s: rerun with the same checkpoint_dir to resume"
+                ) from error
+            if retrying:
+                time.sleep(min(1.0, remaining))
+            try:
+                path = self._restore(tasks, remaining)
+                break
+            except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError) as again:
+                error, retrying = again, True  # the restarted task's channels are still reconnecting
+        tasks = self._lost or tasks
+        if not announced:
             print(
                 f"{_names(tasks)} failed at step {failed_at}; restored {path.rsplit('/', 1)[-1]}; resuming", flush=True
             )
         self._awaiting_first = {"tasks": sorted(tasks), "failed_at": failed_at, "restored": self.global_step}
+
+    def _restore(self, tasks, remaining: float) -> str:
+        """One attempt: waits for `tasks`, renews what they lost and restores the latest checkpoint everywhere
+        (every renewed variable it does not hold set to zero); returns the checkpoint's path."""
+        recovery.wait_for(tasks, remaining)
+        lost, renewed = recovery.reconnect(tasks)
+        self._lost |= lost
+        self._renewed += renewed
+        recovery.reset_dynamic(self.checkpoints.checkpoint)
+        path, self.global_step = self.checkpoints.restore_latest()
+        recovery.zero_unrestored(self._renewed)
+        self.sync_step()
+        self.model.reset_metrics()
+        self.runner = Runner(self.strategy, self.dataset, self.make_step(), self.position())
+        return path
 
     def _check_restart_allowed(self, tasks, error) -> None:
         where = f"{_names(tasks)} failed at step {self.global_step}"

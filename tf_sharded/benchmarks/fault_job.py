@@ -1,6 +1,6 @@
-"""A `tfs.fit` run on a process-per-task cluster with one task killed mid-run (run as a script by the tests).
+"""A `tfs.fit` run on a process-per-task cluster with one task killed mid-run (B8 and the fault tests run it).
 
-    python -m tests.harness.fault_job OUT.json [--kill ps:1] [--workers 1] [--dynamic] [--after SECONDS]
+    python -m tf_sharded.benchmarks.fault_job OUT.json [--kill ps:1] [--workers 1] [--dynamic] [--after SECONDS]
 
 With `--kill ps:N` it also prints the recovery time (seconds from the kill to
 the first step completed after the restore) and the steps redone.
@@ -9,7 +9,7 @@ Trains a sharded (or dynamic) embedding and a dense layer for a fixed number
 of steps with checkpoints, kills the named task with SIGKILL once training
 has begun (the cluster restarts it), and writes the result: steps counted,
 `optimizer.iterations`, the cluster's restarts, the recoveries `tfs.fit`
-reports, and every weight.
+reports, when the first step completed and the run ended, and every weight.
 """
 
 import argparse
@@ -74,20 +74,25 @@ def main(argv=None):
     args = parser.parse_args(argv)
     tf.get_logger().setLevel("ERROR")
     started = threading.Event()
-    killed_at = {}
+    times = {}
 
     class Started(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            started.set()
+            if not started.is_set():
+                times["first_step"] = time.time()
+                started.set()
 
+    times["cluster_start"] = time.time()
     with tfs.cluster.LocalCluster(args.workers, 2, mode="process") as cluster:
-        model = build(cluster.strategy(), args.dynamic)
+        strategy = cluster.strategy()
+        times["cluster_ready"] = time.time()
+        model = build(strategy, args.dynamic)
 
         def kill():
             job, index = args.kill.split(":")
             if started.wait(120):
                 time.sleep(args.after)
-                killed_at["time"] = time.time()
+                times["killed"] = time.time()
                 cluster.kill(job, int(index))
 
         if args.kill:
@@ -108,7 +113,10 @@ def main(argv=None):
             "iterations": int(model.optimizer.iterations.numpy()),
             "restarts": [list(t) for t in cluster.restarts],
             "recoveries": history.recoveries,
-            "killed_at": killed_at.get("time"),
+            "killed_at": times.get("killed"),
+            "first_step_time": times["first_step"],
+            "end_time": time.time(),
+            "cluster_start_s": times["cluster_ready"] - times["cluster_start"],
             "weights": weights_of(model, args.dynamic),
         }
     with open(args.out, "w") as f:
@@ -118,7 +126,7 @@ def main(argv=None):
         print(
             f"recovery: {', '.join(f'ps:{t}' for t in event['tasks'])} failed at step {event['failed_at']}; "
             f"restored step {event['restored']}; "
-            f"first new step {event['first_step_time'] - killed_at['time']:.1f}s after the kill; "
+            f"first new step {event['first_step_time'] - times['killed']:.1f}s after the kill; "
             f"{event['failed_at'] - event['restored']} steps redone"
         )
     return 0
