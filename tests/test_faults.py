@@ -74,7 +74,9 @@ class ParameterServerFailureTest(tf.test.TestCase):
         self.assertEqual(row["steps_redone"], event["failed_at"] - event["restored"])
         self.assertGreater(row["recovery_s"], 0)
         self.assertGreater(row["restart_s"], 0)
-        self.assertAllClose(row["restart_vs_recovery"], row["restart_s"] / row["recovery_s"])
+        self.assertGreater(row["wait_s"], 0)
+        self.assertAllClose(row["wait_s"] + row["resume_s"], row["recovery_s"])
+        self.assertAllClose(row["restart_vs_resume"], row["restart_s"] / row["resume_s"])
         # Restored from the checkpoint and the input resumed at the batch after it (one worker): the same steps
         # on the same batches, so the same weights.
         self.assertLessEqual(row["max_weight_difference"], 1e-6)

@@ -139,11 +139,14 @@ def _plot(name: str, reports: List[Dict], out: str) -> str:
         fig, ax = plt.subplots(figsize=(6, 4))
         rows = reports[0]["results"]
         x = range(len(rows))
-        ax.bar([i - 0.2 for i in x], [r["recovery_s"] for r in rows], width=0.4, label="tfs.fit recovery")
-        ax.bar([i + 0.2 for i in x], [r["restart_s"] for r in rows], width=0.4, label="restarting the program")
+        ax.bar([i - 0.2 for i in x], [r["wait_s"] for r in rows], width=0.4, label="until the ps answers")
+        ax.bar([i - 0.2 for i in x], [r["resume_s"] for r in rows], width=0.4, bottom=[r["wait_s"] for r in rows],
+               label="tfs.fit: reconnect, restore, first step")  # fmt: skip
+        ax.bar([i + 0.2 for i in x], [r["restart_s"] for r in rows], width=0.4, label="program restart, no restore")
         ax.set_xticks(list(x), [r["table"] for r in rows])
-        ax.set(ylabel="seconds from the kill to a new step", title=f"B8: {reports[0]['killed']} killed")
-        ax.legend()
+        ax.set(ylabel="seconds", title=f"B8: {reports[0]['killed']} killed, time to the first new step")
+        ax.set_ylim(0, 1.5 * max(max(r["recovery_s"], r["restart_s"]) for r in rows))
+        ax.legend(fontsize=8, loc="upper left")
     else:
         fig, ax = plt.subplots(figsize=(6, 4))
         for report in reports:

@@ -276,12 +276,18 @@ class Loop:
             print(
                 f"{_names(tasks)} failed at step {failed_at}; restored {path.rsplit('/', 1)[-1]}; resuming", flush=True
             )
-        self._awaiting_first = {"tasks": sorted(tasks), "failed_at": failed_at, "restored": self.global_step}
+        self._awaiting_first = {
+            "tasks": sorted(tasks),
+            "failed_at": failed_at,
+            "restored": self.global_step,
+            "back_time": self._back_time,  # when the task answered again
+        }
 
     def _restore(self, tasks, remaining: float) -> str:
         """One attempt: waits for `tasks`, renews what they lost and restores the latest checkpoint everywhere
         (every renewed variable it does not hold set to zero); returns the checkpoint's path."""
         recovery.wait_for(tasks, remaining)
+        self._back_time = time.time()
         lost, renewed = recovery.reconnect(tasks)
         self._lost |= lost
         self._renewed += renewed
