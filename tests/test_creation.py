@@ -25,8 +25,11 @@ class BadArgumentTest(tf.test.TestCase):
             r"Received: a tensor of shape \[3, 2\]",
         ):
             tfs.create_sharded_variable(
-                uid("b"), [10, 2], initializer=lambda shape, dtype: tf.zeros([3, 2]), partitions=2
+                "half_made", [10, 2], initializer=lambda shape, dtype: tf.zeros([3, 2]), partitions=2
             )
+        # Nothing of the failed table is left (no shard, no name taken): the same table can be created.
+        made = tfs.create_sharded_variable("half_made", [10, 2], initializer="ones", partitions=2)
+        self.assertAllEqual(made.read_value(), np.ones([10, 2]))
         with self.assertRaisesRegex(
             ValueError, r"must have the table's shape \[10, 2\]. Received: a value of shape \[9, 2\]"
         ):
