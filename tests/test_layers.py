@@ -167,6 +167,34 @@ class DefaultStrategyLayerTest(tf.test.TestCase):
         table = layer.embeddings.numpy()
         self.assertAllClose(layer(ragged)[0], table[[3, 4, 4]].mean(axis=0), atol=1e-6)
 
+    def test_float_ids_weights_argument_and_mixed_precision_as_keras(self):
+        table = np.arange(ROWS * DIM, dtype=np.float32).reshape(ROWS, DIM) / 100
+        ours = tfs.layers.Embedding(ROWS, DIM, partitions=3, weights=[table])
+        theirs = keras.layers.Embedding(ROWS, DIM, weights=[table])
+        self.assertAllEqual(ours.embeddings.numpy(), table)
+        self.assertAllEqual(tfs.layers.Embedding(ROWS, DIM, partitions=2, weights=table).embeddings.numpy(), table)
+        with self.assertRaisesRegex(ValueError, r"Argument `weights` must be one array of shape \(50, 4\).*\(49, 4\)"):
+            tfs.layers.Embedding(ROWS, DIM, weights=[table[:-1]])
+        # keras.Input's default dtype is float32: the ordinary functional model works, ids cast as Keras casts.
+        inp = keras.Input((2,))
+        model = keras.Model(inp, ours(inp))
+        ids = np.array([[1.0, 7.0], [49.0, 0.0]], np.float32)
+        self.assertAllEqual(model(ids), keras.Model(inp, theirs(inp))(ids))
+        previous = keras.config.dtype_policy()
+        keras.config.set_dtype_policy("mixed_float16")
+        try:
+            half, reference = (
+                tfs.layers.Embedding(ROWS, DIM, partitions=2, weights=[table]),
+                keras.layers.Embedding(ROWS, DIM, weights=[table]),
+            )
+            ids = tf.constant([[1, 2]])
+            # float32 tables, float16 rows out: what the next layer computes in.
+            self.assertEqual((half(ids).dtype, half.embeddings.dtype), (reference(ids).dtype, tf.float32))
+            self.assertEqual(reference(ids).dtype, tf.float16)
+            self.assertAllEqual(half(ids), reference(ids))
+        finally:
+            keras.config.set_dtype_policy(previous)
+
     def test_mask_zero_single_hot(self):
         layer = tfs.layers.Embedding(ROWS, DIM, mask_zero=True)
         self.assertAllEqual(layer.compute_mask(tf.constant([[0, 3]])), [[False, True]])
@@ -176,7 +204,7 @@ class DefaultStrategyLayerTest(tf.test.TestCase):
         with self.assertRaisesRegex(TypeError, "received multi-hot input .* has combiner=None"):
             layer(tf.ragged.constant([[1, 2]], dtype=tf.int64))
         with self.assertRaisesRegex(TypeError, "Argument `inputs` must be an int32 or int64 tensor"):
-            layer(tf.constant([[1.0]]))
+            layer(tf.constant([["1"]]))
         bag = tfs.layers.Embedding(ROWS, DIM, combiner="sum")
         with self.assertRaisesRegex(ValueError, "needs multi-hot ids of shape \\[batch, ids\\]"):
             bag(tf.constant([1, 2]))

@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import keras
+import numpy as np
+import tensorflow as tf
 
 from tf_sharded.config import Combiner, TableConfig
 from tf_sharded.errors import positive_int
@@ -47,6 +49,8 @@ class Embedding(keras.layers.Layer):
         dense ids (negative ids are padding).
       partitions, scheme, exchange, placement, seed: passed to
         `create_sharded_variable`.
+      weights: optional initial table, `[array]` or `array` of shape
+        `[input_dim, output_dim]` (as Keras's); builds the layer at once.
       **kwargs: standard layer arguments (`name`, `dtype`, `trainable`, ...).
 
     Example:
@@ -76,6 +80,7 @@ class Embedding(keras.layers.Layer):
         exchange: Optional[str] = None,
         placement: Optional[str] = None,
         seed: Optional[int] = None,
+        weights: Any = None,
         **kwargs,
     ):
         kwargs.pop("input_length", None)  # accepted by Keras 2; meaningless here too
@@ -102,6 +107,15 @@ class Embedding(keras.layers.Layer):
         self.seed = seed
         self.supports_masking = self.mask_zero and combiner is None
         self.embeddings: Optional[ShardedVariable] = None
+        if weights is not None:
+            value = np.asarray(weights[0] if isinstance(weights, (list, tuple)) and len(weights) == 1 else weights)
+            if value.shape != (self.input_dim, self.output_dim):
+                raise ValueError(
+                    f"Argument `weights` must be one array of shape ({self.input_dim}, {self.output_dim}) (or a list "
+                    f"holding it). Received: an array of shape {value.shape}"
+                )
+            self.build()
+            self.embeddings.assign(value)
 
     def build(self, input_shape=None):
         if self.built:
@@ -121,6 +135,8 @@ class Embedding(keras.layers.Layer):
 
     def call(self, inputs):
         who = f"Layer '{self.name}'"
+        if tf.as_dtype(inputs.dtype).is_floating:
+            inputs = tf.cast(inputs, tf.int32)  # as Keras: float ids (keras.Input's default dtype) are cast
         if self.combiner is None:
             refuse_multi_hot(inputs, who)
             request = FeatureLookup(self.embeddings, inputs, arg="inputs")
@@ -130,7 +146,7 @@ class Embedding(keras.layers.Layer):
         out = lookup_features([request])[0]
         if self.embeddings_regularizer is not None:
             self.add_loss(self.embeddings_regularizer(out))
-        return out
+        return tf.cast(out, self.compute_dtype)  # mixed precision: rows kept in the variable dtype
 
     def save_own_variables(self, store):
         # The logical table, whatever the layout, under the key keras.layers.Embedding uses: files load into
