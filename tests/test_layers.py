@@ -195,14 +195,25 @@ class DefaultStrategyLayerTest(tf.test.TestCase):
         finally:
             keras.config.set_dtype_policy(previous)
 
+    def test_ragged_and_sparse_ids_without_a_combiner_as_keras(self):
+        table = np.arange(ROWS * DIM, dtype=np.float32).reshape(ROWS, DIM)
+        ours = tfs.layers.Embedding(ROWS, DIM, partitions=3, weights=[table])
+        theirs = keras.layers.Embedding(ROWS, DIM, weights=[table])
+        ragged = tf.ragged.constant([[1, 2, 49], [7]], dtype=tf.int64)
+        rows = ours(ragged)
+        self.assertIsInstance(rows, tf.RaggedTensor)
+        self.assertAllEqual(rows.to_tensor(), theirs(ragged).to_tensor())
+        self.assertAllEqual(rows.row_lengths(), [3, 1])
+        sparse = tf.SparseTensor([[0, 0], [1, 2]], tf.constant([3, 5], tf.int64), [2, 3])
+        self.assertAllEqual(ours(sparse), theirs(sparse))  # [2, 3, DIM]: absent entries read row 0
+        self.assertAllEqual(ours(sparse)[0, 1], table[0])
+
     def test_mask_zero_single_hot(self):
         layer = tfs.layers.Embedding(ROWS, DIM, mask_zero=True)
         self.assertAllEqual(layer.compute_mask(tf.constant([[0, 3]])), [[False, True]])
 
     def test_bad_input(self):
         layer = tfs.layers.Embedding(ROWS, DIM)
-        with self.assertRaisesRegex(TypeError, "received multi-hot input .* has combiner=None"):
-            layer(tf.ragged.constant([[1, 2]], dtype=tf.int64))
         with self.assertRaisesRegex(TypeError, "Argument `inputs` must be an int32 or int64 tensor"):
             layer(tf.constant([["1"]]))
         bag = tfs.layers.Embedding(ROWS, DIM, combiner="sum")

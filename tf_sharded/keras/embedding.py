@@ -23,7 +23,6 @@ from tf_sharded.keras.layer_tables import (
     options_config,
     options_from_config,
     padded_to_ragged,
-    refuse_multi_hot,
 )
 from tf_sharded.partition import PartitionSpec
 from tf_sharded.table.lookup import FeatureLookup, lookup_features
@@ -44,6 +43,8 @@ class Embedding(keras.layers.Layer):
         a batch looks up (a whole-table penalty would read every row each step).
       mask_zero: as in Keras (single-hot input); with a `combiner`, id 0 is
         treated as padding instead.
+      (Without a `combiner`, ragged ids give ragged rows and `tf.SparseTensor`
+        ids dense rows, an absent entry read as id 0, as Keras's layer does.)
       combiner: None (one vector per id) or "sum" / "mean" / "sqrtn" to combine
         multi-hot input given as `tf.RaggedTensor`, `tf.SparseTensor`, or padded
         dense ids (negative ids are padding).
@@ -137,12 +138,16 @@ class Embedding(keras.layers.Layer):
         who = f"Layer '{self.name}'"
         if tf.as_dtype(inputs.dtype).is_floating:
             inputs = tf.cast(inputs, tf.int32)  # as Keras: float ids (keras.Input's default dtype) are cast
-        if self.combiner is None:
-            refuse_multi_hot(inputs, who)
-            request = FeatureLookup(self.embeddings, inputs, arg="inputs")
-        else:
+        if self.combiner is not None:
             ids = padded_to_ragged(inputs, self.combiner, self.mask_zero, who)
-            request = FeatureLookup(self.embeddings, ids, self.combiner, arg="inputs")
+            return self._rows(FeatureLookup(self.embeddings, ids, self.combiner, arg="inputs"))
+        if isinstance(inputs, tf.SparseTensor):
+            inputs = tf.sparse.to_dense(inputs)  # as Keras: a dense result, an absent entry looked up as id 0
+        if isinstance(inputs, tf.RaggedTensor):  # as Keras: one row per id, ragged as the ids
+            return inputs.with_flat_values(self._rows(FeatureLookup(self.embeddings, inputs.flat_values, arg="inputs")))
+        return self._rows(FeatureLookup(self.embeddings, inputs, arg="inputs"))
+
+    def _rows(self, request: FeatureLookup):
         out = lookup_features([request])[0]
         if self.embeddings_regularizer is not None:
             self.add_loss(self.embeddings_regularizer(out))
