@@ -85,7 +85,7 @@ class ClusterArgumentTest(tf.test.TestCase):
     def test_bad_arguments(self):
         with self.assertRaisesRegex(ValueError, "Argument `mode` must be one of"):
             tfs.cluster.LocalCluster(mode="threads")
-        with self.assertRaisesRegex(ValueError, "Argument `num_ps` must be a positive int. Received: num_ps=0"):
+        with self.assertRaisesRegex(ValueError, "Argument `num_ps` must be a positive integer. Received: num_ps=0"):
             tfs.cluster.LocalCluster(num_ps=0)
 
     def test_one_inprocess_cluster_per_process(self):

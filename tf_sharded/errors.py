@@ -14,7 +14,7 @@ def positive_int(name: str, value: Any) -> int:
     """Returns `value` if it is a positive int, else raises naming the argument."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(
-            f"Argument `{name}` must be a positive int. Received: {name}={value!r} (of type {type(value).__name__})"
+            f"Argument `{name}` must be a positive integer. Received: {name}={value!r} (of type {type(value).__name__})"
         )
     return value
 

@@ -171,6 +171,10 @@ class Embedding(keras.layers.Layer):
             return (input_shape[0], self.output_dim)
         return tuple(input_shape) + (self.output_dim,)
 
+    def compute_output_spec(self, inputs):
+        ragged = bool(getattr(inputs, "ragged", False)) and self.combiner is None
+        return keras.KerasTensor(self.compute_output_shape(inputs.shape), dtype=self.compute_dtype, ragged=ragged)
+
     def get_config(self):
         config = super().get_config()
         partitions = self.partitions.to_config() if isinstance(self.partitions, PartitionSpec) else self.partitions
@@ -192,5 +196,10 @@ class Embedding(keras.layers.Layer):
 
     @classmethod
     def from_config(cls, config):
-        config = options_from_config(config)
-        return cls(**config)
+        try:
+            return cls(**options_from_config(config))
+        except (ValueError, TypeError) as error:  # as Keras's layers report a config they cannot rebuild
+            raise TypeError(
+                f"Error when deserializing class '{cls.__name__}' using config={config}.\n\nException encountered: "
+                f"{error}"
+            ) from error
