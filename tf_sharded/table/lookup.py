@@ -20,7 +20,7 @@ from tf_sharded import trace
 from tf_sharded.config import Combiner
 from tf_sharded.table.dynamic import DynamicTable
 from tf_sharded.table.protocol import is_table
-from tf_sharded.table.sharded_variable import ShardedVariable, gather_rows
+from tf_sharded.table.sharded_variable import gather_rows
 
 _SUBSTITUTES = threading.local()
 
@@ -121,7 +121,7 @@ def _lookup_group(members, max_norm):
         slot_of.append(len(on_device[d]))
         on_device[d].append(v)
     inner_axes = list(range(1, tables[0].shape.rank))
-    clip = max_norm is not None and inner_axes
+    clip = max_norm is not None  # rank-1 tables: each scalar row clipped to |max_norm| (TF's `axes=[]`)
     if len(devices) == 1:
         device_of, locals_, slots = tf.zeros_like(shard), [local], [shard]
         positions = [tf.range(tf.size(uniq, out_type=tf.int32))]
@@ -164,7 +164,7 @@ def lookup_many(pairs, max_norm: Optional[float] = None, training: bool = True) 
         if plain is not None:
             rows = tf.gather(plain, flat_ids)
             inner_axes = list(range(1, table.shape.rank))
-            results[i] = _clip_rows(rows, max_norm, inner_axes) if max_norm is not None and inner_axes else rows
+            results[i] = _clip_rows(rows, max_norm, inner_axes) if max_norm is not None else rows
             continue
         groups.setdefault((table.dtype, tuple(table.shape[1:].as_list())), []).append(i)
     for members in groups.values():
@@ -354,8 +354,21 @@ def embedding_lookup_sparse(
             f"{type(params).__name__}. For plain tables use tf.nn.embedding_lookup_sparse."
         )
     _check_max_norm(max_norm)
+    _check_weights_match(ids, weights)
     with tf.name_scope(name or f"{params.name}_lookup_sparse"):
         return lookup_features([FeatureLookup(params, ids, combiner, weights)], max_norm, training)[0]
+
+
+def _check_weights_match(ids, weights) -> None:
+    """Weights whose values cannot line up with the ids' are refused when tracing, as TF refuses them."""
+    if weights is None or not hasattr(weights, "values") or not hasattr(ids, "values"):
+        return
+    have, want = weights.values.shape, ids.values.shape
+    if not have.is_compatible_with(want):
+        raise ValueError(
+            f"Argument `weights` must have one weight per id: its values have shape {have.as_list()}, the ids' "
+            f"{want.as_list()}"
+        )
 
 
 def combine(rows: tf.Tensor, row_ids: tf.Tensor, num_rows, weights: tf.Tensor, combiner: str) -> tf.Tensor:
@@ -371,15 +384,3 @@ def combine(rows: tf.Tensor, row_ids: tf.Tensor, num_rows, weights: tf.Tensor, c
         denom = tf.sqrt(tf.math.unsorted_segment_sum(tf.square(weights), row_ids, num_rows))
     denom = tf.reshape(denom, tf.concat([tf.shape(denom), tf.ones([inner_rank], tf.int32)], 0))
     return tf.math.divide_no_nan(total, denom)
-
-
-@tf.experimental.dispatch_for_api(tf.nn.embedding_lookup, {"params": Union[ShardedVariable, DynamicTable]})
-def _dispatch_embedding_lookup(params, ids, max_norm=None, name=None):
-    return embedding_lookup(params, ids, max_norm=max_norm, name=name)
-
-
-@tf.experimental.dispatch_for_api(tf.nn.embedding_lookup_sparse, {"params": Union[ShardedVariable, DynamicTable]})
-def _dispatch_embedding_lookup_sparse(
-    params, sp_ids, sp_weights, combiner=None, max_norm=None, name=None, allow_fast_lookup=False
-):
-    return embedding_lookup_sparse(params, sp_ids, sp_weights, combiner or "mean", max_norm, name)
