@@ -1,11 +1,15 @@
-"""Keras's own `Embedding` tests, run with `tfs.layers.Embedding` in place of `keras.layers.Embedding`.
+"""Keras's own tests, run with tf_sharded's layer and optimizers in place of Keras's.
 
-The test file is read at test time from the installed Keras wheel
-(`keras/src/layers/core/embedding_test.py`), copied into a temporary
-directory beside a conftest that substitutes the layer, and run by pytest in
-a child process: once as it is (one shard), once with 3 shards by default,
-where the only adapted assertions are those that count trainable weights
-(one per shard). Nothing of Keras's tests is kept in this repository.
+The test files are read at test time from the installed Keras wheel,
+copied into a temporary directory beside a conftest that substitutes ours,
+and run by pytest in a child process. Nothing of Keras's tests is kept in
+this repository.
+
+* `keras/src/layers/core/embedding_test.py` with `tfs.layers.Embedding`:
+  once as it is (one shard), once with 3 shards by default, where the only
+  adapted assertions are those that count trainable weights (one per shard);
+* `keras/src/optimizers/{sgd,adagrad,adam,ftrl}_test.py` with
+  `tfs.optimizers.*` (dense variables: Keras's own behaviour).
 """
 
 import os
@@ -22,7 +26,9 @@ from tests.harness.subprocs import ROOT, _env
 
 pytestmark = pytest.mark.timeout(600)
 
-KERAS_TESTS = os.path.join(os.path.dirname(keras.__file__), "src", "layers", "core", "embedding_test.py")
+KERAS_SRC = os.path.join(os.path.dirname(keras.__file__), "src")
+KERAS_TESTS = os.path.join(KERAS_SRC, "layers", "core", "embedding_test.py")
+OPTIMIZER_TESTS = [os.path.join(KERAS_SRC, "optimizers", f"{n}_test.py") for n in ("sgd", "adagrad", "adam", "ftrl")]
 
 # Refused on purpose (README): a constraint projects the whole table after every step.
 REFUSED = {"test_embedding_constraints"}
@@ -60,31 +66,55 @@ else:
 """
 
 
-def _run_keras_tests(test, shards: int) -> dict:
-    """Runs Keras's Embedding tests with the substitution; `{test name: passed?}`."""
+OPTIMIZER_CONFTEST = """
+import importlib
+
+import tf_sharded as tfs
+
+# Before the test modules import them: `from keras.src.optimizers.sgd import SGD` then binds ours.
+for module, name in (("sgd", "SGD"), ("adagrad", "Adagrad"), ("adam", "Adam"), ("ftrl", "Ftrl")):
+    setattr(importlib.import_module(f"keras.src.optimizers.{module}"), name, getattr(tfs.optimizers, name))
+
+
+def pytest_collection_modifyitems(items):
+    # Every test module bound ours (it imported the name after this file ran).
+    for item in items:
+        for name in ("SGD", "Adagrad", "Adam", "Ftrl"):
+            bound = getattr(item.module, name, None)
+            assert bound is None or bound is getattr(tfs.optimizers, name), (item.module.__name__, name, bound)
+"""
+
+
+def _run_keras_tests(test, files, conftest: str) -> dict:
+    """Runs Keras test `files` beside `conftest` (the substitution); `{test name: (passed?, message)}`."""
     directory = tempfile.mkdtemp(dir=test.get_temp_dir())
-    with open(KERAS_TESTS) as f, open(os.path.join(directory, "test_keras_embedding.py"), "w") as out:
-        out.write(f.read())
+    copies = []
+    for path in files:
+        copies.append(os.path.join(directory, "test_keras_" + os.path.basename(path)))
+        with open(path) as f, open(copies[-1], "w") as out:
+            out.write(f.read())
     with open(os.path.join(directory, "conftest.py"), "w") as f:
-        f.write(CONFTEST.format(shards=shards))
+        f.write(conftest)
     report = os.path.join(directory, "report.xml")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", directory, "-c", os.devnull,
-         f"--junitxml={report}", os.path.join(directory, "test_keras_embedding.py")],
+         f"--junitxml={report}", *copies],
         capture_output=True, text=True, timeout=500, cwd=ROOT, env=_env({"PYTHONPATH": ROOT}),
     )  # fmt: skip
     test.assertTrue(os.path.exists(report), proc.stdout[-3000:] + proc.stderr[-3000:])
     results = {}
     for case in ElementTree.parse(report).getroot().iter("testcase"):
         failed = any(child.tag in ("failure", "error") for child in case)
-        results[case.get("name")] = (not failed, "".join(child.get("message") or "" for child in case)[:300])
+        name = f"{case.get('classname')}.{case.get('name')}"
+        results[name] = (not failed, "".join(child.get("message") or "" for child in case)[:300])
     return results
 
 
 @pytest.mark.skipif(not os.path.exists(KERAS_TESTS), reason=f"Keras's Embedding tests are not installed: {KERAS_TESTS}")
 class KerasEmbeddingSuiteTest(tf.test.TestCase):
     def check(self, shards: int):
-        results = _run_keras_tests(self, shards)
+        results = _run_keras_tests(self, [KERAS_TESTS], CONFTEST.format(shards=shards))
+        results = {name.rsplit(".", 1)[1]: outcome for name, outcome in results.items()}
         self.assertGreaterEqual(len(results), 40)  # the whole file ran (51 tests in Keras 3.15.1)
         expected = {name for name in results if name not in REFUSED and not any(s in name for s in NOT_YET)}
         failing = {name: message for name, (ok, message) in results.items() if name in expected and not ok}
@@ -98,6 +128,19 @@ class KerasEmbeddingSuiteTest(tf.test.TestCase):
 
     def test_keras_embedding_tests_pass_on_three_shards(self):
         self.check(3)
+
+
+@pytest.mark.skipif(
+    not all(os.path.exists(p) for p in OPTIMIZER_TESTS),
+    reason=f"Keras's optimizer tests are not installed: {OPTIMIZER_TESTS}",
+)
+class KerasOptimizerSuiteTest(tf.test.TestCase):
+    def test_keras_optimizer_tests_pass_with_tfs_optimizers(self):
+        results = _run_keras_tests(self, OPTIMIZER_TESTS, OPTIMIZER_CONFTEST)
+        self.assertGreaterEqual(len(results), 30)  # every file ran (32 tests in Keras 3.15.1)
+        for kind in ("SGD", "Adagrad", "Adam", "Ftrl"):
+            self.assertTrue(any(kind.lower() in name.lower() for name in results), kind)
+        self.assertEqual({name: message for name, (ok, message) in results.items() if not ok}, {})
 
 
 if __name__ == "__main__":
