@@ -223,6 +223,10 @@ class DefaultStrategyLayerTest(tf.test.TestCase):
             tfs.layers.Embedding(ROWS, DIM, combiner="max")
         with self.assertRaisesRegex(ValueError, "Argument `input_dim` must be a positive int"):
             tfs.layers.Embedding(0, DIM)
+        with self.assertRaisesRegex(ValueError, "Argument `lora_rank` is not supported by tfs.layers.Embedding yet"):
+            tfs.layers.Embedding(ROWS, DIM, lora_rank=2)
+        with self.assertRaisesRegex(NotImplementedError, "does not support enable_lora"):
+            layer.enable_lora(2)
         with self.assertRaisesRegex(ValueError, "Argument `embeddings_constraint` is not supported"):
             tfs.layers.Embedding(ROWS, DIM, embeddings_constraint="non_neg")
         with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "must hold row ids in \\[0, 50\\)"):

@@ -28,6 +28,9 @@ from tf_sharded.partition import PartitionSpec
 from tf_sharded.table.lookup import FeatureLookup, lookup_features
 from tf_sharded.table.sharded_variable import ShardedVariable
 
+# keras.layers.Embedding arguments not supported yet: LoRA and quantization.
+_NOT_YET = ("lora_rank", "lora_alpha", "quantization_config")
+
 
 @keras.saving.register_keras_serializable(package="tf_sharded")
 class Embedding(keras.layers.Layer):
@@ -85,6 +88,13 @@ class Embedding(keras.layers.Layer):
         **kwargs,
     ):
         kwargs.pop("input_length", None)  # accepted by Keras 2; meaningless here too
+        for name in _NOT_YET:
+            if kwargs.get(name) is not None:
+                raise ValueError(
+                    f"Argument `{name}` is not supported by tfs.layers.Embedding yet (Keras's LoRA and quantization "
+                    f"of a sharded table are not built). Received: {name}={kwargs[name]!r}"
+                )
+            kwargs.pop(name, None)
         super().__init__(**kwargs)
         self.input_dim = positive_int("input_dim", input_dim)
         self.output_dim = positive_int("output_dim", output_dim)
@@ -152,6 +162,13 @@ class Embedding(keras.layers.Layer):
         if self.embeddings_regularizer is not None:
             self.add_loss(self.embeddings_regularizer(out))
         return tf.cast(out, self.compute_dtype)  # mixed precision: rows kept in the variable dtype
+
+    def enable_lora(self, rank, lora_alpha=None, a_initializer="he_uniform", b_initializer="zeros"):
+        """Keras's LoRA: not supported on a sharded table yet (raises NotImplementedError)."""
+        raise NotImplementedError(
+            f"Layer '{self.name}': tfs.layers.Embedding does not support enable_lora() yet (LoRA factors of a "
+            f"sharded table are not built). Received: rank={rank!r}"
+        )
 
     def save_own_variables(self, store):
         # The logical table, whatever the layout, under the key keras.layers.Embedding uses: files load into
