@@ -155,41 +155,50 @@ class ApplicationTest(tf.test.TestCase):
         )
 
     def test_bad_flags_and_unreadable_input(self):
-        bad = train("--model", "xgboost")
+        small = os.path.join(self.get_temp_dir(), "small")
+        ratings = os.path.join(self.get_temp_dir(), "ratings")
+        # Independent commands together (each is mostly TensorFlow's start-up), then those that read their data.
+        (bad, *shown, missing, made_small, made_ratings, unwritable, unknown) = run_python_together([
+            train_args("--model", "xgboost"),
+            ["-m", "tf_sharded", "train", "--help"],
+            ["-m", "tf_sharded", "train", "--helpfull"],
+            train_args("--strategy", "default", "--data", "/nonexistent/day_0.tsv"),
+            synthesize_args("tsv", 100, small),
+            ["-m", "tf_sharded", "data", "synthesize", "--dataset", "ratings", "--format", "parquet", "--rows", "300",
+             "--out", ratings],
+            train_args("--strategy", "default", "--checkpoint_dir", "/proc/no_such_dir/ckpt"),
+            ["-m", "tf_sharded", "inspect", "/nonexistent"],
+        ])  # fmt: skip
         self.assertEqual(bad.returncode, 2)
         self.assertIn("flag --model=xgboost", bad.stderr)
-        for flag in ("--help", "--helpfull"):
-            shown = run_python(["-m", "tf_sharded", "train", flag])
-            self.assertEqual(shown.returncode, 0, shown.stderr[-2000:])
-            self.assertIn("--schema: Feature schema", shown.stdout)
-            self.assertIn("--format: <auto|tsv|csv|tfrecord|parquet>", shown.stdout)
-        missing = train("--strategy", "default", "--data", "/nonexistent/day_0.tsv")
+        for proc in shown:
+            self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
+            self.assertIn("--schema: Feature schema", proc.stdout)
+            self.assertIn("--format: <auto|tsv|csv|tfrecord|parquet>", proc.stdout)
         self.assertEqual(missing.returncode, 1)
         self.assertEqual(
             missing.stderr.strip().splitlines()[-1],
             "error: --data: cannot read input: No such file or directory: '/nonexistent/day_0.tsv'",
         )
-        small = os.path.join(self.get_temp_dir(), "small")
-        self.assertEqual(synthesize("tsv", 100, small).returncode, 0)
-        too_small = train("--strategy", "default", "--data", small)
+        self.assertEqual((made_small.returncode, made_ratings.returncode), (0, 0))
+        self.assertEqual(unwritable.returncode, 1)
+        self.assertIn("error: --checkpoint_dir /proc/no_such_dir/ckpt: cannot write there", unwritable.stderr)
+        self.assertEqual(unknown.returncode, 1)
+        too_small, lacking = run_python_together(
+            [
+                train_args("--strategy", "default", "--data", small),
+                train_args("--strategy", "default", "--data", ratings),
+            ]
+        )
         self.assertEqual(too_small.returncode, 1)
         self.assertIn(f"error: --data {small}: too little data in {small}/part-00000.tsv", too_small.stderr)
         self.assertNotIn("training dlrm", too_small.stdout)
-        ratings = os.path.join(self.get_temp_dir(), "ratings")
-        run_python(["-m", "tf_sharded", "data", "synthesize", "--dataset", "ratings", "--format", "parquet",
-                    "--rows", "300", "--out", ratings])  # fmt: skip
-        lacking = train("--strategy", "default", "--data", ratings)
         self.assertEqual(lacking.returncode, 1)
         criteo = ["label"] + [f"I{i}" for i in range(1, 14)] + [f"C{i}" for i in range(1, 27)]
         self.assertEqual(lacking.stderr.strip().splitlines()[-1],
                          f"error: --data {ratings}/ratings.parquet lacks columns {criteo}; it has ['rating', "
                          "'user_id', 'movie_id', 'age', 'genres'] (without --schema the columns are Criteo's; see "
                          "`schema infer`)")  # fmt: skip
-        unwritable = train("--strategy", "default", "--checkpoint_dir", "/proc/no_such_dir/ckpt")
-        self.assertEqual(unwritable.returncode, 1)
-        self.assertIn("error: --checkpoint_dir /proc/no_such_dir/ckpt: cannot write there", unwritable.stderr)
-        unknown = run_python(["-m", "tf_sharded", "inspect", "/nonexistent"])
-        self.assertEqual(unknown.returncode, 1)
 
     def test_one_process_per_task_with_tf_config(self):
         ports = {
