@@ -98,7 +98,12 @@ class WorkerFailureTest(tf.test.TestCase):
         # One worker: the run can only finish if the restarted worker rejoins. Two workers: it continues on
         # the other. Either way a step whose worker died is run again, and counted once.
         (alone, _), (whole, _) = _runs(self, ["--kill", "worker:0"], [])
-        ((pair, _),) = _runs(self, ["--kill", "worker:1", "--workers", "2"])
+        # Beside the two-worker run: a ps failure that tfs.fit is told not to recover from, or cannot.
+        (two, pair), (off, _), (unsaved, _) = _launch(
+            self, ["--kill", "worker:1", "--workers", "2"], ["--kill", "ps:1", "--max_restarts", "0"],
+            ["--kill", "ps:1", "--no_checkpoints"],
+        )  # fmt: skip
+        self.assertEqual(two.returncode, 0, _traceback(two.stderr))
         for result in (alone, pair):
             self.assertEqual(result["steps"], TOTAL)
             self.assertEqual(result["iterations"], TOTAL)
@@ -109,6 +114,17 @@ class WorkerFailureTest(tf.test.TestCase):
         # runs a closure at least once): close to, not equal to, the uninterrupted run.
         for name, value in whole["weights"].items():
             self.assertAllClose(alone["weights"][name], value, atol=0.05, msg=name)
+        for proc, reason in (
+            (off, r"max_restarts=0 restarts already used: rerun with the same checkpoint_dir"),
+            (
+                unsaved,
+                r"tfs.fit was given no checkpoint_dir, so there is nothing to restore: rerun with checkpoint_dir",
+            ),
+        ):
+            self.assertNotEqual(proc.returncode, 0)
+            # Without a recovery nothing asks which task lost its state: the tasks the error names (ps:1 among them).
+            named = r"(ps:\d, )*ps:1(, ps:\d)*"
+            self.assertRegex(_traceback(proc.stderr), r"RuntimeError: " + named + r" failed at step \d+; " + reason)
 
 
 SAVER = """

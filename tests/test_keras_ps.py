@@ -123,6 +123,16 @@ class KerasParameterServerTest(tf.test.TestCase):
         restored.restore(state.model_checkpoint_path).assert_existing_objects_matched()
         self.assertAllEqual(local.get_layer("emb").embeddings.numpy(), model.get_layer("emb").embeddings.numpy())
 
+    def test_checkpoint_secs_saves_by_time(self):
+        with self.strategy.scope():
+            model = make_model()
+        ckpt_dir = os.path.join(self.get_temp_dir(), "by_time")
+        tfs.fit(model, dataset_fn, epochs=1, steps_per_epoch=7, checkpoint_dir=ckpt_dir, checkpoint_every=100,
+                checkpoint_secs=1e-6, verbose=0, log_every=100)  # fmt: skip
+        # Due after every step by time (not by checkpoint_every, nor only at the epoch end): the last three kept.
+        state = tf.train.get_checkpoint_state(ckpt_dir)
+        self.assertEqual(state.all_model_checkpoint_paths, [os.path.join(ckpt_dir, f"ckpt-{n}") for n in (5, 6, 7)])
+
     def test_a_failing_step_counts_nowhere_and_applies_nothing(self):
         with self.strategy.scope():
             model = make_model()

@@ -62,6 +62,19 @@ class FitTest(tf.test.TestCase):
         self.assertAllClose(ours.get_layer(index=1).embeddings.numpy(), table_of(twin), atol=1e-6)
         self.assertEqual(tfs.training.steps_done(ours), 18)
 
+    def test_checkpoint_secs_saves_by_time(self):
+        # By the step count only: the epoch end. By time (a tiny interval): after every step as well, the last
+        # three kept.
+        for secs, want in ((None, (6,)), (1e-6, (4, 5, 6))):
+            directory = os.path.join(self.get_temp_dir(), f"secs_{secs}")
+            ours, _ = model_and_twin()
+            tfs.fit(ours, data(), epochs=1, steps_per_epoch=6, checkpoint_dir=directory, checkpoint_every=100,
+                    checkpoint_secs=secs, verbose=0)  # fmt: skip
+            paths = tf.train.get_checkpoint_state(directory).all_model_checkpoint_paths
+            self.assertEqual([int(p.rsplit("-", 1)[1]) for p in paths][-len(want) :], list(want), secs)
+            if secs is None:
+                self.assertEqual(len(paths), 1)
+
     def test_resume_continues_where_the_checkpoint_stopped(self):
         directory = os.path.join(self.get_temp_dir(), "resume")
         first, twin = model_and_twin()

@@ -1,6 +1,7 @@
 """A `tfs.fit` run on a process-per-task cluster with one task killed mid-run (B8 and the fault tests run it).
 
     python -m tf_sharded.benchmarks.fault_job OUT.json [--kill ps:1] [--workers 1] [--dynamic] [--after SECONDS]
+        [--max_restarts N] [--no_checkpoints]
 
 With `--kill ps:N` it also prints the recovery time (seconds from the kill to
 the first step completed after the restore) and the steps redone.
@@ -71,6 +72,8 @@ def main(argv=None):
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--dynamic", action="store_true")
     parser.add_argument("--after", type=float, default=1.0, help="seconds after the first step to kill")
+    parser.add_argument("--max_restarts", type=int, default=2)
+    parser.add_argument("--no_checkpoints", action="store_true", help="tfs.fit without a checkpoint_dir")
     args = parser.parse_args(argv)
     tf.get_logger().setLevel("ERROR")
     started = threading.Event()
@@ -102,8 +105,9 @@ def main(argv=None):
             dataset_fn,
             epochs=EPOCHS,
             steps_per_epoch=STEPS_PER_EPOCH,
-            checkpoint_dir=tempfile.mkdtemp(),
+            checkpoint_dir=None if args.no_checkpoints else tempfile.mkdtemp(),
             checkpoint_every=50,
+            max_restarts=args.max_restarts,
             callbacks=[Started()],
             verbose=0,
             log_every=5,
