@@ -1,8 +1,8 @@
 """Fault injection: tasks killed with SIGKILL on process-per-task clusters, checked against uninterrupted runs.
 
 Each run is `tf_sharded/benchmarks/fault_job.py` in its own process (a client connects
-to one cluster per process), two at a time. The application killed mid-run
-and rerun is `test_app.KilledRunTest`.
+to one cluster per process), the runs of a test at once. The application killed mid-run
+and rerun is `test_app.KillAndResumeTest`.
 """
 
 import json
@@ -25,7 +25,7 @@ TOTAL = 300  # fault_job: 2 epochs of 150 steps
 
 
 def _launch(test, *variants):
-    """Runs `fault_job` once per flag list, two at a time: `(process, result or None)` per run."""
+    """Runs `fault_job` once per flag list, all at once: `(process, result or None)` per run."""
     outs = [os.path.join(test.get_temp_dir(), f"run{i}.json") for i in range(len(variants))]
     job = ["-m", "tf_sharded.benchmarks.fault_job"]
     procs = run_python_together([[*job, out, *v] for out, v in zip(outs, variants)], 420)
