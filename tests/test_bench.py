@@ -125,7 +125,8 @@ class BenchmarkSuiteTest(tf.test.TestCase):
     def check_end_to_end(self, out):
         with open(os.path.join(out, "e2e.json")) as f:
             report = json.load(f)
-        self.assertEqual((report["benchmark"], report["model"], report["batch"]), ("e2e", "dlrm", 512))
+        header = (report["benchmark"], report["model"], report["batch"], report["tables"])
+        self.assertEqual(header, ("e2e", "dlrm", 512, 4))
         self.assertGreater(report["input_samples_per_s"], 0)
         rows = {r["strategy"]: r for r in report["results"]}
         self.assertEqual(sorted(rows), ["default", "mirrored", "multi_worker", "parameter_server"])

@@ -302,6 +302,38 @@ class SharesTest(tf.test.TestCase):
         self.assertLen(set(labels), 6, labels)
 
 
+class ResumedInputTest(tf.test.TestCase):
+    def test_a_resumed_pipeline_starts_at_the_batch_after_the_checkpoint(self):
+        import argparse
+
+        from tf_sharded.app import inputs
+
+        out = self.get_temp_dir()
+        with open(os.path.join(out, "numbered.schema.json"), "w") as f:
+            json.dump(NUMBERED, f)
+        clean = write_numbered_csv(os.path.join(out, "clean"), files=1, rows=42)[0]
+        broken = write_numbered_csv(os.path.join(out, "broken"), files=1, rows=42)[0]
+        with open(broken) as f:
+            lines = f.readlines()
+        with open(broken, "w") as f:  # two malformed records: one held out, one in training
+            f.writelines(lines[:3] + ["x,1\n"] + lines[3:20] + ["y,2\n"] + lines[20:])
+        parts = os.path.dirname(write_numbered_csv(os.path.join(out, "parts"), files=3, rows=14)[0])
+        for path in (clean, broken, parts):
+            args = argparse.Namespace(
+                data=path, schema=os.path.join(out, "numbered.schema.json"), format="auto", checkpoint_dir=None,
+                batch_size=4, eval_steps=1, max_vocab=None, strict=False, seed=0,
+            )  # fmt: skip
+            plan = inputs.plan(args, workers=1)
+            # Labels number the records; with the held-out batch and malformed ones left out, the train
+            # stream repeats every 36 (one file) or 28 (three files, the last held out) records.
+            labels = lambda dataset, n: [list(y[:, 0]) for _, y in dataset.take(n).as_numpy_iterator()]  # noqa: E731
+            everything = labels(plan.train_fn(None), 14)
+            self.assertEqual(everything[0], [4, 5, 6, 7] if path != parts else [0, 1, 2, 3], msg=path)
+            for skip in (1, 5, 9, 12):
+                resumed = labels(plan.train_fn(None, skip=skip), 2)
+                self.assertEqual(resumed, everything[skip : skip + 2], msg=(path, skip))
+
+
 class ParquetListTest(tf.test.TestCase):
     def test_a_parquet_list_column_is_refused_with_what_to_do(self):
         import pyarrow as pa

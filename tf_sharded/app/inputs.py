@@ -160,21 +160,33 @@ def _files_plan(args, shares: Shares, skip: int, dynamic: bool = False) -> Plan:
     if schema.needs_statistics():
         schema = schema.with_statistics(scanned.statistics)
 
-    def share_of_records(share):
+    def share_of(read, share):
+        # `read(files, share)`: raw or parsed records.
         if held_records:
             # One file: the held-out records come first; the rest is dealt out.
-            rest = readers.records(source, schema, train_files).skip(held_records)
+            rest = read(train_files, None).skip(held_records)
             return rest if share is None else rest.shard(*share)
-        return readers.records(source, schema, train_files, share)
+        return read(train_files, share)
 
+    raw = lambda files, share: readers.raw_records(source, files, share)  # noqa: E731
+    parsed = lambda files, share: readers.records(source, schema, files, share)  # noqa: E731
     resumed_at = skip
+    # Without malformed records a raw record is a parsed one, so a resumed pipeline skips raw records
+    # (parsing them is most of the cost of skipping); otherwise it skips parsed records.
+    raw_is_parsed = scanned.malformed == 0
 
     def train_fn(context: Optional[tf.distribute.InputContext] = None, skip: Optional[int] = None):
-        # `skip`: where `tfs.fit` resumes this pipeline (after a parameter-server recovery), else where the
-        # checkpoint this run started from left it.
-        records = shares.dataset(lambda share: share_of_records(share).repeat())
-        batches = readers.batched(records, args.batch_size, drop_remainder=True)
-        return batches.skip(resumed_at if skip is None else skip)
+        # `skip`: batches to pass over, where `tfs.fit` resumes this pipeline (after a parameter-server
+        # recovery), else where the checkpoint this run started from left it.
+        passed = (resumed_at if skip is None else skip) * args.batch_size
+
+        def share_of_records(share):
+            if raw_is_parsed:
+                return readers.parsed(share_of(raw, share).repeat().skip(passed), source, schema)
+            return share_of(parsed, share).repeat().skip(passed)
+
+        records = shares.dataset(share_of_records)
+        return readers.batched(records, args.batch_size, drop_remainder=True)
 
     held_out = readers.batched(readers.records(source, schema, held_files), args.batch_size)
     held_out = held_out.take(args.eval_steps)

@@ -364,10 +364,12 @@ def records(
 ) -> tf.data.Dataset:
     """Parsed records of `files` (this pipeline's `share`, see `raw_records`), malformed ones dropped
     (`scan` counts them)."""
-    parsed = raw_records(source, files, share).map(
-        lambda r: parse_record(source, schema, r), num_parallel_calls=tf.data.AUTOTUNE
-    )
-    return parsed.ignore_errors()
+    return parsed(raw_records(source, files, share), source, schema)
+
+
+def parsed(raw: tf.data.Dataset, source: Source, schema: Schema) -> tf.data.Dataset:
+    """The records of the raw records `raw` (from `raw_records`), malformed ones dropped."""
+    return raw.map(lambda r: parse_record(source, schema, r), num_parallel_calls=tf.data.AUTOTUNE).ignore_errors()
 
 
 def batched(dataset: tf.data.Dataset, batch_size: int, drop_remainder: bool = False) -> tf.data.Dataset:
