@@ -95,6 +95,22 @@ class DistributeInternalsTest(tf.test.TestCase):
 
         self.assertIs(_compat.register_dispatchable_type(Plain), Plain)
 
+    @exercises("ragged_embedding_targets")
+    def test_ragged_embedding_targets_are_tfs_own_dispatch_targets(self):
+        import inspect
+
+        for api, target in _compat.ragged_embedding_targets().items():
+            self.assertTrue(callable(target))
+            # The same arguments as the API they serve, so calls can be handed on positionally.
+            self.assertEqual(list(inspect.signature(target).parameters), list(inspect.signature(api).parameters))
+            # Replaced by one target per API in tf_sharded.table.entry_points: TF's own is no longer registered.
+            with self.assertRaises(ValueError):
+                tf.experimental.unregister_dispatch_for(target)
+        # Ragged ids on other params still reach TF's target.
+        plain = tf.Variable(np.arange(12.0, dtype=np.float32).reshape(4, 3))
+        ids = tf.ragged.constant([[0, 3], [1]], dtype=tf.int64)
+        self.assertAllEqual(tf.compat.v1.nn.embedding_lookup(plain, ids).flat_values, tf.gather(plain, [0, 3, 1]))
+
     @exercises("_own_attribute", "local_component", "distributed_container")
     def test_plain_variables_pass_through(self):
         v = tf.Variable([1.0])

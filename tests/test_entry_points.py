@@ -55,6 +55,9 @@ class TensorFlowEntryPointsTest(tf.test.TestCase):
                         self.same(lambda p: tf.compat.v1.nn.safe_embedding_lookup_sparse(
                             [p], IDS, weights, combiner=combiner, default_id=default_id))  # fmt: skip
             self.same(lambda p: tf.nn.safe_embedding_lookup_sparse(p, RANK3, RANK3_WEIGHTS, combiner=combiner))
+            ragged_ids = tf.ragged.constant([[1, 9], [-1, 4], [4], [0], []], dtype=tf.int64)
+            ragged_weights = tf.ragged.constant([[1.0, 2.0], [3.0, 0.0], [0.5], [-1.0], []])
+            self.same(lambda p: tf.nn.safe_embedding_lookup_sparse(p, ragged_ids, ragged_weights, combiner=combiner))
         self.same(lambda p: tf.nn.safe_embedding_lookup_sparse(p, IDS, max_norm=0.5))
         self.same(lambda p: tf.function(tf.nn.safe_embedding_lookup_sparse)(p, IDS, WEIGHTS, "sqrtn", 2))
 
@@ -63,6 +66,13 @@ class TensorFlowEntryPointsTest(tf.test.TestCase):
         self.same(lambda p: tf.compat.v1.nn.embedding_lookup(p, ids, partition_strategy="div"))
         self.same(lambda p: tf.nn.embedding_lookup([p], ids, max_norm=0.8))
         self.same(lambda p: tf.nn.embedding_lookup(p, tf.ragged.constant([[1, 2, 9], [], [4]], dtype=tf.int64)))
+        # RaggedTensor ids through the compat.v1 forms, where TF has its own ragged targets.
+        ragged_ids = tf.ragged.constant([[1, 9], [], [2, 4], [4], [0]], dtype=tf.int64)
+        ragged_weights = tf.ragged.constant([[1.0, 2.0], [], [3.0, 0.5], [0.5], [-1.0]])
+        self.same(lambda p: tf.compat.v1.nn.embedding_lookup(p, ragged_ids))
+        self.same(lambda p: tf.compat.v1.nn.embedding_lookup_sparse(p, ragged_ids, ragged_weights, combiner="sqrtn"))
+        self.same(lambda p: tf.compat.v1.nn.safe_embedding_lookup_sparse(p, ragged_ids, ragged_weights, default_id=3))
+        self.same(lambda p: tf.compat.v1.nn.safe_embedding_lookup_sparse(p, ragged_ids[:2], None))
         for combiner in ("sum", "mean", "sqrtn"):
             self.same(lambda p: tf.compat.v1.nn.embedding_lookup_sparse(p, VALID, WEIGHTS, combiner=combiner))
             self.same(lambda p: tf.nn.embedding_lookup_sparse([p], VALID, None, combiner=combiner))
@@ -90,8 +100,10 @@ class TensorFlowEntryPointsTest(tf.test.TestCase):
             lookup(self.plain)
         with self.assertRaisesRegex(ValueError, "a list holding one .* Received: a list of 2 tables"):
             tf.nn.embedding_lookup([self.table, self.table], [1])
-        with self.assertRaisesRegex(TypeError, "Argument `sparse_ids` must be a tf.SparseTensor"):
-            tf.nn.safe_embedding_lookup_sparse(self.table, tf.ragged.constant([[1]], dtype=tf.int64))
+        with self.assertRaisesRegex(TypeError, "Argument `sparse_ids` must be a tf.SparseTensor or tf.RaggedTensor"):
+            tf.nn.safe_embedding_lookup_sparse(self.table, tf.constant([[1]], dtype=tf.int64))
+        with self.assertRaisesRegex(TypeError, "Argument `sparse_weights` must be None or of the type of"):
+            tf.nn.safe_embedding_lookup_sparse(self.table, IDS, tf.ragged.constant([[1.0]]))
 
 
 if __name__ == "__main__":

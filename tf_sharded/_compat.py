@@ -116,6 +116,22 @@ def register_dispatchable_type(cls: type) -> type:
     return dispatch.register_dispatchable_type(cls)
 
 
+def ragged_embedding_targets() -> dict:
+    """TF's own dispatch targets for RaggedTensor ids, by `tf.compat.v1.nn` embedding API.
+
+    They match any params, so a second target matching tf_sharded tables
+    would make the call ambiguous: `table.entry_points` replaces each with
+    one target that routes by params.
+    """
+    from tensorflow.python.ops.ragged import ragged_embedding_ops as ragged
+
+    return {
+        tf.compat.v1.nn.embedding_lookup: ragged.embedding_lookup,
+        tf.compat.v1.nn.embedding_lookup_sparse: ragged.embedding_lookup_sparse,
+        tf.compat.v1.nn.safe_embedding_lookup_sparse: ragged.safe_embedding_lookup_sparse,
+    }
+
+
 # ----------------------------------------------------------------------------- distributed variables --
 
 

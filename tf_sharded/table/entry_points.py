@@ -18,6 +18,7 @@ from typing import List, Union
 
 import tensorflow as tf
 
+from tf_sharded import _compat
 from tf_sharded.table.dynamic import DynamicTable
 from tf_sharded.table.lookup import embedding_lookup, embedding_lookup_sparse
 from tf_sharded.table.sharded_variable import ShardedVariable
@@ -62,10 +63,26 @@ def _lookup_sparse(params, sp_ids, sp_weights, combiner=None, max_norm=None, nam
 def _safe_lookup_sparse(params, sparse_ids, sparse_weights, combiner, default_id, max_norm, name):
     table = _table(params, "embedding_weights")
     combiner = combiner or "mean"
-    if not isinstance(sparse_ids, tf.SparseTensor):
-        raise TypeError(f"Argument `sparse_ids` must be a tf.SparseTensor. Received: {type(sparse_ids).__name__}")
+    if not isinstance(sparse_ids, (tf.SparseTensor, tf.RaggedTensor)):
+        raise TypeError(
+            f"Argument `sparse_ids` must be a tf.SparseTensor or tf.RaggedTensor. Received: {type(sparse_ids).__name__}"
+        )
+    if sparse_weights is not None and type(sparse_weights) is not type(sparse_ids):
+        raise TypeError(
+            f"Argument `sparse_weights` must be None or of the type of `sparse_ids` ({type(sparse_ids).__name__}). "
+            f"Received: {type(sparse_weights).__name__}"
+        )
+    if isinstance(sparse_ids, tf.RaggedTensor):  # as TF: a ragged batch is the SparseTensor of its values
+        sparse_ids = sparse_ids.to_sparse()
+        sparse_weights = sparse_weights.to_sparse() if sparse_weights is not None else None
     if sparse_ids.shape.rank is not None and sparse_ids.shape.rank < 2:
         raise ValueError(f"Argument `sparse_ids` must have rank 2 or more. Received: rank {sparse_ids.shape.rank}")
+    if sparse_weights is not None and sparse_weights.dtype != table.dtype:
+        # As TF, which converts the table to the weights' dtype and refuses a conversion that changes it.
+        raise ValueError(
+            f"Argument `sparse_weights` must have the table's dtype {table.dtype.name}. "
+            f"Received: {sparse_weights.dtype.name}"
+        )
     with tf.name_scope(name or "embedding_lookup"):
         dense_shape = sparse_ids.dense_shape
         # [d0, ..., dk-2, dk-1] -> [d0 * ... * dk-2, dk-1]: one bag per position of the leading dims.
@@ -96,8 +113,22 @@ def _embedding_lookup(params, ids, max_norm=None, name=None):
     return _lookup(params, ids, max_norm, name)
 
 
-@tf.experimental.dispatch_for_api(tf.compat.v1.nn.embedding_lookup, {"params": Tables})
+# TF routes RaggedTensor ids of the compat.v1 forms to its own targets, whatever the params: one target per
+# API takes both our tables and ragged ids, and hands ragged ids on other params to TF's.
+_RAGGED = _compat.ragged_embedding_targets()
+for _target in _RAGGED.values():
+    tf.experimental.unregister_dispatch_for(_target)
+
+
+def _ours(params, kinds=(ShardedVariable, DynamicTable)) -> bool:
+    return isinstance(params[0] if isinstance(params, (list, tuple)) and params else params, kinds)
+
+
+@tf.experimental.dispatch_for_api(tf.compat.v1.nn.embedding_lookup, {"params": Tables}, {"ids": tf.RaggedTensor})
 def _embedding_lookup_v1(params, ids, partition_strategy="mod", name=None, validate_indices=True, max_norm=None):
+    if not _ours(params):
+        return _RAGGED[tf.compat.v1.nn.embedding_lookup](params, ids, partition_strategy, name, validate_indices,
+                                                          max_norm)  # fmt: skip
     return _lookup(params, ids, max_norm, name)
 
 
@@ -107,9 +138,15 @@ def _embedding_lookup_sparse(params, sp_ids, sp_weights, combiner=None, max_norm
     return _lookup_sparse(params, sp_ids, sp_weights, combiner, max_norm, name)
 
 
-@tf.experimental.dispatch_for_api(tf.compat.v1.nn.embedding_lookup_sparse, {"params": Tables})
+@tf.experimental.dispatch_for_api(
+    tf.compat.v1.nn.embedding_lookup_sparse, {"params": Tables}, {"sp_ids": tf.RaggedTensor}
+)
 def _embedding_lookup_sparse_v1(params, sp_ids, sp_weights, partition_strategy="mod", name=None, combiner=None,
                                 max_norm=None, allow_fast_lookup=False):  # fmt: skip
+    if not _ours(params):
+        return _RAGGED[tf.compat.v1.nn.embedding_lookup_sparse](
+            params, sp_ids, sp_weights, partition_strategy, name, combiner, max_norm, allow_fast_lookup
+        )
     return _lookup_sparse(params, sp_ids, sp_weights, combiner, max_norm, name)
 
 
@@ -119,8 +156,15 @@ def _safe_embedding_lookup_sparse(embedding_weights, sparse_ids, sparse_weights=
     return _safe_lookup_sparse(embedding_weights, sparse_ids, sparse_weights, combiner, default_id, max_norm, name)
 
 
-@tf.experimental.dispatch_for_api(tf.compat.v1.nn.safe_embedding_lookup_sparse, {"embedding_weights": Sharded})
+@tf.experimental.dispatch_for_api(
+    tf.compat.v1.nn.safe_embedding_lookup_sparse, {"embedding_weights": Sharded}, {"sparse_ids": tf.RaggedTensor}
+)
 def _safe_embedding_lookup_sparse_v1(embedding_weights, sparse_ids, sparse_weights=None, combiner="mean",
                                      default_id=None, name=None, partition_strategy="div", max_norm=None,
                                      allow_fast_lookup=False):  # fmt: skip
+    if not _ours(embedding_weights, ShardedVariable):
+        return _RAGGED[tf.compat.v1.nn.safe_embedding_lookup_sparse](
+            embedding_weights, sparse_ids, sparse_weights, combiner, default_id, name, partition_strategy, max_norm,
+            allow_fast_lookup,
+        )  # fmt: skip
     return _safe_lookup_sparse(embedding_weights, sparse_ids, sparse_weights, combiner, default_id, max_norm, name)

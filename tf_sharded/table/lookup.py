@@ -373,6 +373,11 @@ def _check_weights_match(ids, weights) -> None:
 
 def combine(rows: tf.Tensor, row_ids: tf.Tensor, num_rows, weights: tf.Tensor, combiner: str) -> tf.Tensor:
     """Weighted sum / mean / sqrtn of `rows` per example (`row_ids` int32); empty examples give zeros."""
+    if rows.dtype in (tf.float16, tf.bfloat16):
+        # Sums of half-precision rows accumulate in float32 (as TF's sorted segment sum does): a bag's
+        # rounding error then stays within one half-precision step of the exact result.
+        out = combine(tf.cast(rows, tf.float32), row_ids, num_rows, tf.cast(weights, tf.float32), combiner)
+        return tf.cast(out, rows.dtype)
     inner_rank = rows.shape.rank - 1
     w_b = tf.reshape(weights, tf.concat([tf.shape(weights), tf.ones([inner_rank], tf.int32)], 0))
     total = tf.math.unsorted_segment_sum(rows * w_b, row_ids, num_rows)
