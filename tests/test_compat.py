@@ -95,6 +95,18 @@ class DistributeInternalsTest(tf.test.TestCase):
 
         self.assertIs(_compat.register_dispatchable_type(Plain), Plain)
 
+    @exercises("keras_unlocked")
+    def test_a_built_layer_gains_a_weight_only_while_unlocked(self):
+        layer = keras.layers.Dense(2)
+        layer.build((None, 3))
+        with self.assertRaisesRegex(ValueError, "already built"):
+            layer.add_weight(shape=(1,), name="late")
+        with _compat.keras_unlocked(layer):
+            layer.add_weight(shape=(1,), name="late")
+        self.assertLen(layer.weights, 3)
+        with self.assertRaisesRegex(ValueError, "already built"):  # locked again
+            layer.add_weight(shape=(1,), name="later")
+
     @exercises("ragged_embedding_targets")
     def test_ragged_embedding_targets_are_tfs_own_dispatch_targets(self):
         import inspect

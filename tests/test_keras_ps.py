@@ -11,7 +11,15 @@ import tensorflow as tf
 
 import tf_sharded as tfs
 from tests.harness.graphs import ROW_OPS
-from tests.harness.models import IDS, LABELS, ROWS, make_model, single_device_reference
+from tests.harness.models import (
+    IDS,
+    LABELS,
+    ROWS,
+    assert_matches_lora_reference,
+    make_lora_model,
+    make_model,
+    single_device_reference,
+)
 from tests.harness.serving import serve_elsewhere
 from tests.harness.strategies import ps_strategy
 from tests.harness.subprocs import run_python
@@ -102,6 +110,20 @@ class KerasParameterServerTest(tf.test.TestCase):
         again = tfs.fit(model, dataset_fn, epochs=2, steps_per_epoch=steps // 2, checkpoint_dir=ckpt_dir, verbose=0)
         self.assertEqual(again.history, {})
         self.assertEqual(int(model.optimizer.iterations.numpy()), steps)
+
+    def test_lora_trains_its_factors_on_the_shards_and_matches_keras_lora(self):
+        with self.strategy.scope():
+            model, table0, a0, b0 = make_lora_model()
+        layer = model.get_layer("emb")
+        self.assertEqual(layer.lora_embeddings_a.devices, layer._table.devices)  # A sharded as the table
+        self.assertLen(model.trainable_weights, 2 + 1 + 2)  # A's shards, B, the dense layer's kernel and bias
+        # One step at a time (log_every=1 waits for each): the serial reference's sequence of updates.
+        tfs.fit(model, dataset_fn, epochs=1, steps_per_epoch=4, verbose=0, log_every=1)
+        assert_matches_lora_reference(self, model, table0, a0, b0, 4)
+        # Served without tf_sharded: the rows with their LoRA term.
+        exported = tfs.export(model, os.path.join(self.get_temp_dir(), "lora_export"))
+        served = serve_elsewhere(self, exported, {"ids": IDS.astype(np.int64)})
+        self.assertAllClose(served, model(tf.constant(IDS)).numpy(), atol=1e-6)
 
     def test_saves_trace_once_and_keep_the_last_three(self):
         with self.strategy.scope():

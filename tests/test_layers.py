@@ -115,6 +115,14 @@ class MirroredFitTest(tf.test.TestCase):
             want_slot = reference.optimizer.table_slot(single.embeddings, slot_name).numpy()
             self.assertAllClose(got_slot.numpy(), want_slot, atol=2e-5, msg=msg)
 
+    def test_lora_under_mirrored_matches_keras_lora_on_one_device(self):
+        from tests.harness.models import IDS, LABELS, assert_matches_lora_reference, make_lora_model
+
+        with mirrored().scope():
+            model, table0, a0, b0 = make_lora_model(partitions=2)
+        model.fit(IDS, LABELS, batch_size=len(IDS), epochs=3, shuffle=False, verbose=0)
+        assert_matches_lora_reference(self, model, table0, a0, b0, 3)
+
 
 class DefaultStrategyLayerTest(tf.test.TestCase):
     def test_fit_matches_keras_embedding(self):
@@ -223,10 +231,18 @@ class DefaultStrategyLayerTest(tf.test.TestCase):
             tfs.layers.Embedding(ROWS, DIM, combiner="max")
         with self.assertRaisesRegex(ValueError, "Argument `input_dim` must be a positive int"):
             tfs.layers.Embedding(0, DIM)
-        with self.assertRaisesRegex(ValueError, "Argument `lora_rank` is not supported by tfs.layers.Embedding yet"):
-            tfs.layers.Embedding(ROWS, DIM, lora_rank=2)
-        with self.assertRaisesRegex(NotImplementedError, "does not support enable_lora"):
+        with self.assertRaisesRegex(ValueError, "Argument `quantization_config` is not supported by tfs.layers"):
+            tfs.layers.Embedding(ROWS, DIM, quantization_config={"mode": "int8"})
+        with self.assertRaisesRegex(
+            ValueError, "Argument `lora_rank` must be a positive integer. Received: lora_rank=-2"
+        ):
+            tfs.layers.Embedding(ROWS, DIM, lora_rank=-2)
+        self.assertFalse(tfs.layers.Embedding(ROWS, DIM, lora_rank=0).lora_rank)  # as Keras: no LoRA
+        with self.assertRaisesRegex(ValueError, "lora is already enabled"):
             layer.enable_lora(2)
+            layer.enable_lora(2)
+        with self.assertRaisesRegex(ValueError, "Cannot enable lora on a layer that isn't yet built"):
+            tfs.layers.Embedding(ROWS, DIM).enable_lora(2)
         with self.assertRaisesRegex(ValueError, "Argument `embeddings_constraint` is not supported"):
             tfs.layers.Embedding(ROWS, DIM, embeddings_constraint="non_neg")
         with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "must hold row ids in \\[0, 50\\)"):

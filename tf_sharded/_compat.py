@@ -204,6 +204,17 @@ def keras_weights_rollback(layer):
         raise
 
 
+@contextlib.contextmanager
+def keras_unlocked(layer):
+    """Lets a built Keras layer gain weights in the block (Keras locks a layer's `_tracker` once built;
+    its own `enable_lora` unlocks it the same way)."""
+    layer._tracker.unlock()
+    try:
+        yield
+    finally:
+        layer._tracker.lock()
+
+
 def keras_track(owner, trackable, name: str) -> None:
     """Makes TensorFlow checkpoints follow `owner.<name>` (Keras's own containers hide what they hold)."""
     owner._track_trackable(trackable, name=name, overwrite=True)

@@ -71,3 +71,46 @@ def assert_matches_dynamic_reference(test, model, steps, table=None):
     for key, row in expected.items():
         test.assertAllClose(rows[key], row, atol=1e-5)
     test.assertAllClose(model.get_layer("dense").kernel.numpy(), kernel, atol=1e-5)
+
+
+LORA_RANK = 2
+
+
+def make_lora_model(partitions=None, optimizer=None):
+    """`make_model`'s model with LoRA (rank 2, alpha 3) on its table, B started away from zero (so that A
+    trains from the first step); returns (model, initial table, A, B)."""
+    model = make_model(partitions=partitions)
+    layer = model.get_layer("emb")
+    layer.enable_lora(LORA_RANK, lora_alpha=3.0)
+    layer.lora_embeddings_b.assign(np.linspace(-0.5, 0.5, LORA_RANK * DIM).reshape(LORA_RANK, DIM))
+    model.compile(optimizer=optimizer or tfs.optimizers.SGD(0.3, momentum=0.5), loss="mse")
+    return model, layer._table.numpy(), layer.lora_embeddings_a.numpy(), layer.lora_embeddings_b.numpy()
+
+
+def lora_reference(table0, a0, b0, steps):
+    """The LoRA model with keras.layers.Embedding's own LoRA and Keras SGD, `steps` steps on one device:
+    (table, A, B, dense kernel)."""
+    ref_inp = keras.Input((3,), dtype="int64")
+    ref_emb = keras.layers.Embedding(ROWS, DIM, embeddings_initializer=keras.initializers.Constant(table0))
+    ref_out = keras.layers.Dense(1, kernel_initializer="ones")(keras.layers.GlobalAveragePooling1D()(ref_emb(ref_inp)))
+    ref_emb.enable_lora(LORA_RANK, lora_alpha=3.0)
+    ref_emb.lora_embeddings_a.assign(a0)
+    ref_emb.lora_embeddings_b.assign(b0)
+    reference = keras.Model(ref_inp, ref_out)
+    reference.compile(optimizer=keras.optimizers.SGD(0.3, momentum=0.5), loss="mse")
+    reference.fit(IDS, LABELS, batch_size=len(IDS), epochs=steps, shuffle=False, verbose=0)
+    a, b = ref_emb.lora_embeddings_a.numpy(), ref_emb.lora_embeddings_b.numpy()
+    return ref_emb._embeddings.numpy(), a, b, reference.layers[-1].kernel.numpy()
+
+
+def assert_matches_lora_reference(test, model, table0, a0, b0, steps):
+    """`model` (from `make_lora_model`, trained `steps` steps on IDS) has the reference's weights; its table
+    did not move."""
+    layer = model.get_layer("emb")
+    table, a, b, kernel = lora_reference(table0, a0, b0, steps)
+    test.assertAllEqual(layer._table.numpy(), table0)
+    test.assertAllClose(table, table0)
+    test.assertGreater(np.abs(a - a0).max(), 1e-3)  # A trained (sparsely: only the rows looked up)
+    test.assertAllClose(layer.lora_embeddings_a.numpy(), a, atol=1e-5)
+    test.assertAllClose(layer.lora_embeddings_b.numpy(), b, atol=1e-5)
+    test.assertAllClose(model.get_layer("dense").kernel.numpy(), kernel, atol=1e-5)

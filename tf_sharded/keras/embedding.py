@@ -15,6 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_sharded import _compat
 from tf_sharded.config import Combiner, TableConfig
 from tf_sharded.errors import positive_int
 from tf_sharded.keras.layer_tables import (
@@ -28,8 +29,8 @@ from tf_sharded.partition import PartitionSpec
 from tf_sharded.table.lookup import FeatureLookup, lookup_features
 from tf_sharded.table.sharded_variable import ShardedVariable
 
-# keras.layers.Embedding arguments not supported yet: LoRA and quantization.
-_NOT_YET = ("lora_rank", "lora_alpha", "quantization_config")
+# keras.layers.Embedding arguments not supported yet: quantization.
+_NOT_YET = ("quantization_config",)
 
 
 @keras.saving.register_keras_serializable(package="tf_sharded")
@@ -55,6 +56,8 @@ class Embedding(keras.layers.Layer):
         `create_sharded_variable`.
       weights: optional initial table, `[array]` or `array` of shape
         `[input_dim, output_dim]` (as Keras's); builds the layer at once.
+      lora_rank, lora_alpha: as Keras's: when building, `enable_lora(lora_rank,
+        lora_alpha)` (see there).
       **kwargs: standard layer arguments (`name`, `dtype`, `trainable`, ...).
 
     Example:
@@ -85,14 +88,16 @@ class Embedding(keras.layers.Layer):
         placement: Optional[str] = None,
         seed: Optional[int] = None,
         weights: Any = None,
+        lora_rank: Optional[int] = None,
+        lora_alpha: Optional[float] = None,
         **kwargs,
     ):
         kwargs.pop("input_length", None)  # accepted by Keras 2; meaningless here too
         for name in _NOT_YET:
             if kwargs.get(name) is not None:
                 raise ValueError(
-                    f"Argument `{name}` is not supported by tfs.layers.Embedding yet (Keras's LoRA and quantization "
-                    f"of a sharded table are not built). Received: {name}={kwargs[name]!r}"
+                    f"Argument `{name}` is not supported by tfs.layers.Embedding yet (Keras's quantization of a "
+                    f"sharded table is not built). Received: {name}={kwargs[name]!r}"
                 )
             kwargs.pop(name, None)
         super().__init__(**kwargs)
@@ -117,7 +122,11 @@ class Embedding(keras.layers.Layer):
         self.placement = placement
         self.seed = seed
         self.supports_masking = self.mask_zero and combiner is None
-        self.embeddings: Optional[ShardedVariable] = None
+        self._table: Optional[ShardedVariable] = None
+        # As Keras's: a rank of 0 (or None) means no LoRA.
+        self.lora_rank = positive_int("lora_rank", lora_rank) if lora_rank not in (None, 0) else None
+        self.lora_alpha = lora_alpha if lora_alpha is not None else self.lora_rank
+        self.lora_enabled = False
         if weights is not None:
             value = np.asarray(weights[0] if isinstance(weights, (list, tuple)) and len(weights) == 1 else weights)
             if value.shape != (self.input_dim, self.output_dim):
@@ -126,7 +135,7 @@ class Embedding(keras.layers.Layer):
                     f"holding it). Received: an array of shape {value.shape}"
                 )
             self.build()
-            self.embeddings.assign(value)
+            self._table.assign(value)
 
     def build(self, input_shape=None):
         if self.built:
@@ -141,8 +150,24 @@ class Embedding(keras.layers.Layer):
             exchange=self.exchange,
             placement=self.placement,
         )
-        self.embeddings = create_layer_table(self, config, "embeddings")
+        self._table = create_layer_table(self, config, "embeddings")
         self.built = True
+        if self.lora_rank:
+            self.enable_lora(self.lora_rank, self.lora_alpha)
+
+    @property
+    def embeddings(self):
+        """The table (a `tfs.ShardedVariable`); with LoRA enabled, as Keras's, the merged table as a tensor
+        (`table + lora_alpha / lora_rank * lora_embeddings_a @ lora_embeddings_b`: every row is read)."""
+        if not self.lora_enabled:
+            return self._table
+        return self._table.read_value() + self._lora_scale * tf.matmul(
+            self.lora_embeddings_a.read_value(), self.lora_embeddings_b
+        )
+
+    @property
+    def _lora_scale(self) -> float:
+        return self.lora_alpha / self.lora_rank
 
     def call(self, inputs):
         who = f"Layer '{self.name}'"
@@ -150,33 +175,88 @@ class Embedding(keras.layers.Layer):
             inputs = tf.cast(inputs, tf.int32)  # as Keras: float ids (keras.Input's default dtype) are cast
         if self.combiner is not None:
             ids = padded_to_ragged(inputs, self.combiner, self.mask_zero, who)
-            return self._rows(FeatureLookup(self.embeddings, ids, self.combiner, arg="inputs"))
+            return self._rows(ids, self.combiner)
         if isinstance(inputs, tf.SparseTensor):
             inputs = tf.sparse.to_dense(inputs)  # as Keras: a dense result, an absent entry looked up as id 0
         if isinstance(inputs, tf.RaggedTensor):  # as Keras: one row per id, ragged as the ids
-            return inputs.with_flat_values(self._rows(FeatureLookup(self.embeddings, inputs.flat_values, arg="inputs")))
-        return self._rows(FeatureLookup(self.embeddings, inputs, arg="inputs"))
+            return inputs.with_flat_values(self._rows(inputs.flat_values))
+        return self._rows(inputs)
 
-    def _rows(self, request: FeatureLookup):
-        out = lookup_features([request])[0]
+    def _rows(self, ids, combiner=None):
+        tables = [self._table] + ([self.lora_embeddings_a] if self.lora_enabled else [])
+        # With LoRA, the table's rows and lora_embeddings_a's rows in one batched lookup; the combiners are
+        # linear, so a bag's LoRA term is its combined A-rows times B.
+        rows = lookup_features([FeatureLookup(t, ids, combiner, arg="inputs") for t in tables])
+        out = rows[0]
+        if self.lora_enabled:
+            out = out + self._lora_scale * tf.einsum("...r,rd->...d", rows[1], self.lora_embeddings_b)
         if self.embeddings_regularizer is not None:
             self.add_loss(self.embeddings_regularizer(out))
         return tf.cast(out, self.compute_dtype)  # mixed precision: rows kept in the variable dtype
 
     def enable_lora(self, rank, lora_alpha=None, a_initializer="he_uniform", b_initializer="zeros"):
-        """Keras's LoRA: not supported on a sharded table yet (raises NotImplementedError)."""
-        raise NotImplementedError(
-            f"Layer '{self.name}': tfs.layers.Embedding does not support enable_lora() yet (LoRA factors of a "
-            f"sharded table are not built). Received: rank={rank!r}"
+        """Keras's LoRA on a sharded table: the table is frozen and a low-rank update trains instead.
+
+        `lora_embeddings_a` (`[input_dim, rank]`) is a `tfs.ShardedVariable`
+        with the table's partition, looked up with the same ids (sparse
+        gradients, sharded as the table); `lora_embeddings_b` (`[rank,
+        output_dim]`) is one small dense weight. A row reads `table[i] +
+        lora_alpha / rank * lora_embeddings_a[i] @ lora_embeddings_b`.
+        Weight files hold the merged table, as Keras's; loading one resets
+        the LoRA factors to zeros.
+
+        Example:
+
+        >>> import tf_sharded as tfs
+        >>> layer = tfs.layers.Embedding(100, 8, partitions=2, seed=0)
+        >>> layer.build()
+        >>> layer.enable_lora(4)
+        >>> [w.path.split("/")[1] for w in layer.trainable_weights]
+        ['lora_embeddings_a_part_0', 'lora_embeddings_a_part_1', 'lora_embeddings_b']
+        """
+        if not self.built:
+            raise ValueError("Cannot enable lora on a layer that isn't yet built.")
+        if self.lora_enabled:
+            raise ValueError("lora is already enabled. This can only be done once per layer.")
+        rank = positive_int("rank", rank)
+        table = self._table
+        config = TableConfig(
+            f"{self.name}_lora_a",
+            (self.input_dim, rank),
+            initializer=a_initializer,
+            partitions=table.partition,
+            seed=self.seed,
+            exchange=self.exchange,
+            placement=self.placement,
         )
+        with _compat.keras_unlocked(self), _compat.keras_weights_rollback(self):
+            self.lora_embeddings_a = create_layer_table(self, config, "lora_embeddings_a")
+            self.lora_embeddings_b = self.add_weight(
+                name="lora_embeddings_b", shape=(rank, self.output_dim), initializer=b_initializer,
+                trainable=True, autocast=False,
+            )  # fmt: skip
+        for weight in self._table_weights(table):
+            weight.trainable = False
+        self.lora_enabled = True
+        self.lora_rank = rank
+        self.lora_alpha = lora_alpha if lora_alpha is not None else rank
+
+    def _table_weights(self, table):
+        """The layer's Keras variables that are `table`'s shards."""
+        shards = {id(v) for v in table.variables}
+        return [w for w in self.weights if id(w.value) in shards]
 
     def save_own_variables(self, store):
         # The logical table, whatever the layout, under the key keras.layers.Embedding uses: files load into
-        # any other layout, and weights move between this layer and Keras's in both directions.
-        store["0"] = self.embeddings.numpy()
+        # any other layout, and weights move between this layer and Keras's in both directions. With LoRA,
+        # the merged table, as Keras's.
+        store["0"] = np.asarray(self.embeddings.numpy())
 
     def load_own_variables(self, store):
-        load_table(self.embeddings, store, "0", self.name)
+        load_table(self._table, store, "0", self.name)
+        if self.lora_enabled:
+            self.lora_embeddings_a.assign(np.zeros(self.lora_embeddings_a.shape, self.variable_dtype))
+            self.lora_embeddings_b.assign(np.zeros(self.lora_embeddings_b.shape, self.variable_dtype))
 
     def compute_mask(self, inputs, mask=None):
         if not self.supports_masking:
@@ -209,6 +289,8 @@ class Embedding(keras.layers.Layer):
                 "seed": self.seed,
             }
         )
+        if self.lora_rank:
+            config.update({"lora_rank": self.lora_rank, "lora_alpha": self.lora_alpha})
         return config
 
     @classmethod
