@@ -67,11 +67,13 @@ class BenchmarkSuiteTest(tf.test.TestCase):
         out = tempfile.mkdtemp()
         # B4 (end to end, one process per strategy) beside the others: two runs of the command at once.
         bench = ["-m", "tf_sharded", "bench", "--quick", "--out", out]
-        runs = run_python_together([bench + ["e2e"], bench + ["ps", "exchange", "fused", "memory", "dynamic"]], 900)
+        runs = run_python_together(
+            [bench + ["e2e", "quantize"], bench + ["ps", "exchange", "fused", "memory", "dynamic"]], 900
+        )
         for proc in runs:
             self.assertEqual(proc.returncode, 0, msg=proc.stdout + proc.stderr[-3000:])
         proc = subprocess.CompletedProcess(runs[1].args, 0, runs[0].stdout + runs[1].stdout, "")
-        for name in ("ps", "exchange", "fused", "memory", "e2e", "dynamic"):
+        for name in ("ps", "exchange", "fused", "memory", "e2e", "dynamic", "quantize"):
             self.assertTrue(os.path.getsize(os.path.join(out, f"{name}.png")) > 1000, name)
         self.assertIn("native/ours", proc.stdout)
         self.check_exchange(out)
@@ -116,6 +118,20 @@ class BenchmarkSuiteTest(tf.test.TestCase):
                 row["ours_vs_tfra"], min(row["tfra_per_feature_s"], row["tfra_one_table_s"]) / row["dynamic_s"]
             )
             self.assertEqual(row["tfra_live_keys"]["tfra_per_feature"], row["live_keys"])
+        self.check_quantize(out)
+
+    def check_quantize(self, out):
+        with open(os.path.join(out, "quantize.json")) as f:
+            report = json.load(f)
+        self.assertEqual((report["model"], report["steps"], report["held_out_examples"]), ("dlrm", 20, 10240))
+        rows = {r["export"]: r for r in report["results"]}
+        self.assertEqual(sorted(rows), ["float", "int8"])
+        # 26 tables of up to 1,000 rows x 16: float32 rows against int8 rows plus a float32 scale per row.
+        self.assertAlmostEqual(rows["float"]["table_bytes"] / rows["int8"]["table_bytes"], 4 * 16 / (16 + 4))
+        self.assertAlmostEqual(report["auc_change"], rows["int8"]["auc"] - rows["float"]["auc"])
+        self.assertGreater(rows["float"]["auc"], 0.6)  # the demo model learned in 20 steps
+        self.assertGreater(report["max_abs_logit_change"], 0)
+        self.assertLess(abs(report["auc_change"]), 0.01)
 
     def test_unknown_benchmark_is_named(self):
         proc = run_python(["-m", "tf_sharded", "bench", "nope"], timeout=120)

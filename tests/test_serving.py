@@ -37,6 +37,33 @@ class ExportTest(tf.test.TestCase):
         probe = {"ids": x["ids"][:5].astype(np.int64), "features": x["features"][:5]}
         self.assertAllClose(serve_elsewhere(self, path, probe), model.predict(probe, verbose=0), atol=1e-6)
 
+    def test_int8_export_serves_quantized_rows_without_tf_sharded(self):
+        wide = 64
+        ids = keras.Input((3,), dtype="int64", name="ids")
+        emb = tfs.layers.Embedding(ROWS, wide, combiner="sum", partitions=3, scheme="mod", seed=1, name="emb")
+        model = keras.Model(ids, keras.layers.Dense(1, name="out")(emb(ids)))
+        table = emb.embeddings.numpy()
+        probe = {"ids": data()[0]["ids"].astype(np.int64)}
+        path = tfs.export(model, os.path.join(self.get_temp_dir(), "int8"), quantize="int8")
+        # NumPy's int8 rows: each row scaled by 127 / max|row|, rounded.
+        scale = 127.0 / (np.abs(table).max(axis=1) + keras.config.epsilon())
+        rows = np.clip(np.round(table * scale[:, None]), -127, 127) / scale[:, None]
+        kernel, bias = model.get_layer("out").get_weights()
+        want = rows[probe["ids"]].sum(axis=1) @ kernel + bias
+        served = serve_elsewhere(self, path, probe)
+        self.assertAllClose(served, want, atol=1e-5)
+        self.assertGreater(np.abs(served - model.predict(probe, verbose=0)).max(), 0)  # quantized, not the float rows
+        # The saved table: int8 rows and a float32 scale per row, (4 * 64) / (64 + 4) = 3.8x fewer bytes.
+        saved = tf.train.load_checkpoint(os.path.join(path, "variables", "variables"))
+        shapes = saved.get_variable_to_shape_map()
+        dtypes = saved.get_variable_to_dtype_map()
+        nbytes = {k: np.prod(shapes[k]) * dtypes[k].size for k in shapes if "_CHECKPOINTABLE" not in k}
+        table_keys = [k for k in nbytes if tuple(shapes[k]) in ((ROWS, wide), (ROWS,))]
+        self.assertEqual(sorted(dtypes[k].name for k in table_keys), ["float32", "int8"])
+        self.assertAllClose(sum(nbytes[k] for k in table_keys), ROWS * (wide + 4))
+        with self.assertRaisesRegex(ValueError, "Argument `quantize` must be one of \\(None, 'int8'\\)"):
+            tfs.export(model, self.get_temp_dir(), quantize="int4")
+
     def test_multi_hot_inputs_stay_ragged_and_serve_the_training_batches(self):
         from tests.test_data import SCHEMA, write_example_files
         from tf_sharded.app import models, readers, schema

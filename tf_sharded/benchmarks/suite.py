@@ -25,9 +25,10 @@ BENCHMARKS = {
     "e2e": ("tf_sharded.benchmarks.end_to_end", "B4: DLRM samples/s per strategy vs keras.layers.Embedding"),
     "dynamic": ("tf_sharded.benchmarks.dynamic", "B7: dynamic tables (raw keys) vs static tables, inserts, memory"),
     "recovery": ("tf_sharded.benchmarks.recovery", "B8: ps failure: tfs.fit recovery vs a program restart"),
+    "quantize": ("tf_sharded.benchmarks.quantize", "B9: the demo model served with int8 tables vs float tables"),
 }
 # Benchmarks that pick their own cluster (or none): run once, whatever --mode says.
-SINGLE_RUN = ("exchange", "memory", "e2e", "recovery")
+SINGLE_RUN = ("exchange", "memory", "e2e", "recovery", "quantize")
 
 
 def _json_path(out: str, name: str, mode: str) -> str:
@@ -147,6 +148,13 @@ def _plot(name: str, reports: List[Dict], out: str) -> str:
         ax.set(ylabel="seconds", title=f"B8: {reports[0]['killed']} killed, time to the first new step")
         ax.set_ylim(0, 1.5 * max(max(r["recovery_s"], r["restart_s"]) for r in rows))
         ax.legend(fontsize=8, loc="upper left")
+    elif name == "quantize":
+        fig, (a, b) = plt.subplots(1, 2, figsize=(9, 4))
+        rows = reports[0]["results"]
+        a.bar([r["export"] for r in rows], [r["table_bytes"] / 2**20 for r in rows])
+        a.set(ylabel="MB of tables", title="B9: tables in the SavedModel")
+        b.bar([r["export"] for r in rows], [r["auc"] for r in rows])
+        b.set(ylim=(0.5, 1.0), ylabel="held-out AUC", title=f"AUC change {reports[0]['auc_change']:+.4f}")
     else:
         fig, ax = plt.subplots(figsize=(6, 4))
         for report in reports:

@@ -11,7 +11,7 @@ needs neither tf_sharded nor the strategy nor the cluster.
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import keras
 import tensorflow as tf
@@ -86,7 +86,53 @@ def _assemble(name: str, spec, flat: Dict[str, tf.Tensor]):
     return flat[name]
 
 
-def export(model: keras.Model, path: str, input_signature: Any = None) -> str:
+QUANTIZE_MODES = (None, "int8")
+
+
+class ServedInt8Table(tf.Module):
+    """A float table for serving as int8 rows and one float32 scale per row.
+
+    Each row is quantized symmetrically by its largest magnitude (as Keras's
+    `AbsMaxQuantizer` on the last axis): `q = round(row * scale)` in
+    [-127, 127] with `scale = 127 / max|row|`; a lookup gathers the int8 rows
+    and their scales and returns `q / scale` in the table's dtype. A table of
+    `dim` floats per row takes `dim + 4` bytes per row instead of `4 * dim`.
+
+    Args:
+      table: the `tfs.ShardedVariable` to copy (read once, wherever its shards live).
+    """
+
+    def __init__(self, table):
+        stem = table.name.replace("/", "_")
+        super().__init__(name=stem)
+        self.dtype = table.dtype
+        with tf.device("/cpu:0"):
+            values = tf.cast(table.read_value(), tf.float32)
+            axes = list(range(1, values.shape.rank))
+            scale = 127.0 / (tf.reduce_max(tf.abs(values), axis=axes) + keras.config.epsilon())
+            quantized = tf.clip_by_value(tf.round(values * self._expand(scale, values.shape.rank)), -127, 127)
+            self.values = tf.Variable(tf.cast(quantized, tf.int8), trainable=False, name=f"{stem}_int8")
+            self.scale = tf.Variable(scale, trainable=False, name=f"{stem}_scale")
+
+    @staticmethod
+    def _expand(scale, rank: int):
+        return tf.reshape(scale, tf.concat([tf.shape(scale), tf.ones([rank - 1], tf.int32)], 0))
+
+    def lookup(self, ids):
+        """The dequantized rows of rank-1 `ids`."""
+        rows = tf.cast(tf.gather(self.values, ids), tf.float32)
+        return tf.cast(rows / self._expand(tf.gather(self.scale, ids), self.values.shape.rank), self.dtype)
+
+
+def _served_table(table, quantize: Optional[str]):
+    if isinstance(table, DynamicTable):
+        return ServedDynamicTable(table)
+    if quantize == "int8" and table.dtype.is_floating and table.shape.rank >= 2:
+        return ServedInt8Table(table)
+    return tf.Variable(table.read_value(), trainable=False, name=table.name.replace("/", "_"))
+
+
+def export(model: keras.Model, path: str, input_signature: Any = None, quantize: Optional[str] = None) -> str:
     """Writes `model` as a SavedModel that `tf.saved_model.load` serves without tf_sharded.
 
     Call it outside any `strategy.scope()`. The export holds one plain table
@@ -104,6 +150,12 @@ def export(model: keras.Model, path: str, input_signature: Any = None) -> str:
       input_signature: a `tf.TensorSpec` (or a structure of them, e.g. a
         dict) for the model's input; derived from `model.input` for
         Functional and Sequential models with an `Input`.
+      quantize: None (tables as trained) or `"int8"`: every float table of
+        rows (rank 2 or more) is served as int8 rows with a float32 scale per
+        row (`ServedInt8Table`), about 4x smaller for wide rows (`4 * dim /
+        (dim + 4)`: 3.2x at dim 16); other variables and dynamic tables as
+        trained. `python -m tf_sharded bench quantize` measures the accuracy
+        change on the demo model.
 
     Returns:
       `path`.
@@ -126,14 +178,11 @@ def export(model: keras.Model, path: str, input_signature: Any = None) -> str:
         )
     if not isinstance(model, keras.Model):
         raise TypeError(f"Argument `model` must be a keras.Model. Received: {type(model).__name__}")
+    if quantize not in QUANTIZE_MODES:
+        raise ValueError(f"Argument `quantize` must be one of {QUANTIZE_MODES}. Received: quantize={quantize!r}")
     spec = input_signature if input_signature is not None else _default_signature(model)
     with tf.device("/cpu:0"):
-        plain_tables = {
-            key: ServedDynamicTable(table)
-            if isinstance(table, DynamicTable)
-            else tf.Variable(table.read_value(), trainable=False, name=table.name.replace("/", "_"))
-            for key, table in _tables_of(model).items()
-        }
+        plain_tables = {key: _served_table(table, quantize) for key, table in _tables_of(model).items()}
         copies = [(v, tf.Variable(v.numpy(), trainable=False)) for v in model.variables if owner_of(v) is None]
 
     def serve(inputs):

@@ -29,7 +29,8 @@ _SUBSTITUTES = threading.local()
 def substituted(tables: Dict[int, Any]):
     """Inside the block (this thread), lookups of table `t` read `tables[id(t)]`, one plain whole-table variable.
 
-    (For a dynamic table, a `ServedDynamicTable`.) `tfs.export` traces the
+    (For a dynamic table, a `ServedDynamicTable`; for an int8 export, a
+    `ServedInt8Table`: objects with a `lookup(ids)`.) `tfs.export` traces the
     model this way, so the SavedModel holds plain variables and `tf.gather`
     instead of shards.
     """
@@ -161,8 +162,8 @@ def lookup_many(pairs, max_norm: Optional[float] = None, training: bool = True) 
             rows = plain.lookup(flat_ids) if plain is not None else table.lookup(flat_ids, training=training)
             results[i] = _clip_rows(rows, max_norm, [1]) if max_norm is not None else rows
             continue
-        if plain is not None:
-            rows = tf.gather(plain, flat_ids)
+        if plain is not None:  # a plain variable, or a served table that looks its rows up itself
+            rows = plain.lookup(flat_ids) if hasattr(plain, "lookup") else tf.gather(plain, flat_ids)
             inner_axes = list(range(1, table.shape.rank))
             results[i] = _clip_rows(rows, max_norm, inner_axes) if max_norm is not None else rows
             continue
