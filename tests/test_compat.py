@@ -95,6 +95,14 @@ class DistributeInternalsTest(tf.test.TestCase):
 
         self.assertIs(_compat.register_dispatchable_type(Plain), Plain)
 
+    @exercises("keras_untrack")
+    def test_untracked_weights_leave_the_layer(self):
+        layer = keras.layers.Dense(2)
+        layer.build((None, 3))
+        kernel, bias = layer.kernel, layer.bias
+        _compat.keras_untrack(layer, [kernel])
+        self.assertEqual([w.path for w in layer.weights], [bias.path])
+
     @exercises("keras_unlocked")
     def test_a_built_layer_gains_a_weight_only_while_unlocked(self):
         layer = keras.layers.Dense(2)

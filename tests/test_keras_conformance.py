@@ -31,11 +31,16 @@ KERAS_SRC = os.path.join(os.path.dirname(keras.__file__), "src")
 KERAS_TESTS = os.path.join(KERAS_SRC, "layers", "core", "embedding_test.py")
 OPTIMIZER_TESTS = [os.path.join(KERAS_SRC, "optimizers", f"{n}_test.py") for n in ("sgd", "adagrad", "adam", "ftrl")]
 
-# Refused on purpose (README): a constraint projects the whole table after every step. Both tests build a
-# layer with `embeddings_constraint`.
-REFUSED = {"test_embedding_constraints", "test_enable_lora_with_embeddings_constraint"}
-# Not built yet (issue 16): Keras's int8 / int4 quantization of the table.
-NOT_YET = ("quantiz", "int4", "int8", "test_legacy_load_own_variables")
+# Refused on purpose (README): a constraint projects the whole table after every step (both tests build a
+# layer with `embeddings_constraint`); negative ids are an error, where Keras's `take` wraps them (-1 reads the
+# last row): the last part of the LoRA + int8 test feeds float noise as ids.
+REFUSED = {
+    "test_embedding_constraints": "Argument `embeddings_constraint` is not supported",
+    "test_enable_lora_with_embeddings_constraint": "Argument `embeddings_constraint` is not supported",
+    "test_quantize_lora_integration_int8": "must hold row ids in [0, 10)",
+}
+# Not built yet (issue 16): Keras's int4 quantization of the table (the legacy-load test loads int4 too).
+NOT_YET = ("int4", "test_legacy_load_own_variables")
 
 CONFTEST = """
 import re
@@ -48,16 +53,15 @@ import tf_sharded as tfs
 
 SHARDS = {shards}
 
-if SHARDS == 1:
-    keras_layers.Embedding = tfs.layers.Embedding
-else:
+keras_layers.Embedding = tfs.layers.Embedding
+if SHARDS > 1:
+    init = tfs.layers.Embedding.__init__
 
-    @keras.saving.register_keras_serializable(package="tfs_conformance")
-    class ShardedEmbedding(tfs.layers.Embedding):
-        def __init__(self, *args, partitions=SHARDS, **kwargs):
-            super().__init__(*args, partitions=partitions, **kwargs)
+    def init_with_shards(self, *args, partitions=SHARDS, **kwargs):
+        # SHARDS shards unless a test says otherwise (files saved by a test keep theirs in the config).
+        init(self, *args, partitions=partitions, **kwargs)
 
-    keras_layers.Embedding = ShardedEmbedding
+    tfs.layers.Embedding.__init__ = init_with_shards
     assert_len = test_case.TestCase.assertLen
 
     def tables(iterable):
@@ -129,9 +133,10 @@ class KerasEmbeddingSuiteTest(tf.test.TestCase):
         expected = {name for name in results if name not in REFUSED and not any(s in name for s in NOT_YET)}
         failing = {name: message for name, (ok, message) in results.items() if name in expected and not ok}
         self.assertEqual(failing, {}, f"{shards} shard(s)")
-        # The refusal is the documented one.
-        self.assertFalse(results["test_embedding_constraints"][0])
-        self.assertIn("embeddings_constraint", results["test_embedding_constraints"][1])
+        # The refusals are the documented ones.
+        for name, message in REFUSED.items():
+            self.assertFalse(results[name][0], name)
+            self.assertIn(message, results[name][1], name)
 
     def test_keras_embedding_tests_pass_on_one_shard(self):
         self.check(1)

@@ -125,6 +125,19 @@ class KerasParameterServerTest(tf.test.TestCase):
         served = serve_elsewhere(self, exported, {"ids": IDS.astype(np.int64)})
         self.assertAllClose(served, model(tf.constant(IDS)).numpy(), atol=1e-6)
 
+    def test_int8_quantization_keeps_rows_and_scales_on_the_table_shards(self):
+        with self.strategy.scope():
+            model = make_model(partitions=None)
+        layer = model.get_layer("emb")
+        devices, table = layer._table.devices, layer._table.numpy()
+        want = model(tf.constant(IDS)).numpy()
+        layer.quantize("int8")
+        self.assertEqual(layer._table.devices, devices)
+        self.assertEqual(layer.embeddings_scale.devices, devices)
+        scale = 127.0 / (np.abs(table).max(axis=1) + keras.config.epsilon())
+        self.assertAllEqual(layer._table.numpy(), np.round(table * scale[:, None]).astype(np.int8))
+        self.assertAllClose(model(tf.constant(IDS)), want, atol=0.01)
+
     def test_saves_trace_once_and_keep_the_last_three(self):
         with self.strategy.scope():
             model = make_model()

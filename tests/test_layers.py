@@ -216,6 +216,25 @@ class DefaultStrategyLayerTest(tf.test.TestCase):
         self.assertAllEqual(ours(sparse), theirs(sparse))  # [2, 3, DIM]: absent entries read row 0
         self.assertAllEqual(ours(sparse)[0, 1], table[0])
 
+    def test_int8_quantization_matches_keras_int8_layer(self):
+        ids = np.random.RandomState(2).randint(0, ROWS, (16, 3))
+        for partitions, combiner in ((1, None), (3, None), (3, "mean")):
+            ours = tfs.layers.Embedding(ROWS, DIM, partitions=partitions, scheme="mod", combiner=combiner, seed=4)
+            ours.build()
+            theirs = keras.layers.Embedding(
+                ROWS, DIM, embeddings_initializer=keras.initializers.Constant(ours.embeddings.numpy())
+            )
+            theirs.build()
+            ours.quantize("int8")
+            theirs.quantize("int8")
+            self.assertEqual(ours.dtype_policy.name, theirs.dtype_policy.name)  # int8_from_float32
+            self.assertEqual([v.dtype for v in ours._table.variables], [tf.int8] * partitions)
+            self.assertAllEqual(ours._table.numpy(), theirs._embeddings.numpy())
+            self.assertAllClose(ours.embeddings_scale.numpy(), theirs.embeddings_scale.numpy())
+            want = theirs(ids).numpy()
+            want = want.mean(axis=1) if combiner else want
+            self.assertAllClose(ours(ids), want, atol=1e-6)
+
     def test_mask_zero_single_hot(self):
         layer = tfs.layers.Embedding(ROWS, DIM, mask_zero=True)
         self.assertAllEqual(layer.compute_mask(tf.constant([[0, 3]])), [[False, True]])
@@ -231,8 +250,10 @@ class DefaultStrategyLayerTest(tf.test.TestCase):
             tfs.layers.Embedding(ROWS, DIM, combiner="max")
         with self.assertRaisesRegex(ValueError, "Argument `input_dim` must be a positive int"):
             tfs.layers.Embedding(0, DIM)
-        with self.assertRaisesRegex(ValueError, "Argument `quantization_config` is not supported by tfs.layers"):
-            tfs.layers.Embedding(ROWS, DIM, quantization_config={"mode": "int8"})
+        built = tfs.layers.Embedding(ROWS, DIM)
+        built.build()
+        with self.assertRaisesRegex(NotImplementedError, "quantizes to \\('int8',\\) only. Received: mode='int4'"):
+            built.quantize("int4")
         with self.assertRaisesRegex(
             ValueError, "Argument `lora_rank` must be a positive integer. Received: lora_rank=-2"
         ):

@@ -204,6 +204,12 @@ def keras_weights_rollback(layer):
         raise
 
 
+def keras_untrack(layer, weights) -> None:
+    """Removes `weights` from the Keras layer's own weights (as `keras_weights_rollback` does on failure)."""
+    for weight in weights:
+        layer._untrack_variable(weight)
+
+
 @contextlib.contextmanager
 def keras_unlocked(layer):
     """Lets a built Keras layer gain weights in the block (Keras locks a layer's `_tracker` once built;

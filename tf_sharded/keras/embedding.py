@@ -9,6 +9,7 @@ to the shards and never concatenate the table.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import keras
@@ -18,6 +19,7 @@ import tensorflow as tf
 from tf_sharded import _compat
 from tf_sharded.config import Combiner, TableConfig
 from tf_sharded.errors import positive_int
+from tf_sharded.keras import quantized
 from tf_sharded.keras.layer_tables import (
     create_layer_table,
     load_table,
@@ -26,11 +28,8 @@ from tf_sharded.keras.layer_tables import (
     padded_to_ragged,
 )
 from tf_sharded.partition import PartitionSpec
-from tf_sharded.table.lookup import FeatureLookup, lookup_features
+from tf_sharded.table.lookup import FeatureLookup, combine, lookup_features, multi_hot_components
 from tf_sharded.table.sharded_variable import ShardedVariable
-
-# keras.layers.Embedding arguments not supported yet: quantization.
-_NOT_YET = ("quantization_config",)
 
 
 @keras.saving.register_keras_serializable(package="tf_sharded")
@@ -93,14 +92,9 @@ class Embedding(keras.layers.Layer):
         **kwargs,
     ):
         kwargs.pop("input_length", None)  # accepted by Keras 2; meaningless here too
-        for name in _NOT_YET:
-            if kwargs.get(name) is not None:
-                raise ValueError(
-                    f"Argument `{name}` is not supported by tfs.layers.Embedding yet (Keras's quantization of a "
-                    f"sharded table is not built). Received: {name}={kwargs[name]!r}"
-                )
-            kwargs.pop(name, None)
+        quantization_config = kwargs.pop("quantization_config", None)
         super().__init__(**kwargs)
+        self.quantization_config = quantization_config
         self.input_dim = positive_int("input_dim", input_dim)
         self.output_dim = positive_int("output_dim", output_dim)
         combiner = Combiner.parse_optional(combiner, "combiner", say_none=True)
@@ -140,6 +134,14 @@ class Embedding(keras.layers.Layer):
     def build(self, input_shape=None):
         if self.built:
             return
+        # LoRA factors and int8 tables added later go where the table went, even from outside the scope.
+        _compat.set_untracked(self, "_built_under", tf.distribute.get_strategy())
+        if self.quantization_mode is not None:  # an int8 dtype policy: the int8 rows, filled by loading
+            self.quantized_build(input_shape, self.quantization_mode, self.quantization_config)
+            self.built = True
+            if self.lora_rank:
+                self.enable_lora(self.lora_rank, self.lora_alpha)
+            return
         config = TableConfig(
             self.name,
             (self.input_dim, self.output_dim),
@@ -157,9 +159,10 @@ class Embedding(keras.layers.Layer):
 
     @property
     def embeddings(self):
-        """The table (a `tfs.ShardedVariable`); with LoRA enabled, as Keras's, the merged table as a tensor
-        (`table + lora_alpha / lora_rank * lora_embeddings_a @ lora_embeddings_b`: every row is read)."""
-        if not self.lora_enabled:
+        """The table (a `tfs.ShardedVariable`; int8 once quantized); with LoRA enabled, as Keras's, the merged
+        table as a tensor (`table + lora_alpha / lora_rank * lora_embeddings_a @ lora_embeddings_b`: every row
+        is read)."""
+        if not self.lora_enabled or self.quantization_mode is not None:
             return self._table
         return self._table.read_value() + self._lora_scale * tf.matmul(
             self.lora_embeddings_a.read_value(), self.lora_embeddings_b
@@ -182,7 +185,14 @@ class Embedding(keras.layers.Layer):
             return inputs.with_flat_values(self._rows(inputs.flat_values))
         return self._rows(inputs)
 
+    @property
+    def _embeddings(self):
+        # Keras's name for the table (int8 once quantized), which code written for keras.layers.Embedding reads.
+        return self._table
+
     def _rows(self, ids, combiner=None):
+        if self.quantization_mode is not None:
+            return self._int8_rows(ids, combiner)
         tables = [self._table] + ([self.lora_embeddings_a] if self.lora_enabled else [])
         # With LoRA, the table's rows and lora_embeddings_a's rows in one batched lookup; the combiners are
         # linear, so a bag's LoRA term is its combined A-rows times B.
@@ -229,7 +239,7 @@ class Embedding(keras.layers.Layer):
             exchange=self.exchange,
             placement=self.placement,
         )
-        with _compat.keras_unlocked(self), _compat.keras_weights_rollback(self):
+        with self._build_scope(), _compat.keras_unlocked(self), _compat.keras_weights_rollback(self):
             self.lora_embeddings_a = create_layer_table(self, config, "lora_embeddings_a")
             self.lora_embeddings_b = self.add_weight(
                 name="lora_embeddings_b", shape=(rank, self.output_dim), initializer=b_initializer,
@@ -241,6 +251,67 @@ class Embedding(keras.layers.Layer):
         self.lora_rank = rank
         self.lora_alpha = lora_alpha if lora_alpha is not None else rank
 
+    def _int8_rows(self, ids, combiner=None):
+        # int8 rows and their scales for the same ids (one batched lookup), dequantized, then combined: a
+        # combiner would otherwise weigh int8 rows.
+        flat = multi_hot_components(ids, "inputs")[0] if combiner is not None else ids
+        tables = [self._table, self.embeddings_scale] + ([self.lora_embeddings_a] if self.lora_enabled else [])
+        rows = lookup_features([FeatureLookup(t, flat, arg="inputs") for t in tables])
+        out = quantized.dequantized(rows[0], rows[1], self.compute_dtype)
+        if self.lora_enabled:
+            lora = self._lora_scale * tf.einsum("...r,rd->...d", rows[2], self.lora_embeddings_b)
+            out = out + tf.cast(lora, out.dtype)
+        if combiner is not None:
+            _, row_ids, num_rows, _ = multi_hot_components(ids, "inputs")
+            out = combine(out, tf.cast(row_ids, tf.int32), tf.cast(num_rows, tf.int32), tf.ones_like(out[:, 0]),
+                          combiner)  # fmt: skip
+        return out
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        """Keras's `quantize`: `"int8"` replaces the table by int8 rows and a scale per row, both sharded as
+        the table was (the float table is read once, whole). `"int4"` is not supported."""
+        if type_check and type(self) is not Embedding:
+            raise self._not_implemented_error(self.quantize)
+        self._check_mode(mode)
+        self.quantization_config = config
+        rows, scale = quantized.quantize_rows(self._table.numpy(), config)
+        self._replace_table(mode, rows, scale)
+        if self.dtype_policy.quantization_mode is None:
+            self.dtype_policy = keras.dtype_policies.get(f"{mode}_from_{self.dtype_policy.name}")
+
+    def quantized_build(self, input_shape, mode, config=None):
+        """The int8 table (zeros) and scales (ones) a quantized layer loads its weights into."""
+        self._check_mode(mode)
+        self._replace_table(mode)
+
+    def _check_mode(self, mode):
+        if mode not in quantized.MODES:
+            if mode in quantized.KERAS_MODES:
+                raise NotImplementedError(
+                    f"Layer '{self.name}': tfs.layers.Embedding quantizes to {quantized.MODES} only. "
+                    f"Received: mode={mode!r}"
+                )
+            raise self._quantization_mode_error(mode)
+
+    def _replace_table(self, mode, rows=None, scale=None):
+        old = self._table
+        partitions, scheme = (old.partition, None) if old is not None else (self.partitions, self.scheme)
+        with self._build_scope(), _compat.keras_unlocked(self), _compat.keras_weights_rollback(self):
+            self._table, self.embeddings_scale = quantized.create_int8_tables(self, partitions, scheme, rows, scale)
+        if old is not None:
+            _compat.keras_untrack(self, self._table_weights(old))
+        self._is_quantized = True
+
+    def _build_scope(self):
+        """The scope of the strategy the layer was built under, unless a strategy's scope is entered."""
+        built_under = getattr(self, "_built_under", None)
+        if built_under is None or tf.distribute.has_strategy():
+            return contextlib.nullcontext()
+        return built_under.scope()
+
+    def _int8_call(self, inputs, training=None):
+        return self.call(inputs)
+
     def _table_weights(self, table):
         """The layer's Keras variables that are `table`'s shards."""
         shards = {id(v) for v in table.variables}
@@ -249,11 +320,22 @@ class Embedding(keras.layers.Layer):
     def save_own_variables(self, store):
         # The logical table, whatever the layout, under the key keras.layers.Embedding uses: files load into
         # any other layout, and weights move between this layer and Keras's in both directions. With LoRA,
-        # the merged table, as Keras's.
-        store["0"] = np.asarray(self.embeddings.numpy())
+        # the merged table, as Keras's; quantized, the int8 rows and the scales ("0", "1").
+        if self.quantization_mode is None:
+            store["0"] = np.asarray(self.embeddings.numpy())
+            return
+        rows, scale = self._table.numpy(), self.embeddings_scale.numpy()
+        if self.lora_enabled:
+            merged = rows / scale[:, None] + self._lora_scale * (
+                self.lora_embeddings_a.numpy() @ self.lora_embeddings_b.numpy()
+            )
+            rows, scale = quantized.quantize_rows(merged, self.quantization_config)
+        store["0"], store["1"] = rows, scale
 
     def load_own_variables(self, store):
         load_table(self._table, store, "0", self.name)
+        if self.quantization_mode is not None:
+            load_table(self.embeddings_scale, store, "1", self.name)
         if self.lora_enabled:
             self.lora_embeddings_a.assign(np.zeros(self.lora_embeddings_a.shape, self.variable_dtype))
             self.lora_embeddings_b.assign(np.zeros(self.lora_embeddings_b.shape, self.variable_dtype))
@@ -291,10 +373,13 @@ class Embedding(keras.layers.Layer):
         )
         if self.lora_rank:
             config.update({"lora_rank": self.lora_rank, "lora_alpha": self.lora_alpha})
+        config["quantization_config"] = keras.saving.serialize_keras_object(self.quantization_config)
         return config
 
     @classmethod
     def from_config(cls, config):
+        config = dict(config)
+        config["quantization_config"] = keras.saving.deserialize_keras_object(config.get("quantization_config"))
         try:
             return cls(**options_from_config(config))
         except (ValueError, TypeError) as error:  # as Keras's layers report a config they cannot rebuild

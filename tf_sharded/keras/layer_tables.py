@@ -39,15 +39,20 @@ def options_from_config(config: dict) -> dict:
     return config
 
 
-def create_layer_table(layer: keras.layers.Layer, config: TableConfig, prefix: str):
+def create_layer_table(layer: keras.layers.Layer, config: TableConfig, prefix: str, dtype=None, trainable=None):
     """Creates `config`'s table under the current strategy with its shards as `layer`'s own Keras variables.
 
     Keras then trains, counts and saves them. Created outside Keras's
     StatelessScope, where a new variable would only be deferred. All or
     nothing: if a shard fails, the shards made before it leave the layer.
+    The shards take the layer's variable dtype and trainability unless
+    `dtype` / `trainable` say otherwise (a quantized table's int8 rows).
     """
     config = dataclasses.replace(
-        config, dtype=layer.variable_dtype, trainable=layer.trainable, initializer=keras_initializer(config.initializer)
+        config,
+        dtype=dtype or layer.variable_dtype,
+        trainable=layer.trainable if trainable is None else trainable,
+        initializer=keras_initializer(config.initializer),
     )
 
     def factory(index, initial_value_fn, shape, dtype, trainable):
