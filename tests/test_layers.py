@@ -1,5 +1,6 @@
 """tfs.layers.Embedding: Keras 3 models, model.fit under default and Mirrored strategies."""
 
+import os
 from unittest import mock
 
 import keras
@@ -234,6 +235,17 @@ class DefaultStrategyLayerTest(tf.test.TestCase):
             want = theirs(ids).numpy()
             want = want.mean(axis=1) if combiner else want
             self.assertAllClose(ours(ids), want, atol=1e-6)
+
+    def test_checkpoint_keys_are_the_keras_names_with_lora_and_int8(self):
+        layer = tfs.layers.Embedding(ROWS, DIM, partitions=2)
+        layer.build()
+        keys = lambda: {k for k, _ in tf.train.list_variables(  # noqa: E731
+            tf.train.Checkpoint(layer=layer).save(os.path.join(self.get_temp_dir(), "c")))}  # fmt: skip
+        self.assertIn("layer/embeddings/.ATTRIBUTES/VARIABLE_VALUE", keys())
+        layer.enable_lora(2)
+        layer.quantize("int8")
+        names = {k.split("/")[1] for k in keys() if k.startswith("layer/")}
+        self.assertEqual(names, {"embeddings", "embeddings_scale", "lora_embeddings_a", "lora_embeddings_b"})
 
     def test_mask_zero_single_hot(self):
         layer = tfs.layers.Embedding(ROWS, DIM, mask_zero=True)

@@ -116,7 +116,7 @@ class Embedding(keras.layers.Layer):
         self.placement = placement
         self.seed = seed
         self.supports_masking = self.mask_zero and combiner is None
-        self._table: Optional[ShardedVariable] = None
+        _compat.set_untracked(self, "_sharded_table", None)
         # As Keras's: a rank of 0 (or None) means no LoRA.
         self.lora_rank = positive_int("lora_rank", lora_rank) if lora_rank not in (None, 0) else None
         self.lora_alpha = lora_alpha if lora_alpha is not None else self.lora_rank
@@ -152,7 +152,7 @@ class Embedding(keras.layers.Layer):
             exchange=self.exchange,
             placement=self.placement,
         )
-        self._table = create_layer_table(self, config, "embeddings")
+        self._set_table(create_layer_table(self, config, "embeddings"))
         self.built = True
         if self.lora_rank:
             self.enable_lora(self.lora_rank, self.lora_alpha)
@@ -184,6 +184,15 @@ class Embedding(keras.layers.Layer):
         if isinstance(inputs, tf.RaggedTensor):  # as Keras: one row per id, ragged as the ids
             return inputs.with_flat_values(self._rows(inputs.flat_values))
         return self._rows(inputs)
+
+    @property
+    def _table(self) -> Optional[ShardedVariable]:
+        return self._sharded_table
+
+    def _set_table(self, table: ShardedVariable) -> None:
+        # TensorFlow checkpoints keep the table under `embeddings` (Keras's name; int8 rows once quantized).
+        _compat.set_untracked(self, "_sharded_table", table)
+        _compat.keras_track(self, table, "embeddings")
 
     @property
     def _embeddings(self):
@@ -297,7 +306,8 @@ class Embedding(keras.layers.Layer):
         old = self._table
         partitions, scheme = (old.partition, None) if old is not None else (self.partitions, self.scheme)
         with self._build_scope(), _compat.keras_unlocked(self), _compat.keras_weights_rollback(self):
-            self._table, self.embeddings_scale = quantized.create_int8_tables(self, partitions, scheme, rows, scale)
+            table, self.embeddings_scale = quantized.create_int8_tables(self, partitions, scheme, rows, scale)
+        self._set_table(table)
         if old is not None:
             _compat.keras_untrack(self, self._table_weights(old))
         self._is_quantized = True
