@@ -172,6 +172,10 @@ class Embedding(keras.layers.Layer):
     def _lora_scale(self) -> float:
         return self.lora_alpha / self.lora_rank
 
+    def _lora_term(self, a_rows):
+        """`lora_alpha / lora_rank * a_rows @ lora_embeddings_b` for rows of `lora_embeddings_a`."""
+        return self._lora_scale * tf.einsum("...r,rd->...d", a_rows, self.lora_embeddings_b)
+
     def call(self, inputs):
         who = f"Layer '{self.name}'"
         if tf.as_dtype(inputs.dtype).is_floating:
@@ -208,7 +212,7 @@ class Embedding(keras.layers.Layer):
         rows = lookup_features([FeatureLookup(t, ids, combiner, arg="inputs") for t in tables])
         out = rows[0]
         if self.lora_enabled:
-            out = out + self._lora_scale * tf.einsum("...r,rd->...d", rows[1], self.lora_embeddings_b)
+            out = out + self._lora_term(rows[1])
         if self.embeddings_regularizer is not None:
             self.add_loss(self.embeddings_regularizer(out))
         return tf.cast(out, self.compute_dtype)  # mixed precision: rows kept in the variable dtype
@@ -263,15 +267,15 @@ class Embedding(keras.layers.Layer):
     def _int8_rows(self, ids, combiner=None):
         # int8 rows and their scales for the same ids (one batched lookup), dequantized, then combined: a
         # combiner would otherwise weigh int8 rows.
-        flat = multi_hot_components(ids, "inputs")[0] if combiner is not None else ids
+        flat = ids
+        if combiner is not None:
+            flat, row_ids, num_rows, _ = multi_hot_components(ids, "inputs")
         tables = [self._table, self.embeddings_scale] + ([self.lora_embeddings_a] if self.lora_enabled else [])
         rows = lookup_features([FeatureLookup(t, flat, arg="inputs") for t in tables])
         out = quantized.dequantized(rows[0], rows[1], self.compute_dtype)
         if self.lora_enabled:
-            lora = self._lora_scale * tf.einsum("...r,rd->...d", rows[2], self.lora_embeddings_b)
-            out = out + tf.cast(lora, out.dtype)
+            out = out + tf.cast(self._lora_term(rows[2]), out.dtype)
         if combiner is not None:
-            _, row_ids, num_rows, _ = multi_hot_components(ids, "inputs")
             out = combine(out, tf.cast(row_ids, tf.int32), tf.cast(num_rows, tf.int32), tf.ones_like(out[:, 0]),
                           combiner)  # fmt: skip
         return out
@@ -284,14 +288,14 @@ class Embedding(keras.layers.Layer):
         self._check_mode(mode)
         self.quantization_config = config
         rows, scale = quantized.quantize_rows(self._table.numpy(), config)
-        self._replace_table(mode, rows, scale)
+        self._replace_table(rows, scale)
         if self.dtype_policy.quantization_mode is None:
             self.dtype_policy = keras.dtype_policies.get(f"{mode}_from_{self.dtype_policy.name}")
 
     def quantized_build(self, input_shape, mode, config=None):
         """The int8 table (zeros) and scales (ones) a quantized layer loads its weights into."""
         self._check_mode(mode)
-        self._replace_table(mode)
+        self._replace_table()
 
     def _check_mode(self, mode):
         if mode not in quantized.MODES:
@@ -302,7 +306,7 @@ class Embedding(keras.layers.Layer):
                 )
             raise self._quantization_mode_error(mode)
 
-    def _replace_table(self, mode, rows=None, scale=None):
+    def _replace_table(self, rows=None, scale=None):
         old = self._table
         partitions, scheme = (old.partition, None) if old is not None else (self.partitions, self.scheme)
         with self._build_scope(), _compat.keras_unlocked(self), _compat.keras_weights_rollback(self):

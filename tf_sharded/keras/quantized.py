@@ -22,10 +22,12 @@ KERAS_MODES = ("int4", "float8", "gptq", "awq")
 
 
 def quantize_rows(values: np.ndarray, config=None):
-    """`(int8 rows, float scale per row)` of `values` by `config`'s weight quantizer (Keras's default if none)."""
+    """`(int8 rows, float scale per row)` of `values` by `config`'s weight quantizer (Keras's default if none).
+
+    Rows of rank above 1 are scaled as one vector each."""
     quantizer = getattr(config, "weight_quantizer", None) or keras.quantizers.AbsMaxQuantizer(axis=-1)
-    rows, scale = quantizer(values, to_numpy=True)
-    return np.asarray(rows, np.int8), np.asarray(scale).reshape(len(values))
+    rows, scale = quantizer(np.reshape(values, (len(values), -1)), to_numpy=True)
+    return np.asarray(rows, np.int8).reshape(np.shape(values)), np.asarray(scale).reshape(len(values))
 
 
 def create_int8_tables(layer, partitions, scheme=None, rows=None, scale=None):
@@ -46,5 +48,7 @@ def create_int8_tables(layer, partitions, scheme=None, rows=None, scale=None):
 
 
 def dequantized(rows: tf.Tensor, scale: tf.Tensor, dtype) -> tf.Tensor:
-    """`rows / scale` per row, in `dtype`."""
-    return tf.cast(rows, dtype) / tf.cast(scale[..., None], dtype)
+    """`rows / scale`, each row by its scale, in `dtype`."""
+    extra = rows.shape.rank - scale.shape.rank
+    scale = tf.reshape(scale, tf.concat([tf.shape(scale), tf.ones([extra], tf.int32)], 0))
+    return tf.cast(rows, dtype) / tf.cast(scale, dtype)

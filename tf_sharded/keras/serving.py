@@ -14,8 +14,10 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 import keras
+import numpy as np
 import tensorflow as tf
 
+from tf_sharded.keras import quantized
 from tf_sharded.table.dynamic import DynamicTable
 from tf_sharded.table.dynamic_serving import ServedDynamicTable, write_delta
 from tf_sharded.table.lookup import substituted
@@ -106,22 +108,14 @@ class ServedInt8Table(tf.Module):
         stem = table.name.replace("/", "_")
         super().__init__(name=stem)
         self.dtype = table.dtype
+        rows, scale = quantized.quantize_rows(tf.cast(table.read_value(), tf.float32).numpy())
         with tf.device("/cpu:0"):
-            values = tf.cast(table.read_value(), tf.float32)
-            axes = list(range(1, values.shape.rank))
-            scale = 127.0 / (tf.reduce_max(tf.abs(values), axis=axes) + keras.config.epsilon())
-            quantized = tf.clip_by_value(tf.round(values * self._expand(scale, values.shape.rank)), -127, 127)
-            self.values = tf.Variable(tf.cast(quantized, tf.int8), trainable=False, name=f"{stem}_int8")
-            self.scale = tf.Variable(scale, trainable=False, name=f"{stem}_scale")
-
-    @staticmethod
-    def _expand(scale, rank: int):
-        return tf.reshape(scale, tf.concat([tf.shape(scale), tf.ones([rank - 1], tf.int32)], 0))
+            self.values = tf.Variable(rows, trainable=False, name=f"{stem}_int8")
+            self.scale = tf.Variable(scale.astype(np.float32), trainable=False, name=f"{stem}_scale")
 
     def lookup(self, ids):
         """The dequantized rows of rank-1 `ids`."""
-        rows = tf.cast(tf.gather(self.values, ids), tf.float32)
-        return tf.cast(rows / self._expand(tf.gather(self.scale, ids), self.values.shape.rank), self.dtype)
+        return quantized.dequantized(tf.gather(self.values, ids), tf.gather(self.scale, ids), self.dtype)
 
 
 def _served_table(table, quantize: Optional[str]):
