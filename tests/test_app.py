@@ -154,6 +154,22 @@ class ApplicationTest(tf.test.TestCase):
             r"PartitionSpec\(num_shards=1, scheme='div'\) on 1 device\(s\) under MirroredStrategy",
         )
 
+    def test_plan_auto_prints_the_plan_it_trains_with(self):
+        """`--plan auto` under the default strategy (parameter servers): the printed plan is the layout saved."""
+        ckpt = os.path.join(self.get_temp_dir(), "planned")
+        proc = train("--plan", "auto", "--checkpoint_dir", ckpt)
+        self.assertEqual(proc.returncode, 0, msg=proc.stderr[-3000:])
+        self.assertIn("embeddings: plan for parameter_server (2 ps)", proc.stdout)
+        self.assertIn("4 steps", summary(proc))
+        planned = dict(re.findall(r"^(C\d+) +\S+ x 16 +\d+ +\d+ +2 shards, (div|mod) ", proc.stdout, re.M))
+        self.assertEqual(len(planned), 26, proc.stdout)
+        self.assertIn("mod", planned.values())  # the held-out sample shows skew in some small tables
+        shown = run_python(["-m", "tf_sharded", "inspect", ckpt])
+        self.assertEqual(shown.returncode, 0, shown.stderr[-2000:])
+        saved = dict(re.findall(r"table 'embeddings/(C\d+)' saved as PartitionSpec\(num_shards=2, scheme='(\w+)'\)",
+                                shown.stdout))  # fmt: skip
+        self.assertEqual(saved, planned)
+
     def test_bad_flags_and_unreadable_input(self):
         small = os.path.join(self.get_temp_dir(), "small")
         ratings = os.path.join(self.get_temp_dir(), "ratings")

@@ -74,12 +74,16 @@ class BenchmarkSuiteTest(tf.test.TestCase):
         # B4 (end to end, one process per strategy) beside the others: two runs of the command at once.
         bench = ["-m", "tf_sharded", "bench", "--quick", "--out", out]
         runs = run_python_together(
-            [bench + ["e2e", "quantize", "mwprofile"], bench + ["ps", "exchange", "fused", "memory", "dynamic"]], 900
+            [
+                bench + ["e2e", "quantize", "mwprofile", "plan"],
+                bench + ["ps", "exchange", "fused", "memory", "dynamic"],
+            ],
+            900,
         )
         for proc in runs:
             self.assertEqual(proc.returncode, 0, msg=proc.stdout + proc.stderr[-3000:])
         proc = subprocess.CompletedProcess(runs[1].args, 0, runs[0].stdout + runs[1].stdout, "")
-        for name in ("ps", "exchange", "fused", "memory", "e2e", "dynamic", "quantize", "mwprofile"):
+        for name in ("ps", "exchange", "fused", "memory", "e2e", "dynamic", "quantize", "mwprofile", "plan"):
             self.assertTrue(os.path.getsize(os.path.join(out, f"{name}.png")) > 1000, name)
         self.assertIn("native/ours", proc.stdout)
         self.check_exchange(out)
@@ -159,6 +163,26 @@ class BenchmarkSuiteTest(tf.test.TestCase):
             self.assertEqual(row["tfra_live_keys"]["tfra_per_feature"], row["live_keys"])
         self.check_quantize(out)
         self.check_multi_worker_profile(out)
+        self.check_plan(out)
+
+    def check_plan(self, out):
+        """B11's schema; which option the plan takes is a function of the sample (timings are not checked here:
+        `tests/test_plan.py` checks the committed full run)."""
+        with open(os.path.join(out, "plan.json")) as f:
+            report = json.load(f)
+        self.assertEqual(
+            set(report["fitted"]), {"PS_DISPATCH_MS", "PS_VARIABLE_MS", "PS_ID_US", "EXCHANGE_BYTES_PER_MS"}
+        )
+        points = {r.get("point") or r["rows"]: r for r in report["results"]}
+        self.assertEqual(list(points), ["storage", "shards", "scheme", 20_000, 2_000])
+        chosen = {k: r["plan_chose"] for k, r in points.items()}
+        self.assertEqual(chosen, {"storage": "batched", "shards": "row_wise", "scheme": "mod", 20_000: "allgather",
+                                  2_000: "dense"})  # fmt: skip
+        for row in report["results"]:
+            times = row["times_s"]
+            self.assertEqual(row["fastest"], min(times, key=times.get))
+            self.assertAlmostEqual(row["chosen_vs_fastest"], times[row["plan_chose"]] / min(times.values()))
+            self.assertEqual(row["agrees"], row["chosen_vs_fastest"] <= 1 + report["noise"])
 
     def check_multi_worker_profile(self, out):
         with open(os.path.join(out, "mwprofile.json")) as f:

@@ -18,6 +18,8 @@ from tf_sharded.keras.evaluation import evaluate, predict
 from tf_sharded.keras.serving import export, export_delta
 from tf_sharded.keras.training import fit
 from tf_sharded.partition import Layout, PartitionSpec
+from tf_sharded.planned import Plan
+from tf_sharded.planner import plan
 from tf_sharded.policies import CapacityEviction, MinCountAdmission, ProbabilityAdmission, StepsSinceSeenEviction
 from tf_sharded.strategy import default as _default  # noqa: F401  (registers the family)
 from tf_sharded.strategy import mirrored as _mirrored  # noqa: F401
@@ -51,6 +53,7 @@ __all__ = [
     "MinCountAdmission",
     "PartitionSpec",
     "Placement",
+    "Plan",
     "ProbabilityAdmission",
     "Scheme",
     "ShardedError",
@@ -72,6 +75,7 @@ __all__ = [
     "layers",
     "optimizers",
     "partitioners",
+    "plan",
     "policies",
     "predict",
     "strategy",

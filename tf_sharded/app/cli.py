@@ -105,6 +105,14 @@ def define_flags(values: flags.FlagValues) -> None:
         flag_values=values,
     )
     flags.DEFINE_integer("embedding_dim", 16, "Embedding width.", lower_bound=1, flag_values=values)
+    flags.DEFINE_enum(
+        "plan",
+        "none",
+        ["none", "auto"],
+        "auto: tfs.plan lays out each table for --strategy from a sample of the data (held-out batches) and "
+        "prints the plan; none: the strategy's defaults.",
+        flag_values=values,
+    )
     flags.DEFINE_boolean(
         "strict",
         False,
@@ -219,12 +227,14 @@ def _train(args, strategy, description, workers) -> int:
     # Every initializer (not only the tables') draws from --seed: two runs with the same flags are the same
     # run, and a killed run resumed from its checkpoint ends where an uninterrupted one does.
     keras.utils.set_random_seed(args.seed)
+    planner = _planner(args, strategy, plan)
     with strategy.scope():
         model = models.build(
             args.model,
             plan.schema,
             embedding_dim=args.embedding_dim,
             output_bias=models.output_bias(plan.scanned, binary),
+            plan=planner,
         )
         optimizer = tfs.optimizers.get(args.optimizer)
         optimizer.learning_rate = args.learning_rate
@@ -270,6 +280,24 @@ def _train(args, strategy, description, workers) -> int:
         flush=True,
     )
     return 0
+
+
+def _planner(args, strategy, data):
+    """For `--plan auto`: a function making (and printing) each collection's `tfs.plan` from a sample of the
+    held-out batches; None for `--plan none`."""
+    if args.plan != "auto":
+        return None
+    import tf_sharded as tfs
+    from tf_sharded.app import inputs
+
+    sample = inputs.id_sample(data.held_out, data.schema)
+
+    def make(tables, name):
+        made = tfs.plan(tables, strategy, ids={t: ids for t, ids in sample.items() if t in tables})
+        print(f"{name}: {made}", flush=True)
+        return made
+
+    return make
 
 
 def inspect_checkpoint(path: str) -> int:

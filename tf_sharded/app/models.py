@@ -37,9 +37,10 @@ def _inputs(schema: Schema):
 EMBEDDINGS = ("tfs", "keras")
 
 
-def _embed(ids: dict, schema: Schema, dim: int, name: str, table_options: Optional[dict], embeddings: str):
+def _embed(ids: dict, schema: Schema, dim: int, name: str, table_options: Optional[dict], embeddings: str, plan=None):
     """One vector per embedded feature: one `EmbeddingCollection` ("tfs"), or one `keras.layers.Embedding`
-    per categorical feature ("keras": TensorFlow's own path, the baseline of `bench e2e`)."""
+    per categorical feature ("keras": TensorFlow's own path, the baseline of `bench e2e`). `plan(tables,
+    name)`, if given, makes the collection's `tfs.plan`."""
     features = schema.embedded
     if embeddings == "keras":
         if table_options:
@@ -51,6 +52,8 @@ def _embed(ids: dict, schema: Schema, dim: int, name: str, table_options: Option
             raise ValueError("Argument `embeddings='keras'` has fixed vocabularies only, not dynamic ones")
         if any(f.type != FeatureType.CATEGORICAL for f in features):
             raise ValueError("Argument `embeddings='keras'` supports categorical features only, not multi_hot")
+        if plan is not None:
+            raise ValueError("Argument `plan` applies to tf_sharded tables only, not with embeddings='keras'")
         return {f.name: keras.layers.Embedding(f.buckets, dim, name=f"{name}_{f.name}")(ids[f.name]) for f in features}
     tables = {
         table: _table_config(rows, dim, i, table_options) for i, (table, rows) in enumerate(schema.tables().items())
@@ -59,7 +62,7 @@ def _embed(ids: dict, schema: Schema, dim: int, name: str, table_options: Option
         f.name: {"table": f.table_name, "combiner": f.combiner.value if f.type == FeatureType.MULTI_HOT else None}
         for f in features
     }
-    collection = EmbeddingCollection(tables, specs, name=name)
+    collection = EmbeddingCollection(tables, specs, name=name, plan=None if plan is None else plan(tables, name))
     return collection({f.name: ids[f.name] for f in features})
 
 
@@ -111,6 +114,7 @@ def dlrm(
     table_options: Optional[dict] = None,
     embeddings: str = "tfs",
     output_bias: float = 0.0,
+    plan=None,
 ) -> keras.Model:
     """DLRM: bottom MLP on the dense features, dot interaction with the embeddings, top MLP, one output.
 
@@ -133,7 +137,7 @@ def dlrm(
     schema = _schema(vocab)
     inputs = _inputs(schema)
     vectors = [_mlp(inputs["dense"], list(bottom) + [embedding_dim], "bottom")] if "dense" in inputs else []
-    embedded = _embed(inputs, schema, embedding_dim, "embeddings", table_options, embeddings)
+    embedded = _embed(inputs, schema, embedding_dim, "embeddings", table_options, embeddings, plan)
     vectors += [embedded[f.name] for f in schema.embedded]
     interaction = DotInteraction(name="interaction")(vectors)
     logit = _mlp(interaction, list(top) + [1], "top", last_activation=None, last_bias=output_bias)
@@ -157,6 +161,7 @@ def deepfm(
     table_options: Optional[dict] = None,
     embeddings: str = "tfs",
     output_bias: float = 0.0,
+    plan=None,
 ) -> keras.Model:
     """DeepFM: first-order weights, an FM over the field embeddings, and an MLP on them, summed into one logit.
 
@@ -173,8 +178,8 @@ def deepfm(
     _check_embeddings(embeddings)
     schema = _schema(vocab)
     inputs = _inputs(schema)
-    first = _embed(inputs, schema, 1, "first_order", table_options, embeddings)
-    fields = _embed(inputs, schema, embedding_dim, "embeddings", table_options, embeddings)
+    first = _embed(inputs, schema, 1, "first_order", table_options, embeddings, plan)
+    fields = _embed(inputs, schema, embedding_dim, "embeddings", table_options, embeddings, plan)
     vectors = [fields[f.name] for f in schema.embedded]
     dense = [inputs["dense"]] if "dense" in inputs else []
     linear_terms = [first[f.name] for f in schema.embedded]
@@ -194,6 +199,7 @@ def mlp(
     table_options: Optional[dict] = None,
     embeddings: str = "tfs",
     output_bias: float = 0.0,
+    plan=None,
 ) -> keras.Model:
     """An embedding MLP: the embeddings and the numeric columns, concatenated, through an MLP to one output.
 
@@ -210,7 +216,7 @@ def mlp(
     _check_embeddings(embeddings)
     schema = _schema(vocab)
     inputs = _inputs(schema)
-    embedded = _embed(inputs, schema, embedding_dim, "embeddings", table_options, embeddings)
+    embedded = _embed(inputs, schema, embedding_dim, "embeddings", table_options, embeddings, plan)
     parts = [embedded[f.name] for f in schema.embedded] + ([inputs["dense"]] if "dense" in inputs else [])
     joined = keras.layers.Concatenate(name="joined")(parts) if len(parts) > 1 else parts[0]
     output = _mlp(joined, list(hidden) + [1], "hidden", last_activation=None, last_bias=output_bias)
@@ -240,16 +246,19 @@ def build(
     table_options: Optional[dict] = None,
     embeddings: str = "tfs",
     output_bias: float = 0.0,
+    plan=None,
 ):
     """`dlrm`, `deepfm` or `mlp` by name, for a `Schema` or Criteo's table sizes.
 
     `output_bias`: where the output starts (the bias of the last layer): the label's mean for a
     regression, its log-odds for a binary label, so that training does not spend its first steps
-    learning the label's offset.
+    learning the label's offset. `plan`: optional `plan(tables, name) -> tfs.plan(...)` called for
+    each `EmbeddingCollection` (`name`) with its `tables` (e.g. `lambda tables, name: tfs.plan(tables,
+    strategy, ids=sample)`); the collection applies the result.
     """
     if name not in MODELS:
         raise ValueError(f"Argument `model` must be one of {MODELS}. Received: {name!r}")
     return {"dlrm": dlrm, "deepfm": deepfm, "mlp": mlp}[name](
         vocab, embedding_dim=embedding_dim, table_options=table_options, embeddings=embeddings,
-        output_bias=output_bias,
+        output_bias=output_bias, plan=plan,
     )  # fmt: skip

@@ -27,6 +27,7 @@ BENCHMARKS = {
     "recovery": ("tf_sharded.benchmarks.recovery", "B8: ps failure: tfs.fit recovery vs a program restart"),
     "quantize": ("tf_sharded.benchmarks.quantize", "B9: the demo model served with int8 / int4 tables vs float"),
     "mwprofile": ("tf_sharded.benchmarks.multi_worker_profile", "B10: a multi-worker mirrored step taken apart"),
+    "plan": ("tf_sharded.benchmarks.plan", "B11: tfs.plan's choices against the measured options, its constants"),
 }
 # Benchmarks that pick their own cluster (or none): run once, whatever --mode says.
 SINGLE_RUN = ("exchange", "memory", "e2e", "recovery", "quantize", "mwprofile")
@@ -165,6 +166,17 @@ def _plot(name: str, reports: List[Dict], out: str) -> str:
         ax.bar(range(len(bars)), [v for _, v in bars])
         ax.set_xticks(range(len(bars)), [k for k, _ in bars], fontsize=7)
         ax.set(ylabel="ms", title="B10: a multi-worker mirrored step and its parts")
+    elif name == "plan":
+        fig, axes = plt.subplots(1, len(reports), figsize=(7 * len(reports), 4), squeeze=False)
+        for ax, report in zip(axes[0], reports):
+            rows = report["results"]
+            labels = [r.get("point") or f"{r['rows']:,} rows\n{r['ids_per_replica']}/replica" for r in rows]
+            ax.bar(range(len(rows)), [r["chosen_vs_fastest"] for r in rows],
+                   color=["tab:green" if r["agrees"] else "tab:red" for r in rows])  # fmt: skip
+            ax.axhline(1 + report["noise"], color="gray", linestyle="--", label="noise")
+            ax.set_xticks(range(len(rows)), labels, fontsize=7)
+            ax.set(ylabel="plan's option / fastest option", title=f"B11: tfs.plan's choices ({report['mode']})")
+            ax.legend()
     elif name == "quantize":
         fig, (a, b) = plt.subplots(1, 2, figsize=(9, 4))
         rows = reports[0]["results"]

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 
 import keras
+import tensorflow as tf
 
 from tf_sharded import _compat
 from tf_sharded.config import DynamicTableConfig, FeatureConfig, TableConfig
@@ -19,6 +20,7 @@ from tf_sharded.keras.layer_tables import (
     refuse_multi_hot,
 )
 from tf_sharded.partition import PartitionSpec
+from tf_sharded.planned import Plan
 from tf_sharded.policies import deserialize_policies, serialize_policies
 from tf_sharded.table.batched import batch_key
 from tf_sharded.table.dynamic_slot import keys_from_file, keys_to_file
@@ -59,6 +61,11 @@ class EmbeddingCollection(keras.layers.Layer):
         instead of one per shard). Each table keeps its own layout,
         checkpoint key, weight-file entry and export; `layer.weights` are
         the storage variables. Other strategies ignore it.
+      plan: optional `tfs.plan(...)` result (or its `to_config()`) for these
+        tables: each table gets the plan's shards, scheme, placement and
+        exchange when the layer is built under the strategy the plan was made
+        for (under the default strategy, e.g. loading the model to serve it,
+        only its shards and scheme); under another strategy building fails.
       **kwargs: standard layer arguments.
 
     After the layer is built, `collection.tables[name]` is table `name` (a
@@ -84,7 +91,9 @@ class EmbeddingCollection(keras.layers.Layer):
     {'candidate': (2, 4), 'clicked': (2, 4), 'user_id': (2, 4)}
     """
 
-    def __init__(self, tables: dict, features: dict, partitions=None, scheme=None, batch_tables: bool = True, **kwargs):
+    def __init__(
+        self, tables: dict, features: dict, partitions=None, scheme=None, batch_tables: bool = True, plan=None, **kwargs
+    ):
         super().__init__(**kwargs)
         if not isinstance(batch_tables, bool):
             raise TypeError(f"Argument `batch_tables` must be a bool. Received: batch_tables={batch_tables!r}")
@@ -104,6 +113,9 @@ class EmbeddingCollection(keras.layers.Layer):
         self.feature_configs = {
             feature: FeatureConfig.parse(feature, spec, self.table_configs) for feature, spec in features.items()
         }
+        self.plan = None if plan is None else Plan.from_config(plan)
+        if self.plan is not None:
+            self.plan.configs(self.table_configs, f"layer '{self.name}'")  # the plan is for these tables
         self.tables: dict = {}
 
     def _with_defaults(self, config):
@@ -129,13 +141,14 @@ class EmbeddingCollection(keras.layers.Layer):
         if self.built:
             return
         created = {}
+        configs = self._planned_configs()
         # All or nothing: a table that fails takes the weights of the tables made before it off the layer.
         with _compat.keras_weights_rollback(self):
             for names in self._storage_groups():
-                if len(names) > 1 and self._create_group(names, created):
+                if len(names) > 1 and self._create_group(names, created, configs):
                     continue
                 for name in names:
-                    config = self.table_configs[name]
+                    config = configs[name]
                     with self._naming(name):
                         if isinstance(config, DynamicTableConfig):
                             created[name] = self._create_dynamic(name, config)
@@ -170,9 +183,24 @@ class EmbeddingCollection(keras.layers.Layer):
             last = key
         return runs
 
-    def _create_group(self, names, created) -> bool:
+    def _planned_configs(self) -> dict:
+        """The table configs with the plan's arguments, for the strategy the layer is built under."""
+        if self.plan is None:
+            return self.table_configs
+        configs = self.plan.configs(self.table_configs, f"layer '{self.name}'")
+        if self.plan.applies_to(tf.distribute.get_strategy(), f"layer '{self.name}'"):
+            return configs
+        # Built without a strategy (a saved model loaded to evaluate or serve): the layout, not the exchange.
+        neutral = dict(exchange=None, placement=None, ids_per_step=None)
+        return {
+            n: c if isinstance(c, DynamicTableConfig) else dataclasses.replace(c, **{
+                k: getattr(self.table_configs[n], k) for k in neutral})
+            for n, c in configs.items()
+        }  # fmt: skip
+
+    def _create_group(self, names, created, configs) -> bool:
         """Creates the tables `names` in one storage; False where the strategy does not batch tables."""
-        configs = [dataclasses.replace(self.table_configs[n], name=f"{self.name}/{n}") for n in names]
+        configs = [dataclasses.replace(configs[n], name=f"{self.name}/{n}") for n in names]
         with self._naming(", ".join(names)):
             tables = create_layer_group(self, configs, f"{self.name}/batched_{names[0]}", f"batched_{names[0]}")
         if tables is None:
@@ -250,6 +278,7 @@ class EmbeddingCollection(keras.layers.Layer):
         config.update({"tables": tables, "features": {f: s.to_config() for f, s in self.feature_configs.items()}})
         partitions = self.partitions.to_config() if isinstance(self.partitions, PartitionSpec) else self.partitions
         config.update({"partitions": partitions, "scheme": self.scheme, "batch_tables": self.batch_tables})
+        config["plan"] = None if self.plan is None else self.plan.to_config()
         return config
 
     @classmethod

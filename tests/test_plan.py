@@ -1,0 +1,223 @@
+"""`tfs.plan`: per-table decisions from the tables, the strategy and a sample of ids; `EmbeddingCollection(plan=)`
+applies them; B11's measured points agree with the plan's choices."""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sharded as tfs
+from tests.harness.strategies import mirrored, ps_strategy
+from tf_sharded import planner
+from tf_sharded.benchmarks import plan as b11
+from tf_sharded.exchange import cost
+from tf_sharded.planned import Plan
+
+PS = {"kind": "parameter_server", "num_ps": 2}
+MIRRORED = {"kind": "mirrored", "replicas": 4}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def hot_first(rows: int, n: int, seed: int = 0) -> np.ndarray:
+    """Ids of a vocabulary sorted by frequency: Zipf over the ranks, the hot ids the low ones."""
+    cdf = np.cumsum(np.arange(1, rows + 1, dtype=np.float64) ** -1.05)
+    return np.searchsorted(cdf, np.random.default_rng(seed).random(n) * cdf[-1]).astype(np.int64)
+
+
+def test_parameter_servers_shards_scheme_groups_and_memory():
+    tables = {
+        "user": {"input_dim": 100_000, "output_dim": 16},
+        "item": {"input_dim": 50_000, "output_dim": 16},
+        "tag": {"input_dim": 1_000, "output_dim": 8},
+        "fixed": {"input_dim": 1_000, "output_dim": 8, "partitions": 3, "scheme": "div"},
+    }
+    rng = np.random.default_rng(1)
+    ids = {"user": [hot_first(100_000, 512, s) for s in range(3)], "item": rng.integers(0, 50_000, (3, 512))}
+    plan = tfs.plan(tables, PS, ids=ids)
+    user, item, tag, fixed = (plan.tables[n] for n in tables)
+    assert (user.partitions, item.partitions, tag.partitions) == (2, 2, 2)
+    # The busiest shard's share, by hand: "div" sends the hot low ids to shard 0.
+    flat = np.concatenate(ids["user"])
+    div_share = np.bincount(flat // 50_000, minlength=2).max() / flat.size * 2
+    mod_share = np.bincount(flat % 2, minlength=2).max() / flat.size * 2
+    assert div_share > planner.SKEW_LIMIT * mod_share
+    assert user.scheme == "mod" and item.scheme == "div" and tag.scheme == "div"
+    assert (fixed.partitions, fixed.scheme) == (3, "div") and "set by the table config" in fixed.reason
+    # Consecutive tables of one row shape share a storage.
+    assert plan.groups == [["user", "item"], ["tag", "fixed"]]
+    assert (user.group, tag.group) == ("user", "tag")
+    assert user.ids_per_step == 512 and user.distinct_per_step == max(len(np.unique(a)) for a in ids["user"])
+    assert user.memory_mb == pytest.approx(100_000 * 16 * 4 * 2 / 2 / 2**20)
+    text = str(plan)
+    assert "2 shards, mod" in text and all(name in text for name in tables)
+    assert text.splitlines()[0].startswith("plan for parameter_server (2 ps)")
+    # Memory: a table that does not fit a ps even split over both is an error naming it.
+    with pytest.raises(ValueError, match="Table 'user' needs 6.1 MB per ps"):
+        tfs.plan(tables, PS, memory_per_device=5 << 20)
+    with pytest.raises(ValueError, match="The tables need .* per ps"):
+        tfs.plan(tables, PS, memory_per_device=7 << 20)
+
+
+def test_mirrored_exchange_follows_the_cost_model_and_placement_the_memory():
+    tables = {"big": {"input_dim": 1_000_000, "output_dim": 16}, "small": {"input_dim": 2_000, "output_dim": 16}}
+    rng = np.random.default_rng(0)
+    ids = {"big": rng.integers(0, 1_000_000, (2, 1024)), "small": rng.integers(0, 2_000, (2, 4096))}
+    plan = tfs.plan(tables, MIRRORED, ids=ids)
+    for name, table in plan.tables.items():
+        distinct = max(len(np.unique(part)) for step in ids[name] for part in np.array_split(step, 4))
+        assert table.exchange_ids == distinct
+        assert table.exchange == cost.choose(table.rows, 64, 4, distinct, in_process=True)
+        assert table.arguments()["ids_per_step"] == distinct
+    assert (plan.tables["big"].exchange, plan.tables["small"].exchange) == ("allgather", "dense")
+    # Multi-worker: the collective's model.
+    multi = tfs.plan(tables, {"kind": "multi_worker_mirrored", "replicas": 4, "workers": 2}, ids=ids)
+    d = multi.tables["small"].exchange_ids
+    assert multi.tables["small"].exchange == cost.choose(2_000, 64, 4, d)
+    # Placement: a copy per replica while the worker holds them, else the host.
+    tight = tfs.plan(tables, MIRRORED, memory_per_device=300 << 20)
+    assert (tight.tables["big"].placement, tight.tables["small"].placement) == ("host", "device")
+    assert tight.tables["big"].exchange is None and "no sample" in tight.tables["big"].reason
+    assert tfs.plan(tables, MIRRORED).tables["big"].placement == "device"  # 61 MB: under the size rule
+    with pytest.raises(ValueError, match="Table 'big' needs 122.1 MB .* Use parameter servers"):
+        tfs.plan(tables, MIRRORED, memory_per_device=100 << 20)
+
+
+def test_statistics_instead_of_a_sample_and_the_default_strategy():
+    tables = {"t": {"input_dim": 5_000, "output_dim": 8}}
+    plan = tfs.plan(tables, MIRRORED, ids={"t": {"ids_per_step": 8192, "distinct_per_step": 1500}})
+    assert plan.tables["t"].exchange == cost.choose(5_000, 32, 4, 1500, in_process=True)
+    local = tfs.plan(tables, None, ids={"t": np.arange(100)})
+    assert local.kind == "default" and local.tables["t"].arguments() == {}
+
+
+def test_bad_input_names_the_argument():
+    tables = {"t": {"input_dim": 100, "output_dim": 4}}
+    cases = [
+        (dict(tables=tables, strategy={"kind": "ps"}), ValueError, r"strategy\['kind'\]"),
+        (dict(tables=tables, strategy={"kind": "parameter_server"}), ValueError, r"strategy\['num_ps'\]"),
+        (dict(tables=tables, strategy="mirrored"), TypeError, "Argument `strategy`"),
+        (dict(tables={}, strategy=PS), ValueError, "Argument `tables`"),
+        (dict(tables=tables, strategy=PS, ids={"u": np.arange(3)}), ValueError, r"not in `tables`: \['u'\]"),
+        (dict(tables=tables, strategy=PS, ids={"t": np.array([0.5])}), TypeError, r"ids\['t'\].*integer"),
+        (dict(tables=tables, strategy=PS, ids={"t": np.array([3, 100])}), ValueError, r"\[0, 100\).*to 100"),
+        (dict(tables=tables, strategy=PS, ids={"t": {"distinct": 3}}), ValueError, "ids_per_step"),
+        (dict(tables=tables, strategy=PS, ids=[1, 2]), TypeError, "Argument `ids`"),
+        (dict(tables=tables, strategy=PS, memory_per_device=-1), ValueError, "memory_per_device"),
+        (dict(tables=tables, strategy=PS, slots=-1), ValueError, "slots"),
+    ]
+    for kwargs, kind, message in cases:
+        with pytest.raises(kind, match=message):
+            tfs.plan(**kwargs)
+    plan = tfs.plan(tables, PS)
+    with pytest.raises(ValueError, match=r"plan` is for the tables \['t'\], not \['u'\]"):
+        tfs.layers.EmbeddingCollection({"u": {"input_dim": 100, "output_dim": 4}}, {"u": "u"}, plan=plan)
+    with pytest.raises(ValueError, match="has table 't' as 100 x 4; the table is 50 x 4"):
+        tfs.layers.EmbeddingCollection({"t": {"input_dim": 50, "output_dim": 4}}, {"t": "t"}, plan=plan)
+    with pytest.raises(ValueError, match="Argument `plan` must be"):
+        tfs.layers.EmbeddingCollection(tables, {"t": "t"}, plan={"tables": {}})
+
+
+@pytest.mark.mirrored
+def test_collection_applies_a_mirrored_plan():
+    strategy = mirrored()
+    tables = {"big": {"input_dim": 20_000, "output_dim": 4, "seed": 1}, "small": {"input_dim": 50, "output_dim": 4}}
+    rng = np.random.default_rng(0)
+    ids = {"big": rng.integers(0, 20_000, (2, 64)), "small": rng.integers(0, 50, (2, 256))}
+    plan = tfs.plan(tables, strategy, ids=ids)
+    assert plan.kind == "mirrored" and plan.topology.replicas == 4
+    with strategy.scope():
+        layer = tfs.layers.EmbeddingCollection(tables, {"b": "big", "s": "small"}, plan=plan)
+        layer.build()
+    for name in tables:
+        table, planned = layer.tables[name], plan.tables[name]
+        assert table.exchange.mode == "auto" and table.exchange.ids_per_step == planned.exchange_ids
+    assert (plan.tables["big"].exchange, plan.tables["small"].exchange) == ("allgather", "dense")
+    # A parameter-server plan does not build under a mirrored strategy.
+    with strategy.scope(), pytest.raises(ValueError, match="made for parameter_server; layer 'x' is built under"):
+        tfs.layers.EmbeddingCollection(tables, {"b": "big"}, plan=tfs.plan(tables, PS), name="x").build()
+
+
+@pytest.mark.ps_cluster
+def test_collection_applies_a_parameter_server_plan_and_keeps_it(tmp_path):
+    strategy = ps_strategy()
+    tables = {
+        "user": {"input_dim": 4_000, "output_dim": 4, "seed": 1},
+        "tag": {"input_dim": 30, "output_dim": 4, "seed": 2},
+    }
+    ids = {"user": [hot_first(4_000, 256, s) for s in range(2)]}
+    plan = tfs.plan(tables, strategy, ids=ids)
+    assert plan.tables["user"].scheme == "mod" and plan.tables["tag"].scheme == "div"
+    with strategy.scope():
+        planned = tfs.layers.EmbeddingCollection(tables, {"u": "user", "t": "tag"}, plan=plan, name="planned")
+        planned.build()
+        plain = tfs.layers.EmbeddingCollection(tables, {"u": "user", "t": "tag"}, name="plain")
+        plain.build()
+    for name in tables:
+        spec = planned.tables[name].partition
+        assert (spec.num_shards, spec.scheme) == (plan.tables[name].partitions, plan.tables[name].scheme)
+        # Layout-free: the same rows as the collection without a plan.
+        np.testing.assert_array_equal(planned.tables[name].numpy(), plain.tables[name].numpy())
+    assert len(planned.trainable_variables) == 2  # one storage per ps for both tables
+    # The plan travels with the layer's config; a .keras file loads without a strategy (the layout applies).
+    config = planned.get_config()
+    assert Plan.from_config(json.loads(json.dumps(config["plan"]))).to_config() == plan.to_config()
+    inputs = {"u": keras.Input((), dtype="int64", name="u"), "t": keras.Input((), dtype="int64", name="t")}
+    with strategy.scope():
+        out = tfs.layers.EmbeddingCollection(tables, {"u": "user", "t": "tag"}, plan=plan, name="c")(inputs)
+        model = keras.Model(inputs, keras.layers.Concatenate()([out["u"], out["t"]]))
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    layer = loaded.get_layer("c")
+    assert layer.tables["user"].partition.scheme == "mod"
+    batch = {"u": tf.constant([0, 1, 3999]), "t": tf.constant([0, 29, 5])}
+    reference = np.concatenate([model.get_layer("c").tables["user"].numpy()[[0, 1, 3999]],
+                                model.get_layer("c").tables["tag"].numpy()[[0, 29, 5]]], axis=1)  # fmt: skip
+    np.testing.assert_array_equal(loaded(batch).numpy(), reference)
+
+
+def _report(name: str):
+    path = os.path.join(ROOT, "docs", "bench", name)
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("name", ["plan.json", "plan_process.json"])
+def test_plan_matches_the_faster_measured_option_at_b11s_points(name):
+    """B11's committed run (`python -m tf_sharded bench plan --mode both`): at every point the plan, remade now
+    from the point's ids, takes the option that run measured fastest, or one within its noise."""
+    report = _report(name)
+    assert not report["quick"] and len(report["results"]) == 7
+    for point in report["results"]:
+        if point["family"] == "parameter_server":
+            batches = b11.sample_ids(point["point"], point["rows"], point["batch"], point["tables"], point["steps"])
+            tables = {f"t{i}": {"input_dim": point["rows"], "output_dim": b11.DIM} for i in range(point["tables"])}
+            plan = tfs.plan(tables, PS, ids={k: [b[k] for b in batches] for k in tables})
+            chose = b11.ps_choice(point["point"], plan)
+        else:
+            sample = b11.mirrored_sample(
+                point["rows"], point["ids_per_replica"], point["distribution"], point["replicas"], point["steps"]
+            )
+            tables = {"t": {"input_dim": point["rows"], "output_dim": b11.DIM}}
+            plan = tfs.plan(tables, MIRRORED, ids={"t": [np.concatenate(s) for s in sample]})
+            chose = plan.tables["t"].exchange
+        assert chose == point["plan_chose"], point
+        times = point["times_s"]
+        assert times[chose] <= (1 + report["noise"]) * min(times.values()), point
+
+
+def test_readme_plan_example_as_written():
+    """The README's `tfs.plan` block, run as written under the default strategy with a sample of ids."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    section = text[text.index("### Planning the layout: `tfs.plan`") :]
+    block = section[section.index("```python\n") + len("```python\n") : section.index("```\n", 10)]
+    rng = np.random.default_rng(0)
+    scope = {"tfs": tfs, "strategy": tf.distribute.get_strategy(), "user_ids": rng.integers(0, 1_000_000, (2, 64)),
+             "item_ids": rng.integers(0, 200_000, (2, 64))}  # fmt: skip
+    exec(block, scope)
+    assert scope["plan"].kind == "default" and scope["layer"].plan is scope["plan"]
+    assert set(scope["plan"].tables) == {"user", "item"}

@@ -1,0 +1,319 @@
+"""`tfs.plan`: an explainable per-table placement plan from the tables, the strategy and a sample of ids.
+
+For each table the plan decides what its strategy leaves open and says why,
+with the cost model's estimate of the table's part of a training step:
+
+* parameter servers: the shards (one per ps, row-wise; more where a ps's
+  memory needs them), the partition scheme (hot rows spread with "mod"
+  where the sample shows "div" would send them to one shard), which tables
+  share one storage variable per ps (table-batched storage), and each ps's
+  memory;
+* mirrored strategies: where the copy lives (`placement`: a copy per
+  replica device where the worker's memory holds them, else one on the
+  host) and the gradient exchange (all-gather or densified), fixed from the
+  sample's distinct ids per replica (`ids_per_step`) instead of decided
+  every step;
+* the default strategy: one local table; nothing to decide.
+
+The constants below come from the benchmark suite, on this project's 2-core
+machine: `python -m tf_sharded bench plan` measures the options the plan
+chooses between at its points, fits these constants from the same run and
+reports whether the plan picked the faster option at each point (RFC.md §11,
+B11). The exchange's own constants are `tfs.exchange`'s (B2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import List, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from tf_sharded.config import DynamicTableConfig, TableConfig
+from tf_sharded.exchange.cost import choose, cost_bytes
+from tf_sharded.planned import MIRRORED, MULTI, PS, Plan, TablePlan, Topology
+from tf_sharded.table.batched import batch_key
+
+# B11 (`bench plan`, a cluster of 2 ps + 1 worker; RFC.md §11), per step:
+# a scheduled step that touches every ps, whatever it does there (the dispatch floor);
+PS_DISPATCH_MS = 3.0
+# per variable a ps gathers from and scatters to (unbatched minus batched step, per variable);
+PS_VARIABLE_MS = 0.15
+# per id looked up: de-duplication, routing, the rows out and the gradients back (the rest of the step).
+PS_ID_US = 0.25
+# Row-wise tables spread hot rows with "mod" where "div" would send this many times the even share of
+# the sample's lookups to one shard (vocabularies sorted by frequency).
+SKEW_LIMIT = 1.5
+# B2 (`bench exchange`): bytes-equivalent of the in-process merges per millisecond on this machine.
+EXCHANGE_BYTES_PER_MS = 6.0e5
+# Slots assumed per table for memory (Adagrad's accumulator; Adam has 2).
+DEFAULT_SLOTS = 1
+
+
+def _as_configs(tables) -> dict:
+    configs = getattr(tables, "table_configs", None)
+    if configs is not None:
+        return dict(configs)
+    if not isinstance(tables, dict) or not tables:
+        raise ValueError(
+            "Argument `tables` must be a non-empty dict of table configs (as EmbeddingCollection takes) or an "
+            f"EmbeddingCollection. Received: {tables!r}"
+        )
+    return {name: TableConfig.from_layer_config(name, config) for name, config in tables.items()}
+
+
+def _sample_statistics(name: str, sample, replicas: int, rows: Optional[int]):
+    """(mean ids per step, largest distinct ids of one replica in a step, per-id counts) of one table's sample:
+    a 1-D batch of ids, a list of batches (or a 2-D array, one row per step), or a dict of statistics."""
+    if isinstance(sample, dict):
+        unknown = sorted(set(sample) - {"ids_per_step", "distinct_per_step"})
+        if unknown or "ids_per_step" not in sample:
+            raise ValueError(
+                f"Argument `ids['{name}']` as statistics needs 'ids_per_step' and optionally "
+                f"'distinct_per_step'. Received: {sample!r}"
+            )
+        per_step = float(sample["ids_per_step"])
+        distinct = float(sample.get("distinct_per_step", per_step / max(replicas, 1)))
+        return per_step, distinct, None
+    if isinstance(sample, (tf.RaggedTensor, tf.SparseTensor)):
+        sample = [sample.values.numpy()]
+    elif isinstance(sample, (list, tuple)) and sample and not np.isscalar(sample[0]):
+        sample = [np.asarray(s.values if isinstance(s, (tf.RaggedTensor, tf.SparseTensor)) else s) for s in sample]
+    else:
+        array = np.asarray(sample)
+        sample = [array] if array.ndim <= 1 else list(array)
+    steps = [np.asarray(s).reshape(-1) for s in sample]
+    if not steps or not all(s.size for s in steps):
+        raise ValueError(f"Argument `ids['{name}']` must hold at least one id per step. Received: {len(steps)} steps")
+    if any(not np.issubdtype(s.dtype, np.integer) for s in steps):
+        raise TypeError(f"Argument `ids['{name}']` must hold integer ids. Received: dtype {steps[0].dtype}")
+    flat = np.concatenate(steps)
+    if rows is not None and (flat.min() < 0 or flat.max() >= rows):
+        raise ValueError(
+            f"Argument `ids['{name}']` must hold ids in [0, {rows}). Received: ids from {flat.min()} to {flat.max()}"
+        )
+    distinct = max(len(np.unique(part)) for s in steps for part in np.array_split(s, max(replicas, 1)) if part.size)
+    return float(np.mean([s.size for s in steps])), float(distinct), flat
+
+
+def _busiest_share(flat: Optional[np.ndarray], rows: int, shards: int, scheme: str) -> float:
+    """The busiest shard's share of the sample's lookups, over the even share (1.0: perfectly even)."""
+    if flat is None or shards < 2:
+        return 1.0
+    shard = flat % shards if scheme == "mod" else np.minimum(flat // math.ceil(rows / shards), shards - 1)
+    return float(np.bincount(shard, minlength=shards).max() / flat.size * shards)
+
+
+def plan(
+    tables,
+    strategy=None,
+    ids: Optional[dict] = None,
+    slots: int = DEFAULT_SLOTS,
+    memory_per_device: Optional[int] = None,
+) -> Plan:
+    """An explainable per-table plan for `tables` under `strategy`, from a sample of ids.
+
+    Args:
+      tables: the `tables` argument of `tfs.layers.EmbeddingCollection`
+        (`{name: {"input_dim": ..., "output_dim": ...}}` or `tfs.TableConfig`s),
+        or an `EmbeddingCollection`.
+      strategy: a `tf.distribute.Strategy` (default: the current one), or a
+        dict `{"kind": "parameter_server" | "mirrored" |
+        "multi_worker_mirrored" | "default", "num_ps": int, "replicas": int,
+        "workers": int}`.
+      ids: `{table name: sample}`, a sample of the ids each table looks up:
+        one global batch, a list of batches (one per step) or a 2-D array
+        (one row per step); or statistics `{"ids_per_step": n,
+        "distinct_per_step": n}` (distinct per replica). Tables without a
+        sample are planned from their sizes alone.
+      slots: optimizer slots per table row, for the memory column.
+      memory_per_device: optional bytes a ps (parameter servers) or a
+        worker (mirrored: all its replicas' copies) may hold for tables and
+        slots: mirrored tables go to the host where their copies would not
+        fit; a table or tables that fit nowhere are an error.
+
+    Returns a `Plan`: print it for the table; pass it to
+    `EmbeddingCollection(..., plan=plan)` to apply it.
+
+    Settings a table config fixes itself (`partitions`, `scheme`,
+    `placement`, `exchange`) are kept, and the plan says so.
+
+    Example:
+
+    >>> import tf_sharded as tfs
+    >>> tables = {"user": {"input_dim": 1_000_000, "output_dim": 16}, "country": {"input_dim": 200, "output_dim": 16}}
+    >>> hot_first = np.arange(512) % 100  # a vocabulary sorted by frequency: the hot ids are the low ones
+    >>> p = tfs.plan(tables, {"kind": "parameter_server", "num_ps": 2}, ids={"user": hot_first})
+    >>> p.tables["user"].scheme, p.tables["country"].scheme, p.groups
+    ('mod', 'div', [['user', 'country']])
+    """
+    topology = Topology.of(strategy)
+    configs = _as_configs(tables)
+    if ids is not None and not isinstance(ids, dict):
+        raise TypeError(f"Argument `ids` must be a dict {{table name: ids}} or None. Received: {type(ids).__name__}")
+    unknown = sorted(set(ids or {}) - set(configs))
+    if unknown:
+        raise ValueError(f"Argument `ids` names tables that are not in `tables`: {unknown}; tables: {sorted(configs)}")
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
+        raise ValueError(f"Argument `slots` must be a non-negative int. Received: slots={slots!r}")
+    stats = {}
+    for name, config in configs.items():
+        rows = None if isinstance(config, DynamicTableConfig) else config.shape[0]
+        if ids and name in ids:
+            stats[name] = _sample_statistics(name, ids[name], topology.replicas, rows)
+    planner = {PS: _plan_ps, MIRRORED: _plan_mirrored, MULTI: _plan_mirrored}.get(topology.kind, _plan_default)
+    if memory_per_device is not None and (
+        isinstance(memory_per_device, bool) or not isinstance(memory_per_device, int) or memory_per_device < 1
+    ):
+        raise ValueError(
+            f"Argument `memory_per_device` must be a positive int (bytes). Received: {memory_per_device!r}"
+        )
+    planned = planner(configs, stats, topology, slots, memory_per_device)
+    groups = _groups(configs, topology)
+    overhead = 0.0
+    if topology.kind == PS:
+        overhead = PS_DISPATCH_MS + sum(len(g) > 1 for g in groups) * topology.num_ps * PS_VARIABLE_MS
+    return Plan(topology, planned, groups, overhead)
+
+
+def _groups(configs: dict, topology: Topology) -> List[List[str]]:
+    """Runs of consecutive static tables of one dtype and row shape (the storage groups under parameter servers;
+    the collection keeps its tables' order, which numbers the optimizer's slots)."""
+    runs, last = [], None
+    for name, config in configs.items():
+        key = None if isinstance(config, DynamicTableConfig) or topology.kind != PS else batch_key(config)
+        if key is not None and key == last:
+            runs[-1].append(name)
+        else:
+            runs.append([name])
+        last = key
+    return runs
+
+
+def _table_bytes(config) -> int:
+    return int(np.prod(config.shape)) * tf.as_dtype(config.dtype).size
+
+
+def _base(name, config, stats):
+    per_step, distinct, _ = stats.get(name, (None, None, None))
+    if isinstance(config, DynamicTableConfig):
+        return TablePlan(name, None, config.dim, per_step, distinct, reason="dynamic: its shards follow the strategy")
+    return TablePlan(name, config.shape[0], int(np.prod(config.shape[1:])), per_step, distinct)
+
+
+def _plan_default(configs, stats, topology, slots, memory):
+    out = {}
+    for name, config in configs.items():
+        t = _base(name, config, stats)
+        if t.rows is not None:
+            ms = (t.ids_per_step or 0) * PS_ID_US / 1000
+            t = dataclasses.replace(t, estimate_ms=ms, memory_mb=_table_bytes(config) * (1 + slots) / 2**20,
+                                    reason=t.reason or "one device: one local table")  # fmt: skip
+        out[name] = t
+    return out
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.1f} MB"
+
+
+def _plan_ps(configs, stats, topology, slots, memory):
+    num_ps = topology.num_ps
+    groups = {n: g[0] for g in _groups(configs, topology) if len(g) > 1 for n in g}
+    out, per_ps = {}, 0.0
+    for name, config in configs.items():
+        t = _base(name, config, stats)
+        if t.rows is None:
+            out[name] = t
+            continue
+        need = _table_bytes(config) * (1 + slots)
+        if config.partitions is not None:
+            spec = config.partitions
+            partitions = spec if isinstance(spec, int) else spec.num_shards
+            why = "partitions set by the table config"
+        else:
+            # Row-wise over every ps: B11 measured one whole table per ps no faster, and row-wise keeps
+            # the ps even whatever order the tables are placed in.
+            partitions = min(num_ps, t.rows)
+            why = f"row-wise over {partitions} ps"
+        held = need / min(partitions, num_ps)
+        if memory is not None and held > memory:
+            raise ValueError(
+                f"Table '{name}' needs {_mb(held)} per ps ({_mb(need)} with {slots} slot(s) over "
+                f"{min(partitions, num_ps)} ps); argument `memory_per_device` is {_mb(memory)}. Add parameter "
+                "servers or reduce the table."
+            )
+        per_ps += held
+        scheme = config.scheme
+        flat = stats.get(name, (None, None, None))[2]
+        if scheme is None and partitions > 1:
+            div, mod = (_busiest_share(flat, t.rows, partitions, s) for s in ("div", "mod"))
+            scheme = "mod" if div > SKEW_LIMIT * mod else "div"
+            if flat is not None:
+                why += f"; {scheme}: busiest shard {div:.1f}x its even share of lookups with div, {mod:.1f}x with mod"
+        ms = (t.ids_per_step or 0) * PS_ID_US / 1000 + (0 if name in groups else partitions * PS_VARIABLE_MS)
+        out[name] = dataclasses.replace(
+            t, partitions=partitions, scheme=scheme if partitions > 1 else None, group=groups.get(name),
+            estimate_ms=ms, memory_mb=held / 2**20, reason=why,
+        )  # fmt: skip
+    if memory is not None and per_ps > memory:
+        raise ValueError(
+            f"The tables need {_mb(per_ps)} per ps with {slots} slot(s); argument `memory_per_device` is "
+            f"{_mb(memory)}. Add parameter servers or reduce the tables."
+        )
+    return out
+
+
+def _plan_mirrored(configs, stats, topology, slots, memory):
+    from tf_sharded.strategy.mirrored import HOST_PLACEMENT_BYTES, resolve_placement
+
+    in_process = topology.kind == MIRRORED
+    local_replicas = max(1, topology.replicas // topology.workers)
+    out = {}
+    for name, config in configs.items():
+        t = _base(name, config, stats)
+        if t.rows is None:
+            out[name] = t
+            continue
+        nbytes = _table_bytes(config)
+        need = nbytes * (1 + slots)
+        if config.placement not in (None, "auto"):
+            placement, why = config.placement, "placement set by the table config"
+        elif memory is not None:
+            placement = "device" if need * local_replicas <= memory else "host"
+            why = (
+                f"{placement}: {local_replicas} copies of {_mb(need)} "
+                f"{'<=' if placement == 'device' else '>'} memory_per_device {_mb(memory)}"
+            )
+        else:
+            placement = resolve_placement(None, nbytes)
+            why = f"{placement}: {_mb(nbytes)} {'>' if placement == 'host' else '<='} {_mb(HOST_PLACEMENT_BYTES)}"
+        copies = local_replicas if placement == "device" else 1
+        if memory is not None and need > memory:
+            raise ValueError(
+                f"Table '{name}' needs {_mb(need)} with {slots} slot(s) in one copy; argument "
+                f"`memory_per_device` is {_mb(memory)}. Use parameter servers for it."
+            )
+        exchange, bound, ms = None, None, 0.0
+        if config.exchange not in (None, "auto") or config.ids_per_step is not None:
+            why += "; exchange set by the table config"
+        elif t.distinct_per_step is not None:
+            bound = max(1, int(math.ceil(t.distinct_per_step)))
+            row_bytes = nbytes // t.rows
+            exchange = choose(t.rows, row_bytes, topology.replicas, bound, in_process=in_process)
+            args = (t.rows, row_bytes, topology.replicas, min(bound, t.rows))
+            costs = {m: cost_bytes(m, *args, in_process=in_process) for m in ("allgather", "dense")}
+            ms = costs[exchange] / EXCHANGE_BYTES_PER_MS
+            why += (
+                f"; {exchange}: {bound:,} distinct ids per replica, cost {costs['allgather'] / 1e6:.2f} MB-eq. "
+                f"gathered against {costs['dense'] / 1e6:.2f} dense"
+            )
+        else:
+            why += "; exchange decided every step (no sample)"
+        out[name] = dataclasses.replace(
+            t, placement=placement if config.placement in (None, "auto") else None, exchange=exchange,
+            exchange_ids=bound, estimate_ms=ms, memory_mb=need * copies / 2**20, reason=why,
+        )  # fmt: skip
+    return out
