@@ -161,13 +161,13 @@ class ApplicationTest(tf.test.TestCase):
         self.assertEqual(proc.returncode, 0, msg=proc.stderr[-3000:])
         self.assertIn("embeddings: plan for parameter_server (2 ps)", proc.stdout)
         self.assertIn("4 steps", summary(proc))
-        planned = dict(re.findall(r"^(C\d+) +\S+ x 16 +\d+ +\d+ +2 shards, (div|mod) ", proc.stdout, re.M))
-        self.assertEqual(len(planned), 26, proc.stdout)
-        self.assertIn("mod", planned.values())  # the held-out sample shows skew in some small tables
+        rows = re.findall(r"^(C\d+) +\S+ x 16 +\d+ +\d+ +(1 shard|2 shards, div|2 shards, mod) ", proc.stdout, re.M)
+        self.assertEqual(len(rows), 26, proc.stdout)
+        planned = {table: "1 div" if layout == "1 shard" else f"2 {layout[-3:]}" for table, layout in rows}
         shown = run_python(["-m", "tf_sharded", "inspect", ckpt])
         self.assertEqual(shown.returncode, 0, shown.stderr[-2000:])
-        saved = dict(re.findall(r"table 'embeddings/(C\d+)' saved as PartitionSpec\(num_shards=2, scheme='(\w+)'\)",
-                                shown.stdout))  # fmt: skip
+        pattern = r"table 'embeddings/(C\d+)' saved as PartitionSpec\(num_shards=(\d), scheme='(\w+)'\)"
+        saved = {table: f"{n} {scheme}" for table, n, scheme in re.findall(pattern, shown.stdout)}
         self.assertEqual(saved, planned)
 
     def test_bad_flags_and_unreadable_input(self):

@@ -176,7 +176,7 @@ class BenchmarkSuiteTest(tf.test.TestCase):
         points = {r.get("point") or r["rows"]: r for r in report["results"]}
         self.assertEqual(list(points), ["storage", "shards", "scheme", 20_000, 2_000])
         chosen = {k: r["plan_chose"] for k, r in points.items()}
-        self.assertEqual(chosen, {"storage": "batched", "shards": "row_wise", "scheme": "mod", 20_000: "allgather",
+        self.assertEqual(chosen, {"storage": "batched", "shards": "table_wise", "scheme": "mod", 20_000: "allgather",
                                   2_000: "dense"})  # fmt: skip
         for row in report["results"]:
             times = row["times_s"]

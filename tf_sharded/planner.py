@@ -3,8 +3,8 @@
 For each table the plan decides what its strategy leaves open and says why,
 with the cost model's estimate of the table's part of a training step:
 
-* parameter servers: the shards (one per ps, row-wise; more where a ps's
-  memory needs them), the partition scheme (hot rows spread with "mod"
+* parameter servers: the shards (a small table whole on one ps, a large
+  or hot one a shard per ps), the partition scheme (hot rows spread with "mod"
   where the sample shows "div" would send them to one shard), which tables
   share one storage variable per ps (table-batched storage), and each ps's
   memory;
@@ -36,18 +36,25 @@ from tf_sharded.exchange.cost import choose, cost_bytes
 from tf_sharded.planned import MIRRORED, MULTI, PS, Plan, TablePlan, Topology
 from tf_sharded.table.batched import batch_key
 
-# B11 (`bench plan`, a cluster of 2 ps + 1 worker; RFC.md §11), per step:
+# Fitted by B11 (`bench plan`, a cluster of 2 ps + 1 worker; RFC.md §11; they vary by ~30% between runs
+# here), per step:
 # a scheduled step that touches every ps, whatever it does there (the dispatch floor);
-PS_DISPATCH_MS = 3.0
+PS_DISPATCH_MS = 3.5
 # per variable a ps gathers from and scatters to (unbatched minus batched step, per variable);
-PS_VARIABLE_MS = 0.15
+PS_VARIABLE_MS = 0.18
 # per id looked up: de-duplication, routing, the rows out and the gradients back (the rest of the step).
-PS_ID_US = 0.25
+PS_ID_US = 0.35
+# A table stays whole on one ps (table-wise) while neither its bytes nor its lookups exceed this share of
+# one ps's even part (1 / num_ps of all tables'): placed round-robin, such tables leave the ps within
+# about this share of each other. B11 measures table-wise against row-wise for small tables (RFC.md §11):
+# a table's rows then travel in one piece instead of one per ps.
+TABLE_WISE_SHARE = 0.5
 # Row-wise tables spread hot rows with "mod" where "div" would send this many times the even share of
 # the sample's lookups to one shard (vocabularies sorted by frequency).
 SKEW_LIMIT = 1.5
-# B2 (`bench exchange`): bytes-equivalent of the in-process merges per millisecond on this machine.
-EXCHANGE_BYTES_PER_MS = 6.0e5
+# Fitted by B11's mirrored points: bytes-equivalent of the exchange's cost model (`tfs.exchange`, whose
+# constants come from B2) per millisecond of step above a lookup-only step.
+EXCHANGE_BYTES_PER_MS = 4.0e5
 # Slots assumed per table for memory (Adagrad's accumulator; Adam has 2).
 DEFAULT_SLOTS = 1
 
@@ -146,8 +153,8 @@ def plan(
     >>> tables = {"user": {"input_dim": 1_000_000, "output_dim": 16}, "country": {"input_dim": 200, "output_dim": 16}}
     >>> hot_first = np.arange(512) % 100  # a vocabulary sorted by frequency: the hot ids are the low ones
     >>> p = tfs.plan(tables, {"kind": "parameter_server", "num_ps": 2}, ids={"user": hot_first})
-    >>> p.tables["user"].scheme, p.tables["country"].scheme, p.groups
-    ('mod', 'div', [['user', 'country']])
+    >>> p.tables["user"].partitions, p.tables["user"].scheme, p.tables["country"].partitions, p.groups
+    (2, 'mod', 1, [['user', 'country']])
     """
     topology = Topology.of(strategy)
     configs = _as_configs(tables)
@@ -222,6 +229,10 @@ def _mb(nbytes: float) -> str:
 def _plan_ps(configs, stats, topology, slots, memory):
     num_ps = topology.num_ps
     groups = {n: g[0] for g in _groups(configs, topology) if len(g) > 1 for n in g}
+    static = [n for n, c in configs.items() if not isinstance(c, DynamicTableConfig)]
+    total_bytes = sum(_table_bytes(configs[n]) for n in static) or 1
+    total_ids = sum(stats[n][0] for n in static if n in stats)
+    fair = TABLE_WISE_SHARE / num_ps
     out, per_ps = {}, 0.0
     for name, config in configs.items():
         t = _base(name, config, stats)
@@ -229,15 +240,18 @@ def _plan_ps(configs, stats, topology, slots, memory):
             out[name] = t
             continue
         need = _table_bytes(config) * (1 + slots)
+        share = _table_bytes(config) / total_bytes
+        id_share = (t.ids_per_step or 0) / total_ids if total_ids else 0.0
         if config.partitions is not None:
             spec = config.partitions
             partitions = spec if isinstance(spec, int) else spec.num_shards
             why = "partitions set by the table config"
+        elif num_ps == 1 or (share <= fair and id_share <= fair):
+            partitions = 1
+            why = f"whole on one ps: {share:.0%} of the bytes, {id_share:.0%} of the lookups (<= {fair:.0%})"
         else:
-            # Row-wise over every ps: B11 measured one whole table per ps no faster, and row-wise keeps
-            # the ps even whatever order the tables are placed in.
             partitions = min(num_ps, t.rows)
-            why = f"row-wise over {partitions} ps"
+            why = f"row-wise over {partitions} ps: {share:.0%} of the bytes, {id_share:.0%} of the lookups"
         held = need / min(partitions, num_ps)
         if memory is not None and held > memory:
             raise ValueError(
