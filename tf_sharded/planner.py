@@ -34,7 +34,7 @@ import tensorflow as tf
 from tf_sharded.config import DynamicTableConfig, TableConfig
 from tf_sharded.exchange.cost import choose, cost_bytes
 from tf_sharded.planned import MIRRORED, MULTI, PS, Plan, TablePlan, Topology
-from tf_sharded.table.batched import batch_key
+from tf_sharded.table.batched import storage_runs
 
 # Fitted by B11 (`bench plan`, a cluster of 2 ps + 1 worker; RFC.md §11; they vary by ~30% between runs
 # here), per step:
@@ -186,17 +186,8 @@ def plan(
 
 
 def _groups(configs: dict, topology: Topology) -> List[List[str]]:
-    """Runs of consecutive static tables of one dtype and row shape (the storage groups under parameter servers;
-    the collection keeps its tables' order, which numbers the optimizer's slots)."""
-    runs, last = [], None
-    for name, config in configs.items():
-        key = None if isinstance(config, DynamicTableConfig) or topology.kind != PS else batch_key(config)
-        if key is not None and key == last:
-            runs[-1].append(name)
-        else:
-            runs.append([name])
-        last = key
-    return runs
+    """The storage groups under parameter servers (the collection's runs, `storage_runs`); else each table alone."""
+    return storage_runs(configs, topology.kind == PS)
 
 
 def _table_bytes(config) -> int:

@@ -50,25 +50,12 @@ def run(quick: bool = False, mode: str = "inprocess") -> Dict:
                 per_table_vars = [v for layer in singles.values() for v in layer.trainable_variables]
                 optimizers["per_table"].build(per_table_vars)
 
-            def make(name, lookup, variables):
-                @tf.function
-                def step(ids):
-                    def fn(ids):
-                        with tf.GradientTape() as tape:
-                            out = lookup(ids)
-                            loss = 1e-3 * tf.add_n([tf.reduce_sum(tf.square(out[k])) for k in keys])
-                        grads = tape.gradient(loss, variables)
-                        optimizers[name].apply_gradients(zip(grads, variables))
-                        return loss
-
-                    return strategy.run(fn, args=(ids,))
-
-                return step
-
             steps_by_name = {
-                "collection": make("collection", collection, collection.trainable_variables),
-                "per_table": make("per_table", lambda ids: {k: singles[k](ids[k]) for k in keys}, per_table_vars),
-            }
+                "collection": train_step(strategy, collection, optimizers["collection"], collection.trainable_variables,
+                                         keys),
+                "per_table": train_step(strategy, lambda ids: {k: singles[k](ids[k]) for k in keys},
+                                        optimizers["per_table"], per_table_vars, keys),
+            }  # fmt: skip
             batches = [{k: tf.constant(_ids(rng, "power_law", ROWS, BATCH)) for k in keys} for _ in range(steps)]
             times: Dict[str, List[float]] = {name: [] for name in steps_by_name}
             for fn in steps_by_name.values():
@@ -91,6 +78,25 @@ def run(quick: bool = False, mode: str = "inprocess") -> Dict:
         }
     finally:
         cluster.stop()
+
+
+def train_step(strategy, lookup, optimizer, variables, keys):
+    """A step to schedule: `lookup(ids)` (a dict of embeddings per key), a squared loss, `optimizer` on
+    `variables`."""
+    import tensorflow as tf
+
+    @tf.function
+    def step(ids):
+        def fn(ids):
+            with tf.GradientTape() as tape:
+                out = lookup(ids)
+                loss = 1e-3 * tf.add_n([tf.reduce_sum(tf.square(out[k])) for k in keys])
+            optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+            return loss
+
+        return strategy.run(fn, args=(ids,))
+
+    return step
 
 
 def format_rows(report: Dict) -> List[str]:

@@ -101,6 +101,7 @@ def _ps_points(quick: bool, mode: str) -> Dict:
     import tensorflow as tf
 
     import tf_sharded as tfs
+    from tf_sharded.benchmarks.fused import train_step
 
     rows, tables = (10_000, 8) if quick else (ROWS, TABLES)
     steps, rounds = (3, 1) if quick else (10, 7)
@@ -124,7 +125,7 @@ def _ps_points(quick: bool, mode: str) -> Dict:
                     layer.build()
                     optimizer = tfs.optimizers.SGD(LR)
                     optimizer.build(layer.trainable_variables)
-                named[option] = _train_step(tf, strategy, layer, optimizer, keys)
+                named[option] = train_step(strategy, layer, optimizer, layer.trainable_variables, keys)
                 collections[option] = layer
             if point == "storage":
                 storages = collections["batched"].trainable_variables
@@ -149,22 +150,6 @@ def _ps_points(quick: bool, mode: str) -> Dict:
         return {"points": points, "fitted": fitted}
     finally:
         cluster.stop()
-
-
-def _train_step(tf, strategy, layer, optimizer, keys):
-    @tf.function
-    def step(ids):
-        def fn(ids):
-            with tf.GradientTape() as tape:
-                out = layer(ids)
-                loss = 1e-3 * tf.add_n([tf.reduce_sum(tf.square(out[k])) for k in keys])
-            variables = layer.trainable_variables
-            optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
-            return loss
-
-        return strategy.run(fn, args=(ids,))
-
-    return step
 
 
 def _dispatch_step(tf, strategy, variables):

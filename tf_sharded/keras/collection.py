@@ -22,7 +22,7 @@ from tf_sharded.keras.layer_tables import (
 from tf_sharded.partition import PartitionSpec
 from tf_sharded.planned import Plan
 from tf_sharded.policies import deserialize_policies, serialize_policies
-from tf_sharded.table.batched import batch_key
+from tf_sharded.table.batched import storage_runs
 from tf_sharded.table.dynamic_slot import keys_from_file, keys_to_file
 from tf_sharded.table.lookup import FeatureLookup, lookup_features
 
@@ -170,18 +170,8 @@ class EmbeddingCollection(keras.layers.Layer):
             raise kind(f"Table '{name}' of layer '{self.name}': {e}") from None
 
     def _storage_groups(self) -> list:
-        """The tables in order, cut into runs of consecutive static tables of one dtype and row shape: each
-        run is stored together where the strategy batches tables (`batch_tables`). Only consecutive tables,
-        so that the optimizer numbers their slots in table order, as it does unbatched."""
-        runs, last = [], None
-        for name, config in self.table_configs.items():
-            key = None if isinstance(config, DynamicTableConfig) or not self.batch_tables else batch_key(config)
-            if key is not None and key == last:
-                runs[-1].append(name)
-            else:
-                runs.append([name])
-            last = key
-        return runs
+        """The tables in order, cut into the runs that are stored together where the strategy batches tables."""
+        return storage_runs(self.table_configs, self.batch_tables)
 
     def _planned_configs(self) -> dict:
         """The table configs with the plan's arguments, for the strategy the layer is built under."""

@@ -26,7 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from tf_sharded import initializers
-from tf_sharded.config import TableConfig
+from tf_sharded.config import DynamicTableConfig, TableConfig
 from tf_sharded.partition import PartitionSpec
 from tf_sharded.table.builder import ShardPlacement, build_sharded_variable, draw_seed
 from tf_sharded.table.segment import RowSegment
@@ -144,3 +144,18 @@ def slot_views(storage: ShardedVariable, slot: ShardedVariable, slot_name: str) 
 def batch_key(config) -> tuple:
     """What tables must share to be stored together: dtype and row shape."""
     return (tf.as_dtype(config.dtype).name, tuple(config.shape[1:]))
+
+
+def storage_runs(configs: dict, batch: bool = True) -> list:
+    """The names of `configs` ({name: table config}) in order, cut into runs of consecutive static tables of one
+    dtype and row shape: each run can share one storage. Only consecutive tables, so that an optimizer numbers
+    their slots in table order, as it does unbatched. `batch=False`: every table alone."""
+    runs, last = [], None
+    for name, config in configs.items():
+        key = batch_key(config) if batch and not isinstance(config, DynamicTableConfig) else None
+        if key is not None and key == last:
+            runs[-1].append(name)
+        else:
+            runs.append([name])
+        last = key
+    return runs
