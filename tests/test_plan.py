@@ -224,3 +224,32 @@ def test_readme_plan_example_as_written():
     exec(block, scope)
     assert scope["plan"].kind == "default" and scope["layer"].plan is scope["plan"]
     assert set(scope["plan"].tables) == {"user", "item"}
+
+
+def test_a_data_sample_is_read_through_the_collections_features():
+    """`ids` as batches of features: each table gets the ids of every feature reading it, padding dropped."""
+    tables = {"item": {"input_dim": 1_000, "output_dim": 8}, "user": {"vocabulary": "dynamic", "output_dim": 8}}
+    layer = tfs.layers.EmbeddingCollection(
+        tables,
+        {"seen": {"table": "item", "combiner": "mean"}, "candidate": "item", "uid": "user"},
+    )
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(3):
+        seen = tf.ragged.constant([rng.integers(0, 1_000, n).tolist() for n in (3, 0, 5, 2)], dtype=tf.int64)
+        candidate = rng.integers(0, 1_000, 4)
+        batches.append(({"seen": seen, "candidate": candidate, "uid": tf.constant(["a", "b", "c", "d"])}, None))
+    dataset = tf.data.Dataset.from_tensor_slices([0]).flat_map(lambda _: tf.data.Dataset.from_tensors(batches[0][0]))
+    from_batches = tfs.plan(layer, MIRRORED, ids=batches)
+    explicit = [np.concatenate([b["seen"].flat_values.numpy(), b["candidate"]]) for b, _ in batches]
+    expected = tfs.plan(tables, MIRRORED, ids={"item": explicit})
+    assert from_batches.tables["item"] == expected.tables["item"]
+    assert from_batches.tables["item"].ids_per_step == 14
+    assert from_batches.tables["user"].ids_per_step is None  # a dynamic table's keys are not ids
+    # A dataset of feature dicts; with a dict of tables a feature named like a table reads it.
+    padded = {"item": tf.constant([[3, -1], [7, 9]], tf.int64), "other": tf.constant([1.5])}
+    plan = tfs.plan({"item": tables["item"]}, MIRRORED, ids=tf.data.Dataset.from_tensors(padded))
+    assert plan.tables["item"].ids_per_step == 3
+    assert tfs.plan(layer, MIRRORED, ids=dataset).tables["item"].ids_per_step == 10 + 4  # ragged 3+0+5+2, dense 4
+    with pytest.raises(TypeError, match="must yield dicts"):
+        tfs.plan(layer, MIRRORED, ids=[np.arange(3)])

@@ -71,6 +71,42 @@ def _as_configs(tables) -> dict:
     return {name: TableConfig.from_layer_config(name, config) for name, config in tables.items()}
 
 
+def _features_of(tables, configs: dict) -> dict:
+    """{feature: table name} of the static tables (a dynamic table's keys are not ids): the collection's features,
+    else each table read by a feature of its name."""
+    features = getattr(tables, "feature_configs", None)
+    pairs = {f: spec.table for f, spec in features.items()} if features is not None else {n: n for n in configs}
+    return {f: t for f, t in pairs.items() if not isinstance(configs[t], DynamicTableConfig)}
+
+
+def ids_from_batches(batches, features: dict) -> dict:
+    """{table: [the ids of every feature reading it, per batch]} from batches of {feature: ids} (or (features,
+    labels)), `features` being {feature: table name}: `tfs.plan`'s `ids` from a data sample."""
+    sample: dict = {}
+    for batch in batches:
+        if isinstance(batch, tuple):
+            batch = batch[0]
+        if not isinstance(batch, dict):
+            raise TypeError(
+                "Argument `ids` as a data sample must yield dicts {feature: ids} or (features, labels). "
+                f"Received a batch of type {type(batch).__name__}"
+            )
+        step: dict = {}
+        for feature, table in features.items():
+            if feature not in batch:
+                continue
+            values = batch[feature]
+            if isinstance(values, (tf.RaggedTensor, tf.SparseTensor)):
+                values = values.values
+            values = np.asarray(values).reshape(-1)
+            step.setdefault(table, []).append(
+                values[values >= 0] if np.issubdtype(values.dtype, np.integer) else values
+            )
+        for table, parts in step.items():
+            sample.setdefault(table, []).append(np.concatenate(parts))
+    return sample
+
+
 def _sample_statistics(name: str, sample, replicas: int, rows: Optional[int]):
     """(mean ids per step, largest distinct ids of one replica in a step, per-id counts) of one table's sample:
     a 1-D batch of ids, a list of batches (or a 2-D array, one row per step), or a dict of statistics."""
@@ -133,8 +169,13 @@ def plan(
       ids: `{table name: sample}`, a sample of the ids each table looks up:
         one global batch, a list of batches (one per step) or a 2-D array
         (one row per step); or statistics `{"ids_per_step": n,
-        "distinct_per_step": n}` (distinct per replica). Tables without a
-        sample are planned from their sizes alone.
+        "distinct_per_step": n}` (distinct per replica). Or a data sample:
+        a `tf.data.Dataset` or list of global batches, each `{feature:
+        ids}` or `(features, labels)`; the collection's features say which
+        table each feature reads (with a dict of tables, a feature named
+        like a table reads it; other features are ignored; negative ids
+        are padding). Tables without a sample are planned from their sizes
+        alone.
       slots: optimizer slots per table row, for the memory column.
       memory_per_device: optional bytes a ps (parameter servers) or a
         worker (mirrored: all its replicas' copies) may hold for tables and
@@ -158,8 +199,13 @@ def plan(
     """
     topology = Topology.of(strategy)
     configs = _as_configs(tables)
+    if isinstance(ids, (tf.data.Dataset, list, tuple)):
+        ids = ids_from_batches(ids, _features_of(tables, configs))
     if ids is not None and not isinstance(ids, dict):
-        raise TypeError(f"Argument `ids` must be a dict {{table name: ids}} or None. Received: {type(ids).__name__}")
+        raise TypeError(
+            "Argument `ids` must be a dict {table name: ids}, a tf.data.Dataset or list of batches of "
+            f"{{feature: ids}}, or None. Received: {type(ids).__name__}"
+        )
     unknown = sorted(set(ids or {}) - set(configs))
     if unknown:
         raise ValueError(f"Argument `ids` names tables that are not in `tables`: {unknown}; tables: {sorted(configs)}")

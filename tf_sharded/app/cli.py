@@ -288,9 +288,11 @@ def _planner(args, strategy, data):
     if args.plan != "auto":
         return None
     import tf_sharded as tfs
-    from tf_sharded.app import inputs
+    from tf_sharded.planner import ids_from_batches
 
-    sample = inputs.id_sample(data.held_out, data.schema)
+    # Dynamic tables take text keys, not ids: nothing to sample for them.
+    features = {f.name: f.table_name for f in data.schema.embedded if f.vocabulary != "dynamic"}
+    sample = ids_from_batches(data.held_out.take(8), features)
 
     def make(tables, name):
         made = tfs.plan(tables, strategy, ids={t: ids for t, ids in sample.items() if t in tables})

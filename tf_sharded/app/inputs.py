@@ -25,7 +25,6 @@ import json
 import os
 from typing import Callable, Optional
 
-import numpy as np
 import tensorflow as tf
 
 from tf_sharded.app import data, readers, scan
@@ -193,23 +192,6 @@ def _files_plan(args, shares: Shares, skip: int, dynamic: bool = False) -> Plan:
     held_out = held_out.take(args.eval_steps)
     description = f"{args.data} ({source.format}{', gzip' if source.gzip else ''}, {len(files)} file(s))"
     return Plan(schema, train_fn, held_out, scanned, description)
-
-
-def id_sample(dataset: tf.data.Dataset, schema: schemas.Schema, batches: int = 8) -> dict:
-    """`{table name: [ids of each batch]}` from up to `batches` batches of `dataset`, for `tfs.plan` (a
-    table read by several features gets all their ids; dynamic tables, whose keys are text, none)."""
-    sample: dict = {}
-    for features, _ in dataset.take(batches):
-        step: dict = {}
-        for f in schema.embedded:
-            if f.vocabulary == "dynamic":
-                continue
-            ids = features[f.name]
-            ids = ids.flat_values if isinstance(ids, tf.RaggedTensor) else tf.reshape(ids, [-1])
-            step.setdefault(f.table_name, []).append(ids.numpy())
-        for table, parts in step.items():
-            sample.setdefault(table, []).append(np.concatenate(parts))
-    return sample
 
 
 def save_schema(schema: schemas.Schema, checkpoint_dir: Optional[str]) -> None:
