@@ -57,11 +57,24 @@ def test_parameter_servers_shards_scheme_groups_and_memory():
     text = str(plan)
     assert "2 shards, mod" in text and all(name in text for name in tables)
     assert text.splitlines()[0].startswith("plan for parameter_server (2 ps)")
-    # Memory: a table that does not fit a ps even split over both is an error naming it.
-    with pytest.raises(ValueError, match="Table 'user' needs 6.1 MB per ps"):
+    # Memory per ps, shards placed round-robin in table order: user and item split, tag whole on ps 0, fixed's
+    # three shards on ps 1, 0, 1 (tables and one slot each).
+    shard = {
+        "user": 100_000 * 16 * 4,
+        "item": 50_000 * 16 * 4,
+        "tag": 1_000 * 8 * 4 * 2,
+        "fixed": 1_000 * 8 * 4 * 2 / 3,
+    }
+    ps0 = shard["user"] + shard["item"] + shard["tag"] + shard["fixed"]
+    ps1 = shard["user"] + shard["item"] + 2 * shard["fixed"]
+    np.testing.assert_allclose(plan.device_mb, [ps0 / 2**20, ps1 / 2**20])
+    assert "tables and slots on each ps: 9.2 MB, 9.2 MB" in text
+    # A table that does not fit one ps even split over both is an error naming it; so are tables that do not.
+    with pytest.raises(ValueError, match=r"Table 'user' needs 6.1 MB on one ps \(12.2 MB with 1 slot\(s\) in 2"):
         tfs.plan(tables, PS, memory_per_device=5 << 20)
-    with pytest.raises(ValueError, match="The tables need .* per ps"):
-        tfs.plan(tables, PS, memory_per_device=7 << 20)
+    with pytest.raises(ValueError, match="The tables need 9.2 MB on ps 0"):
+        tfs.plan(tables, PS, memory_per_device=9 << 20)
+    assert tfs.plan(tables, PS, memory_per_device=10 << 20).device_mb == plan.device_mb
 
 
 def test_mirrored_exchange_follows_the_cost_model_and_placement_the_memory():

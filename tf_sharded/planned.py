@@ -115,10 +115,17 @@ class Plan:
     """
 
     def __init__(
-        self, topology: Topology, tables: Dict[str, TablePlan], groups: List[List[str]], overhead_ms: float = 0.0
+        self,
+        topology: Topology,
+        tables: Dict[str, TablePlan],
+        groups: List[List[str]],
+        overhead_ms: float = 0.0,
+        device_mb: Optional[List[float]] = None,
     ):
         self.topology, self.tables, self.groups = topology, dict(tables), [list(g) for g in groups]
         self.overhead_ms = overhead_ms  # the step's part that is no one table's (dispatch, storage variables)
+        # Tables and slots per ps (parameter servers), per worker (mirrored) or on the one device.
+        self.device_mb = list(device_mb or [])
 
     @property
     def kind(self) -> str:
@@ -165,7 +172,7 @@ class Plan:
         )
 
     def __str__(self) -> str:
-        head = ("table", "rows x dim", "ids/step", "distinct", "layout", "group", "est. ms", "MB/device", "why")
+        head = ("table", "rows x dim", "ids/step", "distinct", "layout", "group", "est. ms", "MB", "why")
         body = []
         for t in self.tables.values():
             shape = f"{t.rows:,} x {t.dim}" if t.rows else f"dynamic x {t.dim}"
@@ -180,6 +187,9 @@ class Plan:
             self.kind, f"{topo.replicas} replicas on {topo.workers} worker(s)"
         )
         lines = [f"plan for {self.kind} ({title}): estimate {self.estimate_ms:.2f} ms per step for the tables"]
+        if self.device_mb:
+            where = {PS: "each ps", DEFAULT: "the device"}.get(self.kind, "each worker")
+            lines.append(f"tables and slots on {where}: " + ", ".join(f"{mb:,.1f} MB" for mb in self.device_mb))
         return "\n".join(lines + [line(head)] + [line(r) for r in body])
 
     def __repr__(self):
@@ -191,6 +201,7 @@ class Plan:
             "tables": {n: dataclasses.asdict(t) for n, t in self.tables.items()},
             "groups": self.groups,
             "overhead_ms": self.overhead_ms,
+            "device_mb": self.device_mb,
         }
 
     @classmethod
@@ -200,7 +211,8 @@ class Plan:
         if not isinstance(config, dict) or not {"topology", "tables", "groups"} <= set(config):
             raise ValueError(f"Argument `plan` must be a tfs.plan(...) result or its to_config(). Received: {config!r}")
         tables = {n: TablePlan(**t) for n, t in config["tables"].items()}
-        return cls(Topology(**config["topology"]), tables, config["groups"], config.get("overhead_ms", 0.0))
+        extra = (config.get("overhead_ms", 0.0), config.get("device_mb"))
+        return cls(Topology(**config["topology"]), tables, config["groups"], *extra)
 
 
 def _layout(t: TablePlan) -> str:

@@ -223,12 +223,12 @@ def plan(
         raise ValueError(
             f"Argument `memory_per_device` must be a positive int (bytes). Received: {memory_per_device!r}"
         )
-    planned = planner(configs, stats, topology, slots, memory_per_device)
+    planned, device_mb = planner(configs, stats, topology, slots, memory_per_device)
     groups = _groups(configs, topology)
     overhead = 0.0
     if topology.kind == PS:
         overhead = PS_DISPATCH_MS + sum(len(g) > 1 for g in groups) * topology.num_ps * PS_VARIABLE_MS
-    return Plan(topology, planned, groups, overhead)
+    return Plan(topology, planned, groups, overhead, device_mb)
 
 
 def _groups(configs: dict, topology: Topology) -> List[List[str]]:
@@ -256,7 +256,7 @@ def _plan_default(configs, stats, topology, slots, memory):
             t = dataclasses.replace(t, estimate_ms=ms, memory_mb=_table_bytes(config) * (1 + slots) / 2**20,
                                     reason=t.reason or "one device: one local table")  # fmt: skip
         out[name] = t
-    return out
+    return out, [sum(t.memory_mb for t in out.values())]
 
 
 def _mb(nbytes: float) -> str:
@@ -270,7 +270,8 @@ def _plan_ps(configs, stats, topology, slots, memory):
     total_bytes = sum(_table_bytes(configs[n]) for n in static) or 1
     total_ids = sum(stats[n][0] for n in static if n in stats)
     fair = TABLE_WISE_SHARE / num_ps
-    out, per_ps = {}, 0.0
+    # Each ps's tables and slots, placing shards round-robin in table order as the strategy does.
+    out, loads, placed = {}, [0.0] * num_ps, 0
     for name, config in configs.items():
         t = _base(name, config, stats)
         if t.rows is None:
@@ -289,14 +290,17 @@ def _plan_ps(configs, stats, topology, slots, memory):
         else:
             partitions = min(num_ps, t.rows)
             why = f"row-wise over {partitions} ps: {share:.0%} of the bytes, {id_share:.0%} of the lookups"
-        held = need / min(partitions, num_ps)
+        tasks = [(placed + i) % num_ps for i in range(partitions)]
+        placed += partitions
+        for task in tasks:
+            loads[task] += need / partitions
+        held = need / partitions * max(tasks.count(task) for task in tasks)
         if memory is not None and held > memory:
             raise ValueError(
-                f"Table '{name}' needs {_mb(held)} per ps ({_mb(need)} with {slots} slot(s) over "
-                f"{min(partitions, num_ps)} ps); argument `memory_per_device` is {_mb(memory)}. Add parameter "
+                f"Table '{name}' needs {_mb(held)} on one ps ({_mb(need)} with {slots} slot(s) in {partitions} "
+                f"shard(s) over {num_ps} ps); argument `memory_per_device` is {_mb(memory)}. Add parameter "
                 "servers or reduce the table."
             )
-        per_ps += held
         scheme = config.scheme
         flat = stats.get(name, (None, None, None))[2]
         if scheme is None and partitions > 1:
@@ -309,12 +313,13 @@ def _plan_ps(configs, stats, topology, slots, memory):
             t, partitions=partitions, scheme=scheme if partitions > 1 else None, group=groups.get(name),
             estimate_ms=ms, memory_mb=held / 2**20, reason=why,
         )  # fmt: skip
-    if memory is not None and per_ps > memory:
+    if memory is not None and max(loads) > memory:
         raise ValueError(
-            f"The tables need {_mb(per_ps)} per ps with {slots} slot(s); argument `memory_per_device` is "
-            f"{_mb(memory)}. Add parameter servers or reduce the tables."
+            f"The tables need {_mb(max(loads))} on ps {loads.index(max(loads))} with {slots} slot(s) (placed "
+            f"round-robin); argument `memory_per_device` is {_mb(memory)}. Add parameter servers or reduce the "
+            "tables."
         )
-    return out
+    return out, [load / 2**20 for load in loads]
 
 
 def _plan_mirrored(configs, stats, topology, slots, memory):
@@ -367,4 +372,4 @@ def _plan_mirrored(configs, stats, topology, slots, memory):
             t, placement=placement if config.placement in (None, "auto") else None, exchange=exchange,
             exchange_ids=bound, estimate_ms=ms, memory_mb=need * copies / 2**20, reason=why,
         )  # fmt: skip
-    return out
+    return out, [sum(t.memory_mb for t in out.values())]
