@@ -41,7 +41,7 @@ def test_parameter_servers_shards_scheme_groups_and_memory():
     # Large tables a shard per ps; a small one whole on one ps (under half of one ps's even share of the bytes
     # and lookups).
     assert (user.partitions, item.partitions, tag.partitions) == (2, 2, 1)
-    assert "whole on one ps" in tag.reason and "row-wise over 2 ps" in user.reason
+    assert "whole on one ps" in tag.reason and user.reason.startswith("row-wise: 66% of the bytes, 50% of the lookups")
     # The busiest shard's share, by hand: "div" sends the hot low ids to shard 0.
     flat = np.concatenate(ids["user"])
     div_share = np.bincount(flat // 50_000, minlength=2).max() / flat.size * 2
@@ -75,6 +75,29 @@ def test_parameter_servers_shards_scheme_groups_and_memory():
     with pytest.raises(ValueError, match="The tables need 9.2 MB on ps 0"):
         tfs.plan(tables, PS, memory_per_device=9 << 20)
     assert tfs.plan(tables, PS, memory_per_device=10 << 20).device_mb == plan.device_mb
+
+
+def test_whole_tables_that_would_unbalance_the_ps_are_split():
+    """Each table alone is small enough to stay whole, but placed round-robin the two large ones would land on the
+    same ps: the plan splits the largest whole tables until every ps is within `BALANCE` of the mean."""
+    rows = {"big0": 200_000, "small0": 1_000, "big1": 200_000, "small1": 1_000}
+    rows.update({f"mid{i}": 120_000 for i in range(6)})
+    tables = {name: {"input_dim": n, "output_dim": 8} for name, n in rows.items()}
+    plan = tfs.plan(tables, PS)
+    shards = {name: t.partitions for name, t in plan.tables.items()}
+    # What round-robin placement gives (tables and one slot), by hand, and that it is within the bound.
+    loads, placed = [0.0, 0.0], 0
+    for name, n in shards.items():
+        for i in range(n):
+            loads[(placed + i) % 2] += rows[name] * 8 * 4 * 2 / n / 2**20
+        placed += n
+    np.testing.assert_allclose(plan.device_mb, loads)
+    assert max(loads) <= planner.BALANCE * sum(loads) / 2
+    split = [name for name, t in plan.tables.items() if "it left a ps at" in t.reason]
+    assert split and all(shards[name] == 2 for name in split)
+    # Without the balance pass, every table stays whole and ps 0 holds both large tables.
+    whole = [rows[name] for i, name in enumerate(rows) if i % 2 == 0]
+    assert sum(whole) / (sum(rows.values()) / 2) > planner.BALANCE
 
 
 def test_mirrored_exchange_follows_the_cost_model_and_placement_the_memory():

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -49,6 +49,9 @@ PS_ID_US = 0.35
 # about this share of each other. B11 measures table-wise against row-wise for small tables (RFC.md §11):
 # a table's rows then travel in one piece instead of one per ps.
 TABLE_WISE_SHARE = 0.5
+# ... and while, placed so, they leave every ps within this factor of the mean bytes and lookups; past it the
+# largest whole table is split over the ps.
+BALANCE = 1.1
 # Row-wise tables spread hot rows with "mod" where "div" would send this many times the even share of
 # the sample's lookups to one shard (vocabularies sorted by frequency).
 SKEW_LIMIT = 1.5
@@ -263,43 +266,79 @@ def _mb(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.1f} MB"
 
 
+def _place(parts: Dict[str, int], weights: Dict[str, float], num_ps: int) -> list:
+    """Each ps's sum of `weights`, each table's shards placed round-robin in table order (as the strategy does),
+    a shard carrying an even part of its table's weight."""
+    loads, placed = [0.0] * num_ps, 0
+    for name, n in parts.items():
+        for i in range(n):
+            loads[(placed + i) % num_ps] += weights[name] / n
+        placed += n
+    return loads
+
+
+def _shards(configs, stats, num_ps) -> Dict[str, tuple]:
+    """{table: (shards, why)} of the static tables: whole on one ps while small, else a shard per ps; then,
+    while whole tables leave a ps over `BALANCE` of the mean bytes or lookups, the largest of them is split."""
+    static = {n: c for n, c in configs.items() if not isinstance(c, DynamicTableConfig)}
+    size = {n: float(_table_bytes(c)) for n, c in static.items()}
+    lookups = {n: float(stats[n][0]) if n in stats else 0.0 for n in static}
+    share = {n: v / (sum(size.values()) or 1) for n, v in size.items()}
+    id_share = {n: v / (sum(lookups.values()) or 1) for n, v in lookups.items()}
+    fair = TABLE_WISE_SHARE / num_ps
+    out = {}
+    for name, config in static.items():
+        if config.partitions is not None:
+            spec = config.partitions
+            out[name] = (spec if isinstance(spec, int) else spec.num_shards, "partitions set by the table config")
+        elif num_ps == 1 or (share[name] <= fair and id_share[name] <= fair):
+            why = (
+                f"whole on one ps: {share[name]:.0%} of the bytes, {id_share[name]:.0%} of the lookups (<= {fair:.0%})"
+            )
+            out[name] = (1, why)
+        else:
+            why = f"row-wise: {share[name]:.0%} of the bytes, {id_share[name]:.0%} of the lookups (> {fair:.0%})"
+            out[name] = (min(num_ps, config.shape[0]), why)
+    while num_ps > 1:
+        parts = {n: v[0] for n, v in out.items()}
+        worst = max(_imbalance(_place(parts, w, num_ps)) for w in (size, lookups))
+        whole = [n for n, (k, _) in out.items() if k == 1 and static[n].partitions is None and static[n].shape[0] > 1]
+        if worst <= BALANCE or not whole:
+            break
+        largest = max(whole, key=lambda n: max(share[n], id_share[n]))
+        out[largest] = (
+            min(num_ps, static[largest].shape[0]),
+            f"row-wise: whole, it left a ps at {worst:.2f}x the mean",
+        )
+    return out
+
+
+def _imbalance(loads: list) -> float:
+    mean = sum(loads) / len(loads)
+    return max(loads) / mean if mean else 1.0
+
+
 def _plan_ps(configs, stats, topology, slots, memory):
     num_ps = topology.num_ps
     groups = {n: g[0] for g in _groups(configs, topology) if len(g) > 1 for n in g}
-    static = [n for n, c in configs.items() if not isinstance(c, DynamicTableConfig)]
-    total_bytes = sum(_table_bytes(configs[n]) for n in static) or 1
-    total_ids = sum(stats[n][0] for n in static if n in stats)
-    fair = TABLE_WISE_SHARE / num_ps
-    # Each ps's tables and slots, placing shards round-robin in table order as the strategy does.
-    out, loads, placed = {}, [0.0] * num_ps, 0
+    shards = _shards(configs, stats, num_ps)
+    needs = {n: _table_bytes(configs[n]) * (1 + slots) for n in shards}
+    loads = _place({n: k for n, (k, _) in shards.items()}, needs, num_ps)
+    out, placed = {}, 0
     for name, config in configs.items():
         t = _base(name, config, stats)
         if t.rows is None:
             out[name] = t
             continue
-        need = _table_bytes(config) * (1 + slots)
-        share = _table_bytes(config) / total_bytes
-        id_share = (t.ids_per_step or 0) / total_ids if total_ids else 0.0
-        if config.partitions is not None:
-            spec = config.partitions
-            partitions = spec if isinstance(spec, int) else spec.num_shards
-            why = "partitions set by the table config"
-        elif num_ps == 1 or (share <= fair and id_share <= fair):
-            partitions = 1
-            why = f"whole on one ps: {share:.0%} of the bytes, {id_share:.0%} of the lookups (<= {fair:.0%})"
-        else:
-            partitions = min(num_ps, t.rows)
-            why = f"row-wise over {partitions} ps: {share:.0%} of the bytes, {id_share:.0%} of the lookups"
+        partitions, why = shards[name]
         tasks = [(placed + i) % num_ps for i in range(partitions)]
         placed += partitions
-        for task in tasks:
-            loads[task] += need / partitions
-        held = need / partitions * max(tasks.count(task) for task in tasks)
+        held = needs[name] / partitions * max(tasks.count(task) for task in tasks)
         if memory is not None and held > memory:
             raise ValueError(
-                f"Table '{name}' needs {_mb(held)} on one ps ({_mb(need)} with {slots} slot(s) in {partitions} "
-                f"shard(s) over {num_ps} ps); argument `memory_per_device` is {_mb(memory)}. Add parameter "
-                "servers or reduce the table."
+                f"Table '{name}' needs {_mb(held)} on one ps ({_mb(needs[name])} with {slots} slot(s) in "
+                f"{partitions} shard(s) over {num_ps} ps); argument `memory_per_device` is {_mb(memory)}. Add "
+                "parameter servers or reduce the table."
             )
         scheme = config.scheme
         flat = stats.get(name, (None, None, None))[2]
