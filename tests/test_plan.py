@@ -289,3 +289,15 @@ def test_a_data_sample_is_read_through_the_collections_features():
     assert tfs.plan(layer, MIRRORED, ids=dataset).tables["item"].ids_per_step == 10 + 4  # ragged 3+0+5+2, dense 4
     with pytest.raises(TypeError, match="must yield dicts"):
         tfs.plan(layer, MIRRORED, ids=[np.arange(3)])
+
+
+def test_criteos_capped_tables_on_two_ps_stay_balanced(monkeypatch):
+    """RFC §5e's figures: Criteo's 26 tables capped at 1M rows x 16 on 2 ps."""
+    from tf_sharded.app import data
+
+    tables = {f"C{i + 1}": {"input_dim": v, "output_dim": 16} for i, v in enumerate(data.vocab_sizes(1_000_000))}
+    plan = tfs.plan(tables, PS)
+    assert [round(mb) for mb in plan.device_mb] == [361, 319]
+    assert sum(t.partitions == 1 for t in plan.tables.values()) == 23
+    monkeypatch.setattr(planner, "BALANCE", float("inf"))  # without the balance pass
+    assert [round(mb) for mb in tfs.plan(tables, PS).device_mb] == [249, 431]
