@@ -122,6 +122,14 @@ def test_mirrored_exchange_follows_the_cost_model_and_placement_the_memory():
     assert tfs.plan(tables, MIRRORED).tables["big"].placement == "device"  # 61 MB: under the size rule
     with pytest.raises(ValueError, match="Table 'big' needs 122.1 MB .* Use parameter servers"):
         tfs.plan(tables, MIRRORED, memory_per_device=100 << 20)
+    # The worker's budget holds all its tables: in table order, copies per replica while they still fit.
+    three = {name: {"input_dim": 50_000, "output_dim": 8} for name in "abc"}
+    copy_mb = 50_000 * 8 * 4 * 2 / 2**20  # a table and its slot
+    plan = tfs.plan(three, MIRRORED, memory_per_device=30 << 20)
+    assert [t.placement for t in plan.tables.values()] == ["device", "device", "host"]
+    np.testing.assert_allclose(plan.device_mb, [(4 + 4 + 1) * copy_mb])
+    with pytest.raises(ValueError, match=r"Table 'c' needs 3.1 MB .* beside 24.4 MB of the tables before it"):
+        tfs.plan(three, MIRRORED, memory_per_device=26 << 20)
 
 
 def test_statistics_instead_of_a_sample_and_the_default_strategy():

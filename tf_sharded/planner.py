@@ -366,7 +366,7 @@ def _plan_mirrored(configs, stats, topology, slots, memory):
 
     in_process = topology.kind == MIRRORED
     local_replicas = max(1, topology.replicas // topology.workers)
-    out = {}
+    out, held = {}, 0.0  # held: the worker's bytes of the tables placed so far
     for name, config in configs.items():
         t = _base(name, config, stats)
         if t.rows is None:
@@ -377,19 +377,22 @@ def _plan_mirrored(configs, stats, topology, slots, memory):
         if config.placement not in (None, "auto"):
             placement, why = config.placement, "placement set by the table config"
         elif memory is not None:
-            placement = "device" if need * local_replicas <= memory else "host"
+            # In table order: a copy per replica while the worker still has room for them, else one on the host.
+            placement = "device" if held + need * local_replicas <= memory else "host"
             why = (
-                f"{placement}: {local_replicas} copies of {_mb(need)} "
-                f"{'<=' if placement == 'device' else '>'} memory_per_device {_mb(memory)}"
+                f"{placement}: {local_replicas} copies of {_mb(need)} beside {_mb(held)} placed "
+                f"{'fit' if placement == 'device' else 'do not fit'} memory_per_device {_mb(memory)}"
             )
         else:
             placement = resolve_placement(None, nbytes)
             why = f"{placement}: {_mb(nbytes)} {'>' if placement == 'host' else '<='} {_mb(HOST_PLACEMENT_BYTES)}"
         copies = local_replicas if placement == "device" else 1
-        if memory is not None and need > memory:
+        held += need * copies
+        if memory is not None and held > memory:
             raise ValueError(
-                f"Table '{name}' needs {_mb(need)} with {slots} slot(s) in one copy; argument "
-                f"`memory_per_device` is {_mb(memory)}. Use parameter servers for it."
+                f"Table '{name}' needs {_mb(need * copies)} with {slots} slot(s) ({copies} cop(ies)) beside "
+                f"{_mb(held - need * copies)} of the tables before it; argument `memory_per_device` is "
+                f"{_mb(memory)}. Use parameter servers for these tables."
             )
         exchange, bound, ms = None, None, 0.0
         if config.exchange not in (None, "auto") or config.ids_per_step is not None:
