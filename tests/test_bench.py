@@ -205,7 +205,7 @@ class BenchmarkSuiteTest(tf.test.TestCase):
         self.assertEqual((report["model"], report["steps"], report["held_out_examples"]), ("dlrm", 20, 10240))
         rows = {r["export"]: r for r in report["results"]}
         self.assertEqual(list(rows), ["float", "int8", "int4"])
-        self.assertGreater(rows["float"]["auc"], 0.6)  # the demo model learned in 20 steps
+        self.assertGreater(rows["float"]["auc"], 0.6)  # the demo model learned in 20 steps (one worker: 0.7547)
         # 26 tables of up to 1,000 rows x 16: float32 rows against int8 rows plus a float32 scale per row, and
         # against int4 values two a byte plus a float32 scale and an int8 zero point per row.
         for mode, row_bytes, auc_tolerance in (("int8", 16 + 4, 0.01), ("int4", 8 + 5, 0.05)):
