@@ -86,9 +86,12 @@ class TablePlan:
     memory_mb: float = 0.0  # per device holding it (a ps's share, or one replica's copy)
     reason: str = ""
 
-    def arguments(self) -> dict:
-        """The table config fields the plan sets."""
-        values = {"partitions": self.partitions, "scheme": self.scheme, "placement": self.placement}
+    def arguments(self, layout_only: bool = False) -> dict:
+        """The table config fields the plan sets (`layout_only`: shards and scheme, which every strategy takes)."""
+        values = {"partitions": self.partitions, "scheme": self.scheme}
+        if layout_only:
+            return {k: v for k, v in values.items() if v is not None}
+        values["placement"] = self.placement
         if self.exchange is not None:
             values.update(exchange="auto", ids_per_step=self.exchange_ids)
         return {k: v for k, v in values.items() if v is not None}
@@ -137,8 +140,9 @@ class Plan:
         floor and each storage group's variables (one per ps)."""
         return sum(t.estimate_ms for t in self.tables.values()) + self.overhead_ms
 
-    def configs(self, configs: dict, who: str = "plan") -> dict:
-        """`configs` ({name: TableConfig}) with the plan's arguments set; the plan must cover these tables."""
+    def configs(self, configs: dict, who: str = "plan", layout_only: bool = False) -> dict:
+        """`configs` ({name: TableConfig}) with the plan's arguments set (`layout_only`: its shards and scheme);
+        the plan must cover these tables."""
         if set(configs) != set(self.tables):
             raise ValueError(
                 f"Argument `plan` is for the tables {sorted(self.tables)}, not {sorted(configs)} ({who}). "
@@ -155,7 +159,7 @@ class Plan:
                     f"Argument `plan` has table '{name}' as {planned.rows} x {planned.dim}; the table is "
                     f"{config.shape[0]} x {config.shape[1]} ({who}). Make the plan from the same tables."
                 )
-            out[name] = dataclasses.replace(config, **planned.arguments())
+            out[name] = dataclasses.replace(config, **planned.arguments(layout_only))
         return out
 
     def applies_to(self, strategy, who: str) -> bool:

@@ -155,7 +155,7 @@ def _busiest_share(flat: Optional[np.ndarray], rows: int, shards: int, scheme: s
 def plan(
     tables,
     strategy=None,
-    ids: Optional[dict] = None,
+    ids=None,
     slots: int = DEFAULT_SLOTS,
     memory_per_device: Optional[int] = None,
 ) -> Plan:
@@ -214,29 +214,25 @@ def plan(
         raise ValueError(f"Argument `ids` names tables that are not in `tables`: {unknown}; tables: {sorted(configs)}")
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
         raise ValueError(f"Argument `slots` must be a non-negative int. Received: slots={slots!r}")
-    stats = {}
-    for name, config in configs.items():
-        rows = None if isinstance(config, DynamicTableConfig) else config.shape[0]
-        if ids and name in ids:
-            stats[name] = _sample_statistics(name, ids[name], topology.replicas, rows)
-    planner = {PS: _plan_ps, MIRRORED: _plan_mirrored, MULTI: _plan_mirrored}.get(topology.kind, _plan_default)
     if memory_per_device is not None and (
         isinstance(memory_per_device, bool) or not isinstance(memory_per_device, int) or memory_per_device < 1
     ):
         raise ValueError(
             f"Argument `memory_per_device` must be a positive int (bytes). Received: {memory_per_device!r}"
         )
-    planned, device_mb = planner(configs, stats, topology, slots, memory_per_device)
-    groups = _groups(configs, topology)
+    stats = {}
+    for name, config in configs.items():
+        rows = None if isinstance(config, DynamicTableConfig) else config.shape[0]
+        if ids and name in ids:
+            stats[name] = _sample_statistics(name, ids[name], topology.replicas, rows)
+    planner = {PS: _plan_ps, MIRRORED: _plan_mirrored, MULTI: _plan_mirrored}.get(topology.kind, _plan_default)
+    # The storage groups under parameter servers (the collection's runs); else each table alone.
+    groups = storage_runs(configs, topology.kind == PS)
+    planned, device_mb = planner(configs, stats, topology, slots, memory_per_device, groups)
     overhead = 0.0
     if topology.kind == PS:
         overhead = PS_DISPATCH_MS + sum(len(g) > 1 for g in groups) * topology.num_ps * PS_VARIABLE_MS
     return Plan(topology, planned, groups, overhead, device_mb)
-
-
-def _groups(configs: dict, topology: Topology) -> List[List[str]]:
-    """The storage groups under parameter servers (the collection's runs, `storage_runs`); else each table alone."""
-    return storage_runs(configs, topology.kind == PS)
 
 
 def _table_bytes(config) -> int:
@@ -250,7 +246,7 @@ def _base(name, config, stats):
     return TablePlan(name, config.shape[0], int(np.prod(config.shape[1:])), per_step, distinct)
 
 
-def _plan_default(configs, stats, topology, slots, memory):
+def _plan_default(configs, stats, topology, slots, memory, groups):
     out = {}
     for name, config in configs.items():
         t = _base(name, config, stats)
@@ -266,14 +262,21 @@ def _mb(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.1f} MB"
 
 
-def _place(parts: Dict[str, int], weights: Dict[str, float], num_ps: int) -> list:
-    """Each ps's sum of `weights`, each table's shards placed round-robin in table order (as the strategy does),
-    a shard carrying an even part of its table's weight."""
-    loads, placed = [0.0] * num_ps, 0
+def _tasks(parts: Dict[str, int], num_ps: int) -> Dict[str, List[int]]:
+    """Each table's shards' ps, placed round-robin in table order as the strategy places them."""
+    tasks, placed = {}, 0
     for name, n in parts.items():
-        for i in range(n):
-            loads[(placed + i) % num_ps] += weights[name] / n
+        tasks[name] = [(placed + i) % num_ps for i in range(n)]
         placed += n
+    return tasks
+
+
+def _place(parts: Dict[str, int], weights: Dict[str, float], num_ps: int) -> list:
+    """Each ps's sum of `weights`, a shard carrying an even part of its table's weight."""
+    loads = [0.0] * num_ps
+    for name, tasks in _tasks(parts, num_ps).items():
+        for task in tasks:
+            loads[task] += weights[name] / len(tasks)
     return loads
 
 
@@ -318,21 +321,21 @@ def _imbalance(loads: list) -> float:
     return max(loads) / mean if mean else 1.0
 
 
-def _plan_ps(configs, stats, topology, slots, memory):
+def _plan_ps(configs, stats, topology, slots, memory, groups):
     num_ps = topology.num_ps
-    groups = {n: g[0] for g in _groups(configs, topology) if len(g) > 1 for n in g}
+    group_of = {n: g[0] for g in groups if len(g) > 1 for n in g}
     shards = _shards(configs, stats, num_ps)
+    parts = {n: k for n, (k, _) in shards.items()}
     needs = {n: _table_bytes(configs[n]) * (1 + slots) for n in shards}
-    loads = _place({n: k for n, (k, _) in shards.items()}, needs, num_ps)
-    out, placed = {}, 0
+    loads, tasks_of = _place(parts, needs, num_ps), _tasks(parts, num_ps)
+    out = {}
     for name, config in configs.items():
         t = _base(name, config, stats)
         if t.rows is None:
             out[name] = t
             continue
         partitions, why = shards[name]
-        tasks = [(placed + i) % num_ps for i in range(partitions)]
-        placed += partitions
+        tasks = tasks_of[name]
         held = needs[name] / partitions * max(tasks.count(task) for task in tasks)
         if memory is not None and held > memory:
             raise ValueError(
@@ -347,9 +350,9 @@ def _plan_ps(configs, stats, topology, slots, memory):
             scheme = "mod" if div > SKEW_LIMIT * mod else "div"
             if flat is not None:
                 why += f"; {scheme}: busiest shard {div:.1f}x its even share of lookups with div, {mod:.1f}x with mod"
-        ms = (t.ids_per_step or 0) * PS_ID_US / 1000 + (0 if name in groups else partitions * PS_VARIABLE_MS)
+        ms = (t.ids_per_step or 0) * PS_ID_US / 1000 + (0 if name in group_of else partitions * PS_VARIABLE_MS)
         out[name] = dataclasses.replace(
-            t, partitions=partitions, scheme=scheme if partitions > 1 else None, group=groups.get(name),
+            t, partitions=partitions, scheme=scheme if partitions > 1 else None, group=group_of.get(name),
             estimate_ms=ms, memory_mb=held / 2**20, reason=why,
         )  # fmt: skip
     if memory is not None and max(loads) > memory:
@@ -361,7 +364,7 @@ def _plan_ps(configs, stats, topology, slots, memory):
     return out, [load / 2**20 for load in loads]
 
 
-def _plan_mirrored(configs, stats, topology, slots, memory):
+def _plan_mirrored(configs, stats, topology, slots, memory, groups):
     from tf_sharded.strategy.mirrored import HOST_PLACEMENT_BYTES, resolve_placement
 
     in_process = topology.kind == MIRRORED

@@ -72,6 +72,30 @@ def _collective(strategy, step):
     return call
 
 
+def interleaved_medians(strategy, named_steps: dict, batches, warmup: int) -> dict:
+    """Median step time per name after `warmup` batches; the steps run interleaved so drift hits all alike.
+
+    The order is shuffled every step (seeded): a step that follows the slow, allocation-heavy dense
+    step may run slower, and a fixed order (or a rotation, which keeps the neighbours) would charge
+    that to one mode.
+    """
+    import numpy as np
+
+    for step in named_steps.values():
+        for b in batches[:warmup]:
+            step(b)
+    times = {name: [] for name in named_steps}
+    order = np.random.default_rng(1)
+    for b in batches[warmup:]:
+        for name in order.permutation(list(named_steps)):
+            step = named_steps[name]
+            t0 = time.perf_counter()
+            out = step(b)
+            strategy.experimental_local_results(out)[0].numpy()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def run(quick: bool = False, out_dir: str = "bench_results", strategy=None) -> dict:
     """Runs the sweep; returns (and writes) the results."""
     devices = _configure_devices()
@@ -104,27 +128,6 @@ def run(quick: bool = False, out_dir: str = "bench_results", strategy=None) -> d
             return strategy.run(fn, args=(ids,))
 
         return step
-
-    def timed(named_steps, batches):
-        """Median step time per name; the steps run interleaved so drift hits all alike.
-
-        The order is shuffled every step (seeded): a step that follows the slow, allocation-heavy dense
-        step may run slower, and a fixed order (or a rotation, which keeps the neighbours) would charge
-        that to one mode.
-        """
-        for step in named_steps.values():
-            for b in batches[:warmup]:
-                step(b)
-        times = {name: [] for name in named_steps}
-        order = np.random.default_rng(1)
-        for b in batches[warmup:]:
-            for name in order.permutation(list(named_steps)):
-                step = named_steps[name]
-                t0 = time.perf_counter()
-                out = step(b)
-                strategy.experimental_local_results(out)[0].numpy()
-                times[name].append(time.perf_counter() - t0)
-        return {name: statistics.median(t) for name, t in times.items()}
 
     with strategy.scope():
         # Table name -> its exchange: the three modes, a second identical all-gather table (the noise) and
@@ -178,7 +181,7 @@ def run(quick: bool = False, out_dir: str = "bench_results", strategy=None) -> d
             named["floor_s"] = make_step(
                 lambda: [], lambda i, t=tables["allgather"]: tfs.embedding_lookup(t, i), None, train=False
             )
-            row.update(timed(named, batches))
+            row.update(interleaved_medians(strategy, named, batches, warmup))
             per_replica_gathered = mean_gathered / replicas
             row["auto_chose"] = tfs.exchange.choose(rows, row_bytes, replicas, per_replica_gathered, in_process=True)
             row["bytes_allgather"] = replicas * max_distinct * (row_bytes + 8)

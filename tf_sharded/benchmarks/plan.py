@@ -33,7 +33,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from typing import Dict, List
 
 import numpy as np
@@ -73,7 +72,7 @@ def ps_choice(point: str, plan) -> str:
     return first.scheme
 
 
-def _ps_options(point: str, rows: int, tables: int) -> Dict[str, dict]:
+def _ps_options(point: str) -> Dict[str, dict]:
     """Option -> (collection arguments, per-table arguments)."""
     if point == "storage":
         return {"batched": ({}, {"partitions": 2}), "unbatched": ({"batch_tables": False}, {"partitions": 2})}
@@ -117,7 +116,7 @@ def _ps_points(quick: bool, mode: str) -> Dict:
             batches = sample_ids(point, rows, BATCH, n, steps)
             plan = tfs.plan(table_configs, strategy, ids={k: [b[k] for b in batches] for k in keys})
             named, collections = {}, {}
-            for option, (layer_args, table_args) in _ps_options(point, rows, tables).items():
+            for option, (layer_args, table_args) in _ps_options(point).items():
                 configs = {k: {**c, **table_args} for k, c in table_configs.items()}
                 with strategy.scope():
                     layer = tfs.layers.EmbeddingCollection(configs, {k: k for k in keys}, name=f"{point}_{option}",
@@ -181,7 +180,7 @@ def mirrored_sample(rows: int, per_replica: int, distribution: str, replicas: in
 
 def mirrored_points(quick: bool = False) -> Dict:
     """The mirrored points (run in a process of their own)."""
-    from tf_sharded.benchmarks.exchange import _configure_devices
+    from tf_sharded.benchmarks.exchange import _configure_devices, interleaved_medians
 
     devices = _configure_devices()
     import keras
@@ -217,7 +216,7 @@ def mirrored_points(quick: bool = False) -> Dict:
         ]
         named = {name: _mirrored_step(tf, tfs, strategy, table, optimizers[name]) for name, table in tables.items()}
         named["floor"] = _mirrored_step(tf, tfs, strategy, tables["allgather"], None)
-        times = _mirrored_timed(strategy, named, batches, warmup)
+        times = interleaved_medians(strategy, named, batches, warmup)
         floor = times.pop("floor")
         distinct = plan.tables["t"].exchange_ids
         for mode, t in times.items():
@@ -252,20 +251,6 @@ def _mirrored_step(tf, tfs, strategy, table, optimizer):
         return strategy.run(fn, args=(ids,))
 
     return step
-
-
-def _mirrored_timed(strategy, named, batches, warmup: int) -> Dict[str, float]:
-    for step in named.values():
-        for b in batches[:warmup]:
-            strategy.experimental_local_results(step(b))[0].numpy()
-    times = {name: [] for name in named}
-    order = np.random.default_rng(1)
-    for b in batches[warmup:]:
-        for name in order.permutation(list(named)):
-            t0 = time.perf_counter()
-            strategy.experimental_local_results(named[name](b))[0].numpy()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def run(quick: bool = False, mode: str = "inprocess") -> Dict:

@@ -174,19 +174,14 @@ class EmbeddingCollection(keras.layers.Layer):
         return storage_runs(self.table_configs, self.batch_tables)
 
     def _planned_configs(self) -> dict:
-        """The table configs with the plan's arguments, for the strategy the layer is built under."""
+        """The table configs with the plan's arguments, for the strategy the layer is built under: all of them
+        under the plan's kind of strategy, the layout alone under the default one (a saved model loaded to
+        evaluate or serve)."""
         if self.plan is None:
             return self.table_configs
-        configs = self.plan.configs(self.table_configs, f"layer '{self.name}'")
-        if self.plan.applies_to(tf.distribute.get_strategy(), f"layer '{self.name}'"):
-            return configs
-        # Built without a strategy (a saved model loaded to evaluate or serve): the layout, not the exchange.
-        neutral = dict(exchange=None, placement=None, ids_per_step=None)
-        return {
-            n: c if isinstance(c, DynamicTableConfig) else dataclasses.replace(c, **{
-                k: getattr(self.table_configs[n], k) for k in neutral})
-            for n, c in configs.items()
-        }  # fmt: skip
+        who = f"layer '{self.name}'"
+        layout_only = not self.plan.applies_to(tf.distribute.get_strategy(), who)
+        return self.plan.configs(self.table_configs, who, layout_only)
 
     def _create_group(self, names, created, configs) -> bool:
         """Creates the tables `names` in one storage; False where the strategy does not batch tables."""
