@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
+from tests.harness.graphs import sends_per_call
 from tests.harness.models import (
     IDS,
     LABELS,
@@ -37,6 +38,45 @@ class DynamicParameterServerTest(tf.test.TestCase):
         self.assertEqual([tf.DeviceSpec.from_string(d).job for d in table.devices], ["ps", "ps"])
         self.assertEqual(tasks, [0, 1])
         self.assertEqual(self.make(partitions=3).num_shards, 3)
+
+    def sends_per_step(self, tables: int) -> float:
+        """Tensors sent between tasks per scheduled training step of a collection of `tables` dynamic tables."""
+        names = [f"f{i}" for i in range(tables)]
+        with self.strategy.scope():
+            tables = {n: {"output_dim": 4, "vocabulary": "dynamic"} for n in names}
+            layer = tfs.layers.EmbeddingCollection(tables, {n: n for n in names})
+            layer.build()
+            optimizer = tfs.optimizers.Adagrad(0.1)
+            optimizer.build(layer.trainable_variables)
+
+        @tf.function
+        def step(features):
+            def fn(features):
+                with tf.GradientTape() as tape:
+                    loss = tf.add_n([tf.reduce_sum(r) for r in layer(features).values()])
+                variables = layer.trainable_variables
+                optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+            return self.strategy.run(fn, args=(features,))
+
+        rng = np.random.default_rng(0)
+        batch = {n: tf.constant(rng.integers(-(2**62), 2**62, size=64, dtype=np.int64)) for n in names}
+
+        def run(times=1):
+            for _ in range(times):
+                self.coordinator.schedule(step, args=(batch,))
+            self.coordinator.join()
+
+        # Traces and inserts the keys; a step's first runs on each worker also send what its functions set up.
+        run(times=6)
+        return sends_per_call(run, 3)
+
+    def test_a_steps_transfers_between_tasks_do_not_grow_with_its_tables(self):
+        # Per ps: one tensor of keys, counts and table steps in, one of rows out, one of gradients in; the
+        # optimizer reads its learning rate once per ps and nothing passes through the worker on its way back.
+        two, six = self.sends_per_step(2), self.sends_per_step(6)
+        self.assertEqual(two, six)
+        self.assertLess(two, 40)
 
     def test_concurrent_inserts_from_two_workers_lose_and_duplicate_nothing(self):
         # Growing by 2% makes nearly every step copy the pools while the other worker's step writes rows.

@@ -52,3 +52,32 @@ def whole_table_reads(concrete_fn, rows):
             if node.op == "ReadVariableOp":
                 problems.append(f"{node.op} {node.name}")
     return problems
+
+
+def sends_per_call(fn, calls: int) -> float:
+    """Tensors sent between devices (the `_Send` ops TensorFlow's profiler records) per call of `fn`,
+    averaged over `calls` calls, in this process (an in-process cluster's tasks included)."""
+    import glob
+    import shutil
+    import tempfile
+
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    logdir = tempfile.mkdtemp()
+    try:
+        tf.profiler.experimental.start(logdir)
+        try:
+            for _ in range(calls):
+                fn()
+        finally:
+            tf.profiler.experimental.stop()
+        space = xplane_pb2.XSpace()
+        with open(glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)[0], "rb") as f:
+            space.ParseFromString(f.read())
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)
+    sends = 0
+    for plane in space.planes:
+        names = {key: meta.name for key, meta in plane.event_metadata.items()}
+        sends += sum(names.get(e.metadata_id, "").endswith(":_Send") for line in plane.lines for e in line.events)
+    return sends / calls

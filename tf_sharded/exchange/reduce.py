@@ -96,7 +96,7 @@ def all_reduce_gradients(
     pairs = list(grads_and_vars)
     ctx = tf.distribute.get_replica_context()
     if ctx is None or ctx.num_replicas_in_sync == 1:
-        return fallback(pairs) if fallback is not None else pairs
+        return _one_replica(pairs, fallback)
     ours, others = [], []
     for i, (g, v) in enumerate(pairs):
         tag = owner(v) if g is not None else None
@@ -137,6 +137,19 @@ def all_reduce_gradients(
         summed = grouped_allgather(grads, ctx) if choice == "allgather" else grouped_adaptive_exchange(grads, ctx)[0]
         for (i, _, _), grad in zip(members, summed):
             result[i] = (grad, pairs[i][1])
+    return result
+
+
+def _one_replica(pairs: List[tuple], fallback) -> List[tuple]:
+    """The sum over one replica: the gradients themselves. Tables' shards keep theirs as they are (Keras's
+    reduction would pass each through an identity on the replica's device: for a shard on a parameter
+    server, a transfer to the worker and back); the rest go to `fallback`."""
+    if fallback is None:
+        return pairs
+    rest = [i for i, (g, v) in enumerate(pairs) if g is None or owner_of(v) is None]
+    result = list(pairs)
+    for i, pair in zip(rest, fallback([pairs[i] for i in rest]) if rest else []):
+        result[i] = pair
     return result
 
 

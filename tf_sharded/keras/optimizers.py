@@ -201,8 +201,12 @@ class _TableSlots(_compat.KerasOptimizerHooks):
         # Keras increments `iterations` with nothing tying it to the step: in a traced step whose lookup or
         # gradient fails, the increment still runs and a step that applied nothing is counted. Every op of
         # the update, the increment included, waits for every gradient here.
-        with tf.control_dependencies(_gradient_tensors(grads)):
-            return super().apply(grads, trainable_variables)
+        _compat.set_untracked(self, "_tfs_rates", {})
+        try:
+            with tf.control_dependencies(_gradient_tensors(grads)):
+                return super().apply(grads, trainable_variables)
+        finally:
+            _compat.set_untracked(self, "_tfs_rates", None)
 
     def dense_decay_variables(self, variables):
         # A table's decay is applied to its touched rows in `update_step`.
@@ -216,7 +220,7 @@ class _TableSlots(_compat.KerasOptimizerHooks):
             return super().update_step(gradient, variable, learning_rate)
         table, shard = tag
         slots = {name: _beside(t.variables[shard], variable) for name, t in self._tfs_slots[id(table)].items()}
-        lr = tf.cast(learning_rate, variable.dtype)
+        lr = self._learning_rate_on(variable, learning_rate)
         decay = self._decays(variable)
         with tf.device(variable.device):
             if self._linear and not decay and isinstance(gradient, tf.IndexedSlices):
@@ -235,6 +239,18 @@ class _TableSlots(_compat.KerasOptimizerHooks):
                 self._update_rows(variable, rows, grad, slots, lr)
 
             update_exclusively(table, shard, write)
+
+    def _learning_rate_on(self, variable, learning_rate) -> tf.Tensor:
+        """The learning rate as `variable`'s dtype on its device, read once per step and device (not once per
+        shard: each read of the rate's variable is a transfer from where it lives)."""
+        cache = getattr(self, "_tfs_rates", None)
+        if tf.executing_eagerly() or cache is None:
+            return tf.cast(learning_rate, variable.dtype)
+        key = (id(tf.compat.v1.get_default_graph()), id(learning_rate), variable.device, variable.dtype)
+        if key not in cache:
+            with tf.device(variable.device):
+                cache[key] = tf.cast(learning_rate, variable.dtype)
+        return cache[key]
 
     def _decays(self, variable) -> bool:
         """Whether weight decay applies to a shard (recorded at build; a mirrored copy counts as its shard)."""

@@ -26,6 +26,7 @@ from tf_sharded.errors import positive_int
 from tf_sharded.table.dynamic_agree import agreeing_context, gather_keys
 from tf_sharded.table.dynamic_keys import key_fingerprints, parse_key_dtype, shard_of_keys
 from tf_sharded.table.dynamic_lock import locked_together
+from tf_sharded.table.dynamic_packed import Request, resolve
 from tf_sharded.table.dynamic_shard import DynamicShard
 from tf_sharded.table.dynamic_slot import DynamicSlot
 from tf_sharded.table.protocol import MAX_IDS_RANK, register_shards
@@ -188,19 +189,34 @@ class DynamicTable(_compat.Trackable):
         shard = self.shard_of(keys)
         return [tf.dynamic_partition(t, shard, self.num_shards) for t in (keys, *tensors)]
 
-    def _requests(self, uniq, counts, inserting: bool):
-        """Per shard: `(keys, their positions in uniq)`, and what resolves their rows (-1 where absent):
-        `(shard, body)` pairs to run under the shards' locks when `inserting` (admitting absent keys first),
-        else the rows themselves (the index alone is read)."""
+    def _requests(self, uniq, counts, inserting: bool, step=None):
+        """Per shard: `(keys, their positions in uniq)`, and a `Request` for their rows at table step `step`
+        when `inserting`, else their rows (-1 where absent; the index alone is read)."""
         keys, where, counts = self._partition(uniq, tf.range(tf.size(uniq, out_type=tf.int32)), counts)
         if not inserting:
             return keys, where, [s.find(k) for s, k in zip(self._shards, keys)]
-        step = self._step.assign_add(1)
-        bodies = [
-            (s, s.inserting(k, key_fingerprints(k), c, step, self.initial_rows, self._evictions, self._seed))
-            for s, k, c in zip(self._shards, keys, counts)
-        ]
-        return keys, where, bodies
+        return keys, where, [Request(self, i, k, c, step) for i, (k, c) in enumerate(zip(keys, counts))]
+
+    def inserting_body(self, shard: int, keys, counts, step):
+        """What inserts distinct `keys` into shard `shard` under its lock (`DynamicShard.inserting`)."""
+        body = self._shards[shard].inserting
+        return body(keys, key_fingerprints(keys), counts, step, self.initial_rows, self._evictions, self._seed)
+
+    @property
+    def every_key_held(self) -> bool:
+        """Whether a training lookup gives every key a row (no policy turns keys away)."""
+        return not self._turns_keys_away
+
+    def shard_values(self, shard: int, keys, rows, held: bool) -> tf.Tensor:
+        """On shard `shard`'s device: the values of `rows` of `keys` there (the initial row where a row is -1;
+        `held`: none is)."""
+        if held:
+            return self._shards[shard].gather(rows)
+        stored, absent = tf.where(rows >= 0), tf.where(rows < 0)
+        values = self._shards[shard].gather(tf.gather_nd(rows, stored))
+        fresh = self.initial_rows(tf.gather_nd(keys, absent))
+        shape = tf.stack([tf.size(keys, out_type=tf.int64), self._dim])
+        return tf.scatter_nd(stored, values, shape) + tf.scatter_nd(absent, fresh, shape)
 
     def lookup(self, flat_keys, training: bool = True) -> tf.Tensor:
         """Rows of rank-1 `flat_keys`; `training` inserts absent keys (if trainable), else they read their initial row.
@@ -225,38 +241,32 @@ class DynamicTable(_compat.Trackable):
             every, at = tf.unique(all_keys, out_idx=tf.int32)
             summed = tf.math.unsorted_segment_sum(all_counts, at, tf.size(every, out_type=tf.int32))
             plan.agreed = (uniq, every, tf.slice(at, [start], [num_unique]))
-            plan.keys, plan.where, plan.resolved = self._requests(every, summed, True)
+            plan.keys, plan.where, plan.resolved = self._requests(every, summed, True, self._step.assign_add(1))
         else:
-            plan.keys, plan.where, plan.resolved = self._requests(uniq, counts, inserting)
+            step = self._step.assign_add(1) if inserting else None
+            plan.keys, plan.where, plan.resolved = self._requests(uniq, counts, inserting, step)
         return plan
 
     def finish_lookup(self, plan: _Lookup, rows_per_shard) -> tf.Tensor:
         """`lookup_many`'s second half: the looked-up rows in the caller's order, from each shard's rows
         of its keys (-1: the key's initial row)."""
-        num_unique = plan.num_unique
         keys, where = plan.keys, plan.where
         if plan.agreed is not None:
             uniq, every, mine = plan.agreed
             rows = tf.add_n(
                 [tf.scatter_nd(w[:, None], r, tf.shape(every, tf.int32)) for w, r in zip(where, rows_per_shard)]
             )
-            keys, where, rows_per_shard = self._partition(uniq, tf.range(num_unique), tf.gather(rows, mine))
-        # A training lookup with no policy that turns keys away gives every key a row: nothing reads its initial row.
-        every_key_held = plan.inserting and not self._turns_keys_away
-        unique_rows = tf.zeros(tf.stack([num_unique, self._dim]), self._dtype)
-        for shard, shard_keys, shard_where, rows in zip(self._shards, keys, where, rows_per_shard):
-            if every_key_held:
-                part = shard.gather(rows)
-            else:
-                found = rows >= 0
-                stored = tf.where(found)
-                absent = tf.where(tf.logical_not(found))
-                values = shard.gather(tf.gather_nd(rows, stored))
-                fresh = self.initial_rows(tf.gather_nd(shard_keys, absent))
-                shape = tf.stack([tf.size(shard_keys, out_type=tf.int64), self._dim])
-                part = tf.scatter_nd(stored, values, shape) + tf.scatter_nd(absent, fresh, shape)
-            unique_rows = unique_rows + tf.scatter_nd(shard_where[:, None], part, tf.stack([num_unique, self._dim]))
-        return _expand(unique_rows, plan.idx, num_unique)
+            keys, where, rows_per_shard = self._partition(uniq, tf.range(plan.num_unique), tf.gather(rows, mine))
+        held = plan.inserting and self.every_key_held
+        parts = [self.shard_values(i, k, r, held) for i, (k, r) in enumerate(zip(keys, rows_per_shard))]
+        return self.assemble(plan, where, parts)
+
+    def assemble(self, plan: _Lookup, where, parts) -> tf.Tensor:
+        """The looked-up rows in the caller's order, from each shard's values of its keys at `where`."""
+        shape = tf.stack([plan.num_unique, self._dim])
+        unique_rows = tf.add_n([tf.zeros(shape, self._dtype)] + [tf.scatter_nd(w[:, None], p, shape)
+                                                                 for w, p in zip(where, parts)])  # fmt: skip
+        return _expand(unique_rows, plan.idx, plan.num_unique)
 
     # ------------------------------------------------------------- contents --
 
@@ -298,14 +308,10 @@ class DynamicTable(_compat.Trackable):
                 f"Dynamic table '{self._name}' has dim={self._dim}; the rows to load have shape "
                 f"{values.shape.as_list()}. Received rows saved from another table configuration."
             )
-        columns = {k: tf.convert_to_tensor(v) for k, v in (columns or {}).items()}
-        shard = self.shard_of(keys)
-        n = self.num_shards
-        split = lambda t: tf.dynamic_partition(t, shard, n) if n > 1 else [t]  # noqa: E731
-        key_parts, value_parts = split(keys), split(values)
-        column_parts = {k: split(v) for k, v in columns.items()}
+        names = list(columns or {})
+        key_parts, value_parts, *column_parts = self._partition(keys, values, *[columns[k] for k in names])
         for i, s in enumerate(self._shards):
-            s.replace(key_parts[i], value_parts[i], {k: parts[i] for k, parts in column_parts.items()})
+            s.replace(key_parts[i], value_parts[i], {k: parts[i] for k, parts in zip(names, column_parts)})
 
     def reset_lost(self) -> int:
         """After a parameter server restarted: the shards it held (and the table step, if it held that) set
@@ -332,12 +338,7 @@ class DynamicTable(_compat.Trackable):
     def set_column(self, column: str, keys, values) -> None:
         """Sets optimizer column `column` of `keys` that the table holds to `values` (others are skipped)."""
         keys = tf.convert_to_tensor(keys, self._key_dtype)
-        values = tf.convert_to_tensor(values, self._dtype)
-        shard = self.shard_of(keys)
-        n = self.num_shards
-        key_parts = tf.dynamic_partition(keys, shard, n) if n > 1 else [keys]
-        value_parts = tf.dynamic_partition(values, shard, n) if n > 1 else [values]
-        for s, k, v in zip(self._shards, key_parts, value_parts):
+        for s, k, v in zip(self._shards, *self._partition(keys, tf.convert_to_tensor(values, self._dtype))):
             s.set_column(column, k, v)
 
     def shard_rows(self, shard: int) -> tf.Tensor:
@@ -414,13 +415,21 @@ class _Lookup:
 
 def lookup_many(pairs, training: bool = True) -> list:
     """Rows for several `(DynamicTable, rank-1 keys)` pairs; a training lookup's inserts into every table's
-    shards on one device run in one critical section (`locked_together`), not one per table and shard."""
+    shards on one device run in one critical section, its keys and rows travel as one tensor each way per
+    device (`dynamic_packed`), not one per table and shard."""
     plans = [table.plan_lookup(keys, training) for table, keys in pairs]
-    requests = [request for plan in plans if plan.inserting for request in plan.resolved]
-    rows = iter(locked_together(requests))
+    packed = [request for plan in plans if plan.inserting and plan.agreed is None for request in plan.resolved]
+    values = iter(resolve(packed))
+    # Several workers' copies agree (every worker inserts everyone's keys): the rows, not values, come back.
+    agreed = [(r.table.shards[r.shard], r.table.inserting_body(r.shard, r.keys, r.counts, r.step))
+              for plan in plans if plan.agreed is not None for r in plan.resolved]  # fmt: skip
+    rows = iter(locked_together(agreed))
     out = []
     for plan in plans:
-        resolved = [next(rows) for _ in plan.resolved] if plan.inserting else plan.resolved
+        if plan.inserting and plan.agreed is None:
+            out.append(plan.table.assemble(plan, plan.where, [next(values) for _ in plan.resolved]))
+            continue
+        resolved = [next(rows) for _ in plan.resolved] if plan.agreed is not None else plan.resolved
         out.append(plan.table.finish_lookup(plan, resolved))
     return out
 

@@ -2,9 +2,10 @@
 
 Every dynamic shard on a device shares that device's lock (`device_lock`).
 Each critical section is a round trip to its device, and a traced function
-runs its sections one after another (`locked_on`: TensorFlow 2.16 hangs
-when a function holds two independent `MutexLock`s at once), so a step's
-cost would grow with its tables if each shard took the lock on its own:
+runs its sections on one device one after another (`locked_on`: TensorFlow
+2.16 hangs when a function holds two independent `MutexLock`s on one
+device; sections on different devices run side by side), so a step's cost
+would grow with its tables if each shard took the lock on its own:
 `locked_together` runs the work of many shards in one section per device,
 and inside `grouped_updates` (Keras's update step) the optimizer's writes
 to dynamic shards wait and then run that way too.
@@ -19,7 +20,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-# Per traced graph: the output of the last critical section it executes, which the next one waits for.
+# Per traced graph and device: the output of the last critical section it executes there, which the next one
+# on that device waits for.
 _LAST_RELEASE = weakref.WeakKeyDictionary()
 # Device -> the critical section of every dynamic shard there.
 _DEVICE_LOCKS: Dict[str, tf.CriticalSection] = {}
@@ -43,9 +45,9 @@ def settled(ops) -> tf.Tensor:
 
 
 def locked_on(lock: tf.CriticalSection, device: str, body: Callable[[], object]):
-    """`body()` under `lock` on `device`, after every critical section the traced function ran before."""
+    """`body()` under `lock` on `device`, after every critical section the traced function ran there before."""
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-    previous = _LAST_RELEASE.get(graph) if graph is not None else None
+    previous = _LAST_RELEASE.get(graph, {}).get(device) if graph is not None else None
 
     def after_previous():
         with tf.control_dependencies([previous] if previous is not None else []):
@@ -55,7 +57,7 @@ def locked_on(lock: tf.CriticalSection, device: str, body: Callable[[], object])
         released = lock.execute(after_previous, exclusive_resource_access=False)
         if graph is not None:
             single = isinstance(released, tf.Tensor)
-            _LAST_RELEASE[graph] = released if single else settled(tf.nest.flatten(released))
+            _LAST_RELEASE.setdefault(graph, {})[device] = released if single else settled(tf.nest.flatten(released))
     return released
 
 

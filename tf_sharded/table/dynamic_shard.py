@@ -168,9 +168,16 @@ class DynamicShard:
     def find(self, keys) -> tf.Tensor:
         """Rows of `keys` (int64, -1 where absent); reads only the index."""
         with tf.device(self.device):
-            rows = self.index.lookup(keys)
-            rows.set_shape(keys.shape)
-            return rows
+            return self._index_rows(keys)
+
+    def _index_rows(self, keys) -> tf.Tensor:
+        """The index's rows of `keys`, its default (-1) made here: the table's own default is a tensor of the
+        process that created it, which every lookup would fetch from there."""
+        rows = tf.raw_ops.LookupTableFindV2(
+            table_handle=self.index.resource_handle, keys=keys, default_value=tf.constant(-1, tf.int64)
+        )
+        rows.set_shape(keys.shape)
+        return rows
 
     def gather(self, rows) -> tf.Tensor:
         """The pool's `rows` (differentiable: the pool's gradient is an `IndexedSlices` of these rows)."""
@@ -193,14 +200,13 @@ class DynamicShard:
         """The body of `find_or_insert`, to run under the shard's lock (`locked_together`)."""
 
         def body():
-            rows = self.index.lookup(keys)
-            rows.set_shape(keys.shape)
-            missing = rows < 0
+            found = self._index_rows(keys)
+            missing = found < 0
             if self.admission is not None:
                 missing = self.admission.admit(self.admission_state, fingerprints, counts, step, missing, seed)
             positions = tf.where(missing)
             if self.capacity_eviction is not None:
-                positions = self._make_room(positions, rows)
+                positions = self._make_room(positions, found)
             new_keys = tf.gather_nd(keys, positions)
             new_rows, allocated = self._allocate(tf.size(new_keys, out_type=tf.int64))
             with tf.control_dependencies([allocated]):
@@ -211,7 +217,7 @@ class DynamicShard:
                 writes = self._write_new(new_rows, initial_rows(new_keys))
                 writes.append(self.index.insert(new_keys, new_rows))
             with tf.control_dependencies(writes):
-                rows = tf.tensor_scatter_nd_update(rows, positions, new_rows)
+                rows = tf.tensor_scatter_nd_update(found, positions, new_rows)
                 present = tf.where(rows >= 0)
                 held = tf.gather_nd(rows, present)
                 marks = [
@@ -287,6 +293,10 @@ class DynamicShard:
         ops = [self.index.remove(gone), self.free.assign(tf.concat([kept, victims], 0), read_value=False)]
         ops.append(self.free_count.assign_add(tf.size(victims, out_type=tf.int64), read_value=False))
         return settled(ops)
+
+    def dense_shape(self) -> tf.Tensor:
+        """`[capacity, dim]` (int64): the pool's shape, for its gradients."""
+        return tf.stack([self.capacity.read_value(), tf.constant(self.dim, tf.int64)])
 
     def _capacity_shape(self) -> tf.Tensor:
         """`[capacity]`, from the variable that holds it (never the shape of a pool: see the module doc)."""
@@ -393,7 +403,7 @@ class DynamicShard:
         """Writes `values` into column `name` at the rows of `keys` this shard holds (others are skipped)."""
 
         def body():
-            rows = self.index.lookup(keys)
+            rows = self._index_rows(keys)
             held = tf.where(rows >= 0)
             update = tf.IndexedSlices(tf.gather_nd(values, held), tf.gather_nd(rows, held))
             return settled([self.columns[name].variable.scatter_update(update)])

@@ -1,0 +1,113 @@
+"""A training lookup of dynamic tables, with one transfer each way per device instead of several per shard.
+
+Sent shard by shard, a training lookup of 26 tables of 2 shards moved about
+seven tensors per shard between the worker and the parameter servers (keys,
+fingerprints, counts, the table's step, the rows found, their values, then
+the gradient's values and indices), and those transfers, not the work, set
+the step time (§11 B7). Here each device receives one tensor of keys, one
+of counts and one of table steps per device that holds steps; it splits
+them, runs the inserts under its lock (`locked_together`), gathers and
+returns one tensor of values. The gradient comes back as one tensor, which
+the device splits into each pool's `IndexedSlices` itself (`_gather_on`'s
+custom gradient), so the optimizer's update runs where the rows live with
+nothing more to fetch.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+import tensorflow as tf
+
+from tf_sharded.table.dynamic_lock import locked_together
+
+
+class Request:
+    """One shard's part of a training lookup: its distinct keys and their counts (on the worker), and the
+    table's step for this lookup (where the step variable lives)."""
+
+    def __init__(self, table, shard: int, keys: tf.Tensor, counts: tf.Tensor, step: tf.Tensor):
+        self.table, self.shard, self.keys, self.counts, self.step = table, shard, keys, counts, step
+        self.device = table.shards[shard].device
+
+
+def resolve(requests: Sequence[Request]) -> List[tf.Tensor]:
+    """Each request's keys' rows (values, on the worker), inserting absent keys first; a key turned away
+    by a policy reads its initial row."""
+    by_device: Dict[str, List[int]] = {}
+    for i, request in enumerate(requests):
+        by_device.setdefault(request.device, []).append(i)
+    steps = _stacked_steps(requests)
+    bodies, inputs = [], {}
+    for device, members in by_device.items():
+        mine = [requests[i] for i in members]
+        sizes = tf.stack([tf.size(r.keys, out_type=tf.int32) for r in mine])
+        keys, counts = tf.concat([r.keys for r in mine], 0), tf.concat([r.counts for r in mine], 0)
+        with tf.device(device):
+            here = tf.identity(sizes)
+            key_parts = tf.split(tf.identity(keys), here, num=len(mine))
+            count_parts = tf.split(tf.identity(counts), here, num=len(mine))
+            local = {home: tf.identity(stacked) for home, (stacked, _) in steps.items()}
+            step_of = [local[r.table.step.device][steps[r.table.step.device][1][id(r.step)]] for r in mine]
+        for r, k, c, step in zip(mine, key_parts, count_parts, step_of):
+            bodies.append((r.table.shards[r.shard], r.table.inserting_body(r.shard, k, c, step)))
+        inputs[device] = (members, key_parts, sizes)
+    rows = iter(locked_together(bodies))
+    out: List[tf.Tensor] = [None] * len(requests)
+    for device, (members, key_parts, sizes) in inputs.items():
+        found = [next(rows) for _ in members]
+        values = _gather_on(device, [requests[i] for i in members], key_parts, found)
+        for i, part in zip(members, tf.split(values, sizes, num=len(members))):
+            out[i] = part
+    return out
+
+
+def _stacked_steps(requests: Sequence[Request]) -> dict:
+    """Per device holding table steps: `(its steps stacked, {id(step): position})`, so that a device reads
+    every table's step from one tensor per such device, not one per table."""
+    homes: Dict[str, dict] = {}
+    for r in requests:
+        homes.setdefault(r.table.step.device, {}).setdefault(id(r.step), r.step)
+    stacked = {}
+    for home, held in homes.items():
+        with tf.device(home):
+            stacked[home] = (tf.stack(list(held.values())), {key: j for j, key in enumerate(held)})
+    return stacked
+
+
+def _gather_on(device: str, requests: Sequence[Request], keys: Sequence[tf.Tensor], rows: Sequence[tf.Tensor]):
+    """On `device`: the values of every request's `rows` of its `keys`, as one tensor sent back once; its
+    gradient is split on `device` into one `IndexedSlices` per pool."""
+
+    @tf.custom_gradient
+    def gathered(*found):
+        with tf.device(device):
+            parts = [
+                r.table.shard_values(r.shard, k, rows_, r.table.every_key_held)
+                for r, k, rows_ in zip(requests, keys, found)
+            ]
+            sizes = [tf.size(k, out_type=tf.int32) for k in keys]
+            result = tf.concat(parts, 0)
+
+        def grad(dy, variables=None):
+            by_pool: Dict[int, tuple] = {}
+            with tf.device(device):
+                for r, rows_, g in zip(requests, found, tf.split(dy, sizes, num=len(requests))):
+                    if not r.table.every_key_held:  # keys turned away read their initial row: no gradient
+                        stored = tf.where(rows_ >= 0)
+                        rows_, g = tf.gather_nd(rows_, stored), tf.gather_nd(g, stored)
+                    shard = r.table.shards[r.shard]
+                    values, indices, _ = by_pool.setdefault(id(shard.rows), ([], [], shard.dense_shape()))
+                    values.append(g)
+                    indices.append(rows_)
+                slices = []
+                for v in variables:
+                    values, indices, shape = by_pool[id(v)]
+                    slices.append(tf.IndexedSlices(tf.concat(values, 0), tf.concat(indices, 0), shape))
+            return [None] * len(found), slices
+
+        return result, grad
+
+    with tf.device(device):
+        values = gathered(*rows)
+    return tf.identity(values)
