@@ -15,6 +15,7 @@ from tests.harness.models import (
     assert_matches_dynamic_reference,
     make_dynamic_model,
 )
+from tests.harness.steps import squared_norm_collection_step
 from tests.harness.strategies import ps_strategy, uid
 from tests.test_dynamic import DIM, Reference, by_key, power_law_keys, train_step
 
@@ -48,17 +49,7 @@ class DynamicParameterServerTest(tf.test.TestCase):
             layer.build()
             optimizer = tfs.optimizers.Adagrad(0.1)
             optimizer.build(layer.trainable_variables)
-
-        @tf.function
-        def step(features):
-            def fn(features):
-                with tf.GradientTape() as tape:
-                    loss = tf.add_n([tf.reduce_sum(r) for r in layer(features).values()])
-                variables = layer.trainable_variables
-                optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
-
-            return self.strategy.run(fn, args=(features,))
-
+        step = squared_norm_collection_step(self.strategy, layer, optimizer)
         rng = np.random.default_rng(0)
         batch = {n: tf.constant(rng.integers(-(2**62), 2**62, size=64, dtype=np.int64)) for n in names}
 

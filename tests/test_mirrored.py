@@ -10,6 +10,7 @@ import tensorflow as tf
 import tf_sharded as tfs
 from tests.harness.bodies import StrategyBodies
 from tests.harness.references import table_values
+from tests.harness.steps import squared_norm_collection_step
 from tests.harness.strategies import PLACEMENTS, mirrored, per_replica, transport, uid
 from tests.harness.subprocs import run_python
 from tf_sharded.table import builder
@@ -129,17 +130,7 @@ class MirroredGraphTest(tf.test.TestCase):
                 optimizer = tfs.optimizers.Adagrad(0.1)
                 optimizer.build(layer.trainable_variables)
 
-            @tf.function
-            def step(ids):
-                def fn(ids):
-                    with tf.GradientTape() as tape:
-                        loss = tf.add_n([tf.reduce_sum(v**2) for v in layer(ids).values()])
-                    grads = tape.gradient(loss, layer.trainable_variables)
-                    optimizer.apply_gradients(zip(grads, layer.trainable_variables))
-                    return loss
-
-                return strategy.run(fn, args=(ids,))
-
+            step = squared_norm_collection_step(strategy, layer, optimizer)
             ids = {"fa": tf.constant([1, 2, 2], tf.int64), "fb": tf.constant([0, 5, 9], tf.int64)}
             step(ids)
             graph = step.get_concrete_function(ids).graph

@@ -44,3 +44,21 @@ def squared_norm_tables_step(strategy, tables: dict, optimizer, ids_for=None):
         return strategy.run(fn, args=(ids,))
 
     return step
+
+
+def squared_norm_collection_step(strategy, layer, optimizer):
+    """`squared_norm_step` for an `EmbeddingCollection`: `sum(rows ** 2)` of all its features' lookups in one
+    call of the layer (a dict of features per step), one update for all its weights."""
+
+    @tf.function
+    def step(features):
+        def fn(features):
+            with tf.GradientTape() as tape:
+                loss = tf.add_n([tf.reduce_sum(v**2) for v in layer(features).values()])
+            grads = tape.gradient(loss, layer.trainable_variables)
+            optimizer.apply_gradients(zip(grads, layer.trainable_variables))
+            return loss
+
+        return strategy.run(fn, args=(features,))
+
+    return step
