@@ -246,7 +246,7 @@ class _TableSlots(_compat.KerasOptimizerHooks):
         cache = getattr(self, "_tfs_rates", None)
         if tf.executing_eagerly() or cache is None:
             return tf.cast(learning_rate, variable.dtype)
-        key = (id(tf.compat.v1.get_default_graph()), id(learning_rate), variable.device, variable.dtype)
+        key = (id(learning_rate), variable.device, variable.dtype)  # the cache lives for one `apply`
         if key not in cache:
             with tf.device(variable.device):
                 cache[key] = tf.cast(learning_rate, variable.dtype)

@@ -37,7 +37,7 @@ def resolve(requests: Sequence[Request]) -> List[tf.Tensor]:
     by_device: Dict[str, List[int]] = {}
     for i, request in enumerate(requests):
         by_device.setdefault(request.device, []).append(i)
-    steps = _stacked_steps(requests)
+    stacked, position = _stacked_steps(requests)
     bodies, inputs = [], {}
     for device, members in by_device.items():
         mine = [requests[i] for i in members]
@@ -47,37 +47,38 @@ def resolve(requests: Sequence[Request]) -> List[tf.Tensor]:
             here = tf.identity(sizes)
             key_parts = tf.split(tf.identity(keys), here, num=len(mine))
             count_parts = tf.split(tf.identity(counts), here, num=len(mine))
-            local = {home: tf.identity(stacked) for home, (stacked, _) in steps.items()}
-            step_of = [local[r.table.step.device][steps[r.table.step.device][1][id(r.step)]] for r in mine]
+            local = {home: tf.identity(stacked[home]) for home, _ in (position[id(r.step)] for r in mine)}
+            step_of = [local[home][j] for home, j in (position[id(r.step)] for r in mine)]
         for r, k, c, step in zip(mine, key_parts, count_parts, step_of):
             bodies.append((r.table.shards[r.shard], r.table.inserting_body(r.shard, k, c, step)))
-        inputs[device] = (members, key_parts, sizes)
+        inputs[device] = (members, key_parts, sizes, here)
     rows = iter(locked_together(bodies))
     out: List[tf.Tensor] = [None] * len(requests)
-    for device, (members, key_parts, sizes) in inputs.items():
+    for device, (members, key_parts, sizes, here) in inputs.items():
         found = [next(rows) for _ in members]
-        values = _gather_on(device, [requests[i] for i in members], key_parts, found)
+        values = _gather_on(device, [requests[i] for i in members], key_parts, found, here)
         for i, part in zip(members, tf.split(values, sizes, num=len(members))):
             out[i] = part
     return out
 
 
-def _stacked_steps(requests: Sequence[Request]) -> dict:
-    """Per device holding table steps: `(its steps stacked, {id(step): position})`, so that a device reads
-    every table's step from one tensor per such device, not one per table."""
+def _stacked_steps(requests: Sequence[Request]):
+    """`({device: its table steps stacked}, {id(step): (device, position)})`: a device reads every table's
+    step from one tensor per device that holds steps, not one per table."""
     homes: Dict[str, dict] = {}
     for r in requests:
         homes.setdefault(r.table.step.device, {}).setdefault(id(r.step), r.step)
-    stacked = {}
+    stacked, position = {}, {}
     for home, held in homes.items():
         with tf.device(home):
-            stacked[home] = (tf.stack(list(held.values())), {key: j for j, key in enumerate(held)})
-    return stacked
+            stacked[home] = tf.stack(list(held.values()))
+        position.update({key: (home, j) for j, key in enumerate(held)})
+    return stacked, position
 
 
-def _gather_on(device: str, requests: Sequence[Request], keys: Sequence[tf.Tensor], rows: Sequence[tf.Tensor]):
-    """On `device`: the values of every request's `rows` of its `keys`, as one tensor sent back once; its
-    gradient is split on `device` into one `IndexedSlices` per pool."""
+def _gather_on(device: str, requests: Sequence[Request], keys: Sequence[tf.Tensor], rows: Sequence[tf.Tensor], sizes):
+    """On `device`: the values of every request's `rows` of its `keys` (`sizes` of them, on `device`), as one
+    tensor sent back once; its gradient is split on `device` into one `IndexedSlices` per pool."""
 
     @tf.custom_gradient
     def gathered(*found):
@@ -86,7 +87,6 @@ def _gather_on(device: str, requests: Sequence[Request], keys: Sequence[tf.Tenso
                 r.table.shard_values(r.shard, k, rows_, r.table.every_key_held)
                 for r, k, rows_ in zip(requests, keys, found)
             ]
-            sizes = [tf.size(k, out_type=tf.int32) for k in keys]
             result = tf.concat(parts, 0)
 
         def grad(dy, variables=None):
@@ -97,9 +97,10 @@ def _gather_on(device: str, requests: Sequence[Request], keys: Sequence[tf.Tenso
                         stored = tf.where(rows_ >= 0)
                         rows_, g = tf.gather_nd(rows_, stored), tf.gather_nd(g, stored)
                     shard = r.table.shards[r.shard]
-                    values, indices, _ = by_pool.setdefault(id(shard.rows), ([], [], shard.dense_shape()))
-                    values.append(g)
-                    indices.append(rows_)
+                    if id(shard.rows) not in by_pool:
+                        by_pool[id(shard.rows)] = ([], [], shard.dense_shape())
+                    by_pool[id(shard.rows)][0].append(g)
+                    by_pool[id(shard.rows)][1].append(rows_)
                 slices = []
                 for v in variables:
                     values, indices, shape = by_pool[id(v)]
