@@ -18,6 +18,8 @@ from tf_sharded.exchange.policy import ExchangePolicy
 from tf_sharded.strategy import family_of, registered_families
 from tf_sharded.table.builder import VariableFactory, draw_seed
 from tf_sharded.table.dynamic import DynamicTable
+from tf_sharded.table.dynamic_group import PooledTables
+from tf_sharded.table.dynamic_pool import RowPool
 from tf_sharded.table.sharded_variable import ShardedVariable
 
 
@@ -204,6 +206,30 @@ def create_dynamic_in(strategy, name, dim, key_dtype, initializer, partitions, s
     with strategy.scope():
         return DynamicTable(name, dim, key_dtype, initializer=initializer, seed=seed, devices=devices,
                             strategy=strategy, admission=admission, eviction=eviction, **options)  # fmt: skip
+
+
+def create_dynamic_group(strategy, name: str, tables, dtype, trainable: bool):
+    """Dynamic tables sharing one row pool per device where the strategy batches tables (parameter servers,
+    `tf_sharded.table.dynamic_group`); None under any other strategy.
+
+    `tables`: per table, `create_dynamic_table`'s arguments (`name`, `dim`,
+    `key_dtype`, `initializer`, `partitions`, `seed`, `admission`,
+    `eviction`); all of one `dim` and `partitions`, none bounded.
+    """
+    family = family_of(strategy)
+    if family.create_group is None or family.dynamic_devices is None:
+        return None
+    partitions = tables[0]["partitions"]
+    devices = family.dynamic_devices(strategy, None if partitions is None else positive_int("partitions", partitions))
+    with strategy.scope():
+        pools = [RowPool(name, i, d, tables[0]["dim"], tf.as_dtype(dtype), trainable) for i, d in enumerate(devices)]
+    members = [
+        create_dynamic_in(strategy, t["name"], t["dim"], t["key_dtype"], t["initializer"], t["partitions"],
+                          t["seed"], t["admission"], t["eviction"], dtype=dtype, trainable=trainable, pools=pools)
+        for t in tables
+    ]  # fmt: skip
+    PooledTables(name, members, pools)
+    return members
 
 
 def dynamic_strategies() -> list:

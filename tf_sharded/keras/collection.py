@@ -11,6 +11,7 @@ import tensorflow as tf
 from tf_sharded import _compat
 from tf_sharded.config import DynamicTableConfig, FeatureConfig, TableConfig
 from tf_sharded.keras.layer_tables import (
+    create_layer_dynamic_group,
     create_layer_dynamic_table,
     create_layer_group,
     create_layer_table,
@@ -184,21 +185,31 @@ class EmbeddingCollection(keras.layers.Layer):
         return self.plan.configs(self.table_configs, who, layout_only)
 
     def _create_group(self, names, created, configs) -> bool:
-        """Creates the tables `names` in one storage; False where the strategy does not batch tables."""
-        configs = [dataclasses.replace(configs[n], name=f"{self.name}/{n}") for n in names]
+        """Creates the tables `names` in one storage (dynamic ones: sharing row pools); False where the
+        strategy does not batch tables."""
+        group, prefix = f"{self.name}/batched_{names[0]}", f"batched_{names[0]}"
         with self._naming(", ".join(names)):
-            tables = create_layer_group(self, configs, f"{self.name}/batched_{names[0]}", f"batched_{names[0]}")
+            if isinstance(configs[names[0]], DynamicTableConfig):
+                specs = [dict(self._dynamic_options(configs[n]), name=f"{self.name}/{n}") for n in names]
+                tables = create_layer_dynamic_group(self, specs, group, prefix)
+            else:
+                statics = [dataclasses.replace(configs[n], name=f"{self.name}/{n}") for n in names]
+                tables = create_layer_group(self, statics, group, prefix)
         if tables is None:
             return False
         created.update(zip(names, tables))
         return True
 
+    @staticmethod
+    def _dynamic_options(config: DynamicTableConfig) -> dict:
+        """`create_dynamic_table`'s arguments for `config`, its name and `max_rows` aside."""
+        keys = ("dim", "key_dtype", "initializer", "partitions", "seed", "admission", "eviction")
+        return {k: getattr(config, k) for k in keys}
+
     def _create_dynamic(self, name: str, config: DynamicTableConfig):
-        options = {k: getattr(config, k) for k in ("key_dtype", "partitions", "seed", "admission", "eviction")}
-        return create_layer_dynamic_table(
-            self, f"{self.name}/{name}", config.dim, name, initializer=config.initializer, max_rows=config.max_rows,
-            **options,
-        )  # fmt: skip
+        options = self._dynamic_options(config)
+        dim = options.pop("dim")
+        return create_layer_dynamic_table(self, f"{self.name}/{name}", dim, name, max_rows=config.max_rows, **options)
 
     def call(self, inputs, training=None):
         if not isinstance(inputs, dict) or set(inputs) != set(self.feature_configs):

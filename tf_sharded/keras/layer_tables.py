@@ -105,13 +105,36 @@ def create_layer_dynamic_table(layer: keras.layers.Layer, name: str, dim: int, p
     options["initializer"] = keras_initializer(options.get("initializer", "uniform"))
     with _compat.outside_keras_stateless_scope(), _compat.keras_weights_rollback(layer):
         table = create_dynamic_table(name, dim, dtype=layer.variable_dtype, trainable=layer.trainable, **options)
-        for i, pool in enumerate(table.variables):
-            weight = layer.add_weight(
-                shape=(0, dim), initializer="zeros", dtype=layer.variable_dtype, trainable=layer.trainable,
-                name=f"{prefix}_{i}", autocast=False,
-            )  # fmt: skip
-            _compat.keras_adopt_variable(weight, pool)
+        _adopt_pools(layer, table.variables, dim, prefix)
     return table
+
+
+def create_layer_dynamic_group(layer: keras.layers.Layer, tables, name: str, prefix: str):
+    """Dynamic tables sharing one row pool per device where the strategy batches tables (parameter servers,
+    `tf_sharded.table.dynamic_group`), the pools as `layer`'s Keras weights (once for all the tables).
+
+    `tables`: per table, `create_dynamic_table`'s arguments. None if the strategy does not batch tables.
+    """
+    from tf_sharded.creation import create_dynamic_group
+    from tf_sharded.table.dynamic_group import group_of
+
+    tables = [dict(t, initializer=keras_initializer(t["initializer"])) for t in tables]
+    strategy = tf.distribute.get_strategy()
+    with _compat.outside_keras_stateless_scope(), _compat.keras_weights_rollback(layer):
+        members = create_dynamic_group(strategy, name, tables, layer.variable_dtype, layer.trainable)
+        if members is not None:
+            _adopt_pools(layer, group_of(members[0]).variables, tables[0]["dim"], prefix)
+    return members
+
+
+def _adopt_pools(layer: keras.layers.Layer, pools, dim: int, prefix: str) -> None:
+    """Makes each row pool in `pools` one of `layer`'s Keras weights (which stand for it as it grows)."""
+    for i, pool in enumerate(pools):
+        weight = layer.add_weight(
+            shape=(0, dim), initializer="zeros", dtype=layer.variable_dtype, trainable=layer.trainable,
+            name=f"{prefix}_{i}", autocast=False,
+        )  # fmt: skip
+        _compat.keras_adopt_variable(weight, pool)
 
 
 def dense_keys_to_ragged(table, keys):

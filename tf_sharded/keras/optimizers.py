@@ -155,6 +155,10 @@ class _TableSlots(_compat.KerasOptimizerHooks):
                 views = {slot: slot_views(table, value, slot) for slot, value in slots.items()}
                 for i, member in enumerate(members):
                     self._tfs_slots[id(member)] = {slot: views[slot][i] for slot in slots}
+            elif hasattr(table, "member_slots"):  # dynamic tables sharing pools: each saves its own columns
+                members = table.members
+                for member, views in zip(members, table.member_slots(slots)):
+                    self._tfs_slots[id(member)] = views
             for member in members or [table]:
                 for slot, value in self._tfs_slots[id(member)].items():
                     # Keyed by the table's position, as Keras keys its own slots.

@@ -29,6 +29,7 @@ from tf_sharded import initializers
 from tf_sharded.config import DynamicTableConfig, TableConfig
 from tf_sharded.partition import PartitionSpec
 from tf_sharded.table.builder import ShardPlacement, build_sharded_variable, draw_seed
+from tf_sharded.table.dynamic_group import pool_key
 from tf_sharded.table.segment import RowSegment
 from tf_sharded.table.sharded_variable import ShardedVariable
 
@@ -148,11 +149,13 @@ def batch_key(config) -> tuple:
 
 def storage_runs(configs: dict, batch: bool = True) -> list:
     """The names of `configs` ({name: table config}) in order, cut into runs of consecutive static tables of one
-    dtype and row shape: each run can share one storage. Only consecutive tables, so that an optimizer numbers
+    dtype and row shape, or dynamic tables that can share row pools (`dynamic_group.pool_key`): each run can
+    share one storage. Only consecutive tables, so that an optimizer numbers
     their slots in table order, as it does unbatched. `batch=False`: every table alone."""
     runs, last = [], None
     for name, config in configs.items():
-        key = batch_key(config) if batch and not isinstance(config, DynamicTableConfig) else None
+        dynamic = isinstance(config, DynamicTableConfig)
+        key = None if not batch else pool_key(config) if dynamic else batch_key(config)
         if key is not None and key == last:
             runs[-1].append(name)
         else:

@@ -26,7 +26,8 @@ from tf_sharded.errors import positive_int
 from tf_sharded.table.dynamic_agree import agreeing_context, gather_keys
 from tf_sharded.table.dynamic_keys import key_fingerprints, parse_key_dtype, shard_of_keys
 from tf_sharded.table.dynamic_lock import locked_together
-from tf_sharded.table.dynamic_packed import Request, resolve
+from tf_sharded.table.dynamic_packed import Request, resolve, single
+from tf_sharded.table.dynamic_pool import Insert
 from tf_sharded.table.dynamic_shard import DynamicShard
 from tf_sharded.table.dynamic_slot import DynamicSlot
 from tf_sharded.table.protocol import MAX_IDS_RANK, register_shards
@@ -66,6 +67,7 @@ class DynamicTable(_compat.Trackable):
         eviction: Any = None,
         exchange: Any = None,
         placement: Optional[str] = None,
+        pools: Optional[Sequence[Any]] = None,
     ):
         if not isinstance(name, str) or not name:
             raise ValueError(f"Argument `name` must be a non-empty string. Received: name={name!r}")
@@ -90,10 +92,11 @@ class DynamicTable(_compat.Trackable):
         self._turns_keys_away = self._admission is not None or bool(bounded)
         max_keys = bounded[0].per_shard(len(devices)) if bounded else None
         per_shard = None if max_rows is None else -(-max_rows // len(devices))
+        pools = [None] * len(devices) if pools is None else list(pools)
         self._shards = [
             DynamicShard(name, i, d, self._key_dtype, self._dim, self._dtype, trainable, growth, per_shard,
-                         self._admission, bounded[0] if bounded else None, max_keys)
-            for i, d in enumerate(devices)
+                         self._admission, bounded[0] if bounded else None, max_keys, pool)
+            for i, (d, pool) in enumerate(zip(devices, pools))
         ]  # fmt: skip
         with tf.init_scope(), tf.device(self._shards[0].device):
             # Training lookups so far: what "last seen", eviction by age and `export(since_step=)` count in.
@@ -197,10 +200,10 @@ class DynamicTable(_compat.Trackable):
             return keys, where, [s.find(k) for s, k in zip(self._shards, keys)]
         return keys, where, [Request(self, i, k, c, step) for i, (k, c) in enumerate(zip(keys, counts))]
 
-    def inserting_body(self, shard: int, keys, counts, step):
-        """What inserts distinct `keys` into shard `shard` under its lock (`DynamicShard.inserting`)."""
-        body = self._shards[shard].inserting
-        return body(keys, key_fingerprints(keys), counts, step, self.initial_rows, self._evictions, self._seed)
+    def insert_part(self, shard: int, keys, counts, step) -> Insert:
+        """Shard `shard`'s part of an insert of distinct `keys` into its pool (`RowPool.inserting`)."""
+        return Insert(self._shards[shard], keys, key_fingerprints(keys), counts, step, self.initial_rows,
+                      self._evictions, self._seed)  # fmt: skip
 
     @property
     def every_key_held(self) -> bool:
@@ -421,9 +424,9 @@ def lookup_many(pairs, training: bool = True) -> list:
     packed = [request for plan in plans if plan.inserting and plan.agreed is None for request in plan.resolved]
     values = iter(resolve(packed))
     # Several workers' copies agree (every worker inserts everyone's keys): the rows, not values, come back.
-    agreed = [(r.table.shards[r.shard], r.table.inserting_body(r.shard, r.keys, r.counts, r.step))
+    agreed = [r.table.insert_part(r.shard, r.keys, r.counts, r.step)
               for plan in plans if plan.agreed is not None for r in plan.resolved]  # fmt: skip
-    rows = iter(locked_together(agreed))
+    rows = iter(locked_together([(p.member.pool, single(p)) for p in agreed]))
     out = []
     for plan in plans:
         if plan.inserting and plan.agreed is None:
@@ -435,16 +438,13 @@ def lookup_many(pairs, training: bool = True) -> list:
 
 
 @tf.custom_gradient
-def _expand_impl(unique_rows, idx, num_unique):
+def _expand(unique_rows, idx, num_unique):
+    """Rows in the caller's order; the upstream gradient summed per distinct key (nothing table-sized)."""
+
     def grad(dy):
         return tf.math.unsorted_segment_sum(dy, idx, num_unique), None, None
 
     return tf.gather(unique_rows, idx), grad
-
-
-def _expand(unique_rows, idx, num_unique):
-    """Rows in the caller's order; the upstream gradient summed per distinct key (nothing table-sized)."""
-    return _expand_impl(unique_rows, idx, num_unique)
 
 
 _compat.register_dispatchable_type(DynamicTable)

@@ -33,13 +33,13 @@ class Request:
 
 def resolve(requests: Sequence[Request]) -> List[tf.Tensor]:
     """Each request's keys' rows (values, on the worker), inserting absent keys first; a key turned away
-    by a policy reads its initial row."""
-    by_device: Dict[str, List[int]] = {}
+    by a policy reads its initial row. Requests whose shards share a row pool insert in one body."""
+    by_device: Dict[tuple, List[int]] = {}  # keys of one dtype travel together (a collection mixes them)
     for i, request in enumerate(requests):
-        by_device.setdefault(request.device, []).append(i)
+        by_device.setdefault((request.device, request.keys.dtype), []).append(i)
     stacked, position = _stacked_steps(requests)
     bodies, inputs = [], {}
-    for device, members in by_device.items():
+    for (device, _), members in by_device.items():
         mine = [requests[i] for i in members]
         sizes = tf.stack([tf.size(r.keys, out_type=tf.int32) for r in mine])
         keys, counts = tf.concat([r.keys for r in mine], 0), tf.concat([r.counts for r in mine], 0)
@@ -49,17 +49,28 @@ def resolve(requests: Sequence[Request]) -> List[tf.Tensor]:
             count_parts = tf.split(tf.identity(counts), here, num=len(mine))
             local = {home: tf.identity(stacked[home]) for home, _ in (position[id(r.step)] for r in mine)}
             step_of = [local[home][j] for home, j in (position[id(r.step)] for r in mine)]
+        by_pool: Dict[int, tuple] = {}
         for r, k, c, step in zip(mine, key_parts, count_parts, step_of):
-            bodies.append((r.table.shards[r.shard], r.table.inserting_body(r.shard, k, c, step)))
-        inputs[device] = (members, key_parts, sizes, here)
+            pool = r.table.shards[r.shard].pool
+            by_pool.setdefault(id(pool), (pool, []))[1].append(r.table.insert_part(r.shard, k, c, step))
+        order = [id(r.table.shards[r.shard].pool) for r in mine]
+        bodies += [(pool, pool.inserting(parts)) for pool, parts in by_pool.values()]
+        inputs[device, mine[0].keys.dtype] = (members, key_parts, sizes, here, order, list(by_pool))
     rows = iter(locked_together(bodies))
     out: List[tf.Tensor] = [None] * len(requests)
-    for device, (members, key_parts, sizes, here) in inputs.items():
-        found = [next(rows) for _ in members]
+    for (device, _), (members, key_parts, sizes, here, order, pools) in inputs.items():
+        per_pool = {pool: iter(next(rows)) for pool in pools}
+        found = [next(per_pool[pool]) for pool in order]
         values = _gather_on(device, [requests[i] for i in members], key_parts, found, here)
         for i, part in zip(members, tf.split(values, sizes, num=len(members))):
             out[i] = part
     return out
+
+
+def single(part):
+    """The body inserting one shard's `part` alone, returning its rows."""
+    body = part.member.pool.inserting([part])
+    return lambda: body()[0]
 
 
 def _stacked_steps(requests: Sequence[Request]):
@@ -83,11 +94,7 @@ def _gather_on(device: str, requests: Sequence[Request], keys: Sequence[tf.Tenso
     @tf.custom_gradient
     def gathered(*found):
         with tf.device(device):
-            parts = [
-                r.table.shard_values(r.shard, k, rows_, r.table.every_key_held)
-                for r, k, rows_ in zip(requests, keys, found)
-            ]
-            result = tf.concat(parts, 0)
+            result = tf.concat([_values(run, requests, keys, found) for run in _runs(requests)], 0)
 
         def grad(dy, variables=None):
             by_pool: Dict[int, tuple] = {}
@@ -112,3 +119,26 @@ def _gather_on(device: str, requests: Sequence[Request], keys: Sequence[tf.Tenso
     with tf.device(device):
         values = gathered(*rows)
     return tf.identity(values)
+
+
+def _runs(requests: Sequence[Request]) -> List[List[int]]:
+    """Positions of `requests` cut into runs of consecutive ones whose keys are all held in one pool (gathered
+    at once); any other request is a run of its own."""
+    runs: List[List[int]] = []
+    last = None
+    for i, r in enumerate(requests):
+        pool = r.table.shards[r.shard].pool if r.table.every_key_held else None
+        if pool is not None and pool is last:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+        last = pool
+    return runs
+
+
+def _values(run: List[int], requests, keys, found) -> tf.Tensor:
+    """The values of a run's requests' rows, in order (one gather when they share a pool)."""
+    if len(run) == 1:
+        r = requests[run[0]]
+        return r.table.shard_values(r.shard, keys[run[0]], found[run[0]], r.table.every_key_held)
+    return requests[run[0]].table.shards[requests[run[0]].shard].pool.gather(tf.concat([found[i] for i in run], 0))

@@ -1,0 +1,189 @@
+"""A collection's dynamic tables sharing one row pool per parameter server: each table trains, evicts, admits,
+saves and restores as it would alone."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sharded as tfs
+from tests.harness.steps import squared_norm_collection_step
+from tests.harness.strategies import ps_strategy
+from tests.test_dynamic import by_key, power_law_keys
+from tf_sharded.table import owner_of
+
+pytestmark = pytest.mark.ps_cluster
+
+DIM = 4
+NAMES = ("a", "b", "c")
+
+
+def key_batches(rng, steps: int, n: int = 48) -> list:
+    """Per step, a batch of raw keys per table ("c" holds strings)."""
+    out = []
+    for _ in range(steps):
+        batch = {name: power_law_keys(rng, n) for name in NAMES}
+        batch["c"] = np.array([f"s{k % 97}" for k in batch["c"]])
+        out.append(batch)
+    return out
+
+
+class PooledReference:
+    """Each table's distinct keys (first-seen order) as rows of its own dense variable, trained by Keras's
+    Adagrad on the same `sum(rows ** 2)`."""
+
+    def __init__(self, tables: dict, batches: list, learning_rate: float):
+        self.row, self.var = {}, {}
+        for name, table in tables.items():
+            order = list(dict.fromkeys(k for b in batches for k in b[name].tolist()))
+            self.row[name] = {k: i for i, k in enumerate(order)}
+            self.var[name] = tf.Variable(table.initial_rows(tf.constant(order, table.key_dtype)))
+        self.optimizer = keras.optimizers.Adagrad(learning_rate)
+
+    def step(self, batch) -> None:
+        variables = list(self.var.values())
+        with tf.GradientTape() as tape:
+            rows = [tf.gather(self.var[n], [self.row[n][k] for k in batch[n].tolist()]) for n in self.var]
+            loss = tf.add_n([tf.reduce_sum(r**2) for r in rows])
+        grads = [tf.convert_to_tensor(g) for g in tape.gradient(loss, variables)]
+        self.optimizer.apply_gradients(zip(grads, variables))
+
+    def rows(self, name: str) -> dict:
+        value = self.var[name].numpy()
+        return {k: value[i] for k, i in self.row[name].items()}
+
+    def accumulators(self, name: str) -> dict:
+        value = self.optimizer._accumulators[list(self.var).index(name)].numpy()
+        return {k: value[i] for k, i in self.row[name].items()}
+
+
+class PooledDynamicTablesTest(tf.test.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.strategy = ps_strategy()
+        cls.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(cls.strategy)
+
+    def collection(self, strategy=None, batch_tables=True, build_optimizer=True, **policies):
+        """A collection of NAMES' dynamic tables (policies per table name) and its Adagrad, under `strategy`."""
+        strategy = strategy or self.strategy
+        tables = {}
+        for i, n in enumerate(NAMES):
+            key_dtype = "string" if n == "c" else "int64"
+            tables[n] = {"output_dim": DIM, "vocabulary": "dynamic", "seed": i + 1, "key_dtype": key_dtype}
+            tables[n].update(policies.get(n, {}))
+        with strategy.scope():
+            layer = tfs.layers.EmbeddingCollection(tables, {n: n for n in NAMES}, batch_tables=batch_tables)
+            layer.build()
+            optimizer = tfs.optimizers.Adagrad(0.3)
+            if build_optimizer:
+                optimizer.build(layer.trainable_variables)
+        return layer, optimizer
+
+    def train(self, layer, optimizer, batches) -> None:
+        step = squared_norm_collection_step(self.strategy, layer, optimizer)
+        for batch in batches:
+            self.coordinator.schedule(step, args=({n: tf.constant(v) for n, v in batch.items()},))
+            self.coordinator.join()
+
+    def look_up(self, table, keys) -> None:
+        """One training lookup of `table` alone, scheduled on a worker (it inserts and counts the keys)."""
+        step = tf.function(lambda keys: tf.reduce_sum(tfs.embedding_lookup(table, keys)))
+        self.coordinator.schedule(step, args=(tf.constant(keys),))
+        self.coordinator.join()
+
+    def assert_same_tables(self, layer, other, columns=("accumulator",)) -> None:
+        for name in NAMES:
+            for column in (None, *columns):
+                expected = by_key(other.tables[name], column)
+                got = by_key(layer.tables[name], column)
+                self.assertEqual(set(got), set(expected), f"table {name}, column {column}")
+                for key, value in got.items():
+                    self.assertAllClose(value, expected[key], atol=1e-6, msg=f"table {name} key {key} {column}")
+
+    def assert_rows_accounted(self, layer) -> None:
+        """In every pool, the rows handed out and not freed are exactly its members' live keys."""
+        tables = list(layer.tables.values())
+        for pool in {id(s.pool): s.pool for t in tables for s in t.shards}.values():
+            live = sum(int(s.size()) for s in pool.members)
+            self.assertEqual(int(pool.count.numpy()) - int(pool.free_count.numpy()), live)
+
+    def test_tables_share_a_pool_per_ps_and_each_trains_like_its_own_reference(self):
+        layer, optimizer = self.collection()
+        tables = layer.tables
+        # The int64 tables share one pool per ps; the string table (its keys travel apart) has its own.
+        for i in range(2):
+            self.assertIs(tables["a"].variables[i], tables["b"].variables[i])
+            self.assertIsNot(tables["a"].variables[i], tables["c"].variables[i])
+        self.assertLen(layer.trainable_variables, 4)
+        group = owner_of(tables["a"].variables[0])[0]
+        self.assertEqual([t.name for t in group.members], [tables["a"].name, tables["b"].name])
+
+        batches = key_batches(np.random.default_rng(1), 4)
+        reference = PooledReference(tables, batches, 0.3)
+        self.train(layer, optimizer, batches)
+        for batch in batches:
+            reference.step(batch)
+        for name in NAMES:
+            self.assertEqual(int(tables[name].size()), len(reference.row[name]))
+            rows, accumulators = by_key(tables[name]), by_key(tables[name], "accumulator")
+            self.assertEqual(set(rows), set(reference.row[name]))
+            expected_rows, expected_acc = reference.rows(name), reference.accumulators(name)
+            for key, value in rows.items():
+                self.assertAllClose(value, expected_rows[key], atol=1e-6)
+                self.assertAllClose(accumulators[key], expected_acc[key], atol=1e-6)
+        # Every table's keys hold distinct rows of the shared pools.
+        for i in range(2):
+            used = np.concatenate([tables[n].shards[i].index.export()[1].numpy() for n in ("a", "b")])
+            self.assertEqual(len(set(used.tolist())), len(used))
+
+    def test_checkpoint_restores_into_separate_tables_and_into_a_used_pool_with_slots(self):
+        layer, optimizer = self.collection()
+        batches = key_batches(np.random.default_rng(2), 3)
+        self.train(layer, optimizer, batches)
+        path = tf.train.Checkpoint(layer=layer, optimizer=optimizer).save(self.get_temp_dir() + "/pooled")
+
+        # A local collection (its own pools per table) gets every table's keys, rows and slots.
+        local, local_optimizer = self.collection(strategy=tf.distribute.get_strategy())
+        tf.train.Checkpoint(layer=local, optimizer=local_optimizer).restore(path).assert_existing_objects_matched()
+        self.assert_same_tables(local, layer)
+
+        # A pooled collection that already holds other keys, its optimizer built after the restore (the slots
+        # wait for it): each table's old keys leave, its rows are the checkpoint's, and training goes on alike.
+        again, again_optimizer = self.collection(build_optimizer=False)
+        self.train(again, tfs.optimizers.SGD(0.1), key_batches(np.random.default_rng(9), 2))
+        tf.train.Checkpoint(layer=again, optimizer=again_optimizer).restore(path)
+        with self.strategy.scope():
+            again_optimizer.build(again.trainable_variables)
+        self.assert_same_tables(again, layer)
+        more = key_batches(np.random.default_rng(3), 2)
+        self.train(layer, optimizer, more)
+        self.train(again, again_optimizer, more)
+        self.assert_same_tables(again, layer)
+        self.assert_rows_accounted(again)
+
+    def test_policies_apply_per_table_in_a_shared_pool(self):
+        policies = {
+            "a": {"eviction": tfs.StepsSinceSeenEviction(1, every=1)},
+            "b": {"admission": tfs.MinCountAdmission(2)},
+        }
+        pooled, pooled_optimizer = self.collection(**policies)
+        alone, alone_optimizer = self.collection(batch_tables=False, **policies)
+        self.assertIs(pooled.tables["a"].variables[0], pooled.tables["b"].variables[0])
+        self.assertIsNot(alone.tables["a"].variables[0], alone.tables["b"].variables[0])
+        batches = key_batches(np.random.default_rng(4), 5)
+        for layer in (pooled, alone):  # "b" one table step ahead of "a": each row is marked with its own table's
+            self.look_up(layer.tables["b"], batches[0]["b"])
+        self.train(pooled, pooled_optimizer, batches)
+        self.train(alone, alone_optimizer, batches)
+        self.assert_same_tables(pooled, alone, columns=("accumulator", "seen", "hits"))
+        # "a" keeps only the last step's keys, and its evicted rows went back to the shared pools for reuse.
+        self.assertEqual(set(by_key(pooled.tables["a"])), set(batches[-1]["a"].tolist()))
+        handed_out = sum(int(s.count.numpy()) for s in pooled.tables["a"].shards)
+        ever = len({k for b in batches for k in b["a"].tolist()}) + int(pooled.tables["b"].size())
+        self.assertLess(handed_out, ever)
+        self.assert_rows_accounted(pooled)
+
+
+if __name__ == "__main__":
+    tf.test.main()

@@ -1,0 +1,102 @@
+"""Dynamic tables that share one row pool per device: a collection's dynamic tables under parameter servers.
+
+Each member stays a whole `DynamicTable`: its own key -> row index per
+shard, policies, table step, `size()`, `export()` and checkpoint entry (its
+live keys, rows and optimizer columns, layout-free as ever). What it shares
+is where its rows live: shard `i` of every member draws rows from pool `i`
+(`RowPool`), so a training step allocates, writes new rows, marks rows seen,
+gathers and applies the optimizer once per device for all of them
+(`dynamic_packed`), the dynamic counterpart of `batched`'s storage tables.
+
+`PooledTables` is what Keras and the optimizer see for the group: the pools'
+rows are the layer's weights and the variables the optimizer trains (their
+owner, `owner_of`), and its slots are built once per pool while each member
+keeps its own view of them for checkpoints and weight files.
+
+Only tables whose pools grow freely are pooled: a `max_rows` bound or a
+capacity eviction counts a shard's rows, which a shared pool does not keep
+apart (`pool_key`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Dict, List, Optional, Sequence
+
+import tensorflow as tf
+
+from tf_sharded import policies
+from tf_sharded.table.dynamic_slot import DynamicSlot
+from tf_sharded.table.protocol import register_shards
+
+# member table -> the group holding its rows (kept while the member lives: the optimizer finds it by the pools)
+_GROUP = weakref.WeakKeyDictionary()
+
+
+def pool_key(config) -> Optional[tuple]:
+    """What dynamic table configs must share to be pooled (row width, shard count and key dtype: a step
+    sends each device one tensor of keys per pool), or None for a config that keeps its own pools (a
+    `max_rows` bound or a capacity eviction)."""
+    _, evictions = policies.parse(config.name, config.admission, config.eviction)
+    if config.max_rows is not None or any(isinstance(e, policies.CapacityEviction) for e in evictions):
+        return None
+    return ("dynamic", config.dim, config.partitions, config.key_dtype)
+
+
+def group_of(table) -> Optional[PooledTables]:
+    """The group whose pools hold `table`'s rows, or None for a table with pools of its own."""
+    return _GROUP.get(table)
+
+
+class PooledTables:
+    """The row pools several dynamic tables share, one per device: what the optimizer trains for them.
+
+    Args:
+      name: the group's name.
+      members: the dynamic tables, in order, created with `pools`.
+      pools: one `RowPool` per shard.
+    """
+
+    def __init__(self, name: str, members: Sequence, pools: Sequence):
+        self.name, self._members, self._pools = name, tuple(members), tuple(pools)
+        self._member_slots: Dict[str, List[DynamicSlot]] = {}
+        first = self._members[0]
+        self.dim, self.dtype, self.strategy = first.dim, first.dtype, first.strategy
+        self.trainable = first.trainable
+        for member in self._members:
+            _GROUP[member] = self
+        register_shards(self, self.variables)
+
+    exchange = None  # parameter servers: the gradient goes to the pool that owns the rows
+    shape = property(lambda self: tf.TensorShape([None, self.dim]))
+    members = property(lambda self: self._members)
+
+    @property
+    def variables(self) -> tuple:
+        """Each pool's rows: the variables Keras and the optimizer train."""
+        return tuple(p.rows for p in self._pools)
+
+    @property
+    def trainable_variables(self) -> tuple:
+        return self.variables if self.trainable else ()
+
+    def make_slot(self, name: str, fill: float) -> DynamicSlot:
+        """An optimizer slot: a column of `fill` in every pool, which each member saves as its own slot."""
+        column = name.rsplit("/", 1)[-1]
+        if column not in self._member_slots:
+            self._member_slots[column] = [m.make_slot(f"{m.name}/{column}", fill) for m in self._members]
+        return DynamicSlot(self, column, [p.columns[column].variable for p in self._pools])
+
+    def member_slots(self, slots: Dict[str, DynamicSlot]) -> List[Dict[str, DynamicSlot]]:
+        """For each member, its own view of the group's `slots` ({slot name: slot}), which it checkpoints."""
+        return [{slot: self._member_slots[slot][i] for slot in slots} for i in range(len(self._members))]
+
+    def update_exclusively(self, shard: int, fn) -> Optional[tf.Tensor]:
+        """Runs an optimizer's writes to pool `shard` (rows and columns) under its lock."""
+        return self._pools[shard].update_exclusively(fn)
+
+    def shard_rows(self, shard: int) -> tf.Tensor:
+        return self._pools[shard].capacity.read_value()
+
+    def __repr__(self):
+        return f"<PooledTables '{self.name}' of {[m.name for m in self._members]}>"

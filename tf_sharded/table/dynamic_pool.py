@@ -1,0 +1,339 @@
+"""A row pool on one device: the rows of one or several dynamic tables' shards there, and the columns beside them.
+
+A `RowPool` holds `rows` (the trainable `[capacity, dim]` pool, a variable of
+unknown shape that grows by reassignment, by `growth`, so at most that
+fraction is spare), the optimizer's `columns` (one pool per slot, grown with
+it), `seen` (the table step of each row's last training lookup) and `hits`
+(its occurrences), which delta export and the eviction policies read, and
+`capacity`, `count` (rows handed out) and a free list of evicted rows, which
+new keys take first.
+
+Each `DynamicShard` keeps its own key -> row index, policies and step and
+draws its rows from a pool. A table's shards usually have a pool each; the
+dynamic tables of an `EmbeddingCollection` under parameter servers share one
+pool per device (`dynamic_group`), so a step allocates, writes new rows,
+marks them seen, gathers and updates once per device for all of them, not
+once per table: per-table work on the parameter servers, not the index
+reads, was what a dynamic step cost beside a static one (RFC §11 B7).
+
+Everything here runs on the pool's device, under its lock (`device_lock`)
+where it writes: inserts, optimizer writes and growth (a growth copies the
+pool, and a write landing between that read and the reassignment would be
+dropped). The pool's shape is never read from the variable (`capacity`
+says it): the shape of an unknown-shape variable read inside a function
+scheduled on a parameter-server worker comes back empty.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+from tf_sharded import _compat
+from tf_sharded.table.dynamic_lock import defer, device_lock, locked_on, settled
+
+MIN_GROWTH_ROWS = 64
+
+
+class Column:
+    """A pool beside the rows: `[capacity]` or `[capacity, width]` of `dtype`, new rows set to `fill`."""
+
+    def __init__(self, variable, fill, dtype, width: Optional[int]):
+        self.variable, self.fill, self.dtype, self.width = variable, fill, dtype, width
+
+    def inner(self) -> list:
+        return [] if self.width is None else [self.width]
+
+    def filled(self, count) -> tf.Tensor:
+        return tf.fill(tf.stack([tf.cast(count, tf.int32)] + self.inner()), tf.constant(self.fill, self.dtype))
+
+    def read(self) -> tf.Tensor:
+        return tf.reshape(self.variable.read_value(), [-1] + self.inner())
+
+
+class Insert:
+    """One shard's part of an insert into its pool: its distinct `keys`, their fingerprints and counts, the
+    table step, and the table's initial rows, eviction policies and seed."""
+
+    def __init__(self, member, keys, fingerprints, counts, step, initial_rows: Callable, evictions=(), seed=0):
+        self.member, self.keys, self.fingerprints, self.counts = member, keys, fingerprints, counts
+        self.step, self.initial_rows, self.evictions, self.seed = step, initial_rows, evictions, seed
+
+
+class RowPool:
+    """Rows, optimizer columns and row metadata on one device, for one or several dynamic shards.
+
+    Args:
+      name: variables are `name/rows_i`, ... (the table's name, or a group's).
+      shard: the shard index `i` in those names.
+      device: where the pool lives (None: the current device).
+      dim: row width.
+      dtype: row dtype.
+      trainable: whether the row pool is trainable.
+      growth: capacity grows by this factor (> 1) when keys arrive.
+      max_rows: None (unbounded) or the most rows the pool may hold (an error past it).
+      bound: None or the capacity growth stops at (a capacity eviction's share of keys).
+    """
+
+    def __init__(self, name, shard, device, dim, dtype, trainable, growth=1.25, max_rows=None, bound=None):
+        self.name, self.shard, self.dim, self.dtype = name, shard, dim, dtype
+        self.growth, self.max_rows, self.bound = float(growth), max_rows, bound
+        self.members: List = []  # the shards drawing rows from this pool
+        self.columns: Dict[str, Column] = {}
+        self._column_capacity: Dict[str, tf.Variable] = {}
+        with tf.init_scope(), tf.device(device):
+            unknown = tf.TensorShape(None)
+            new = lambda value, what, trainable=False: _compat.plain_variable(  # noqa: E731
+                value, f"{name}/{what}_{shard}", trainable, shape=unknown if value.shape.rank else None
+            )
+            self.rows = new(tf.zeros([0, dim], dtype), "rows", trainable)
+            self._rows = Column(self.rows, 0.0, dtype, dim)
+            self.seen = Column(new(tf.zeros([0], tf.int64), "seen"), 0, tf.int64, None)
+            self.hits = Column(new(tf.zeros([0], tf.int64), "hits"), 0, tf.int64, None)
+            self.free = new(tf.zeros([0], tf.int64), "free")
+            self.capacity = new(tf.constant(0, tf.int64), "capacity")
+            self.count = new(tf.constant(0, tf.int64), "count")
+            self.free_count = new(tf.constant(0, tf.int64), "free_count")
+        self.device = self.rows.device
+        self.lock = device_lock(self.device)
+
+    def _pools(self):
+        """Every pool that grows with the rows in `_grow_to` (optimizer columns catch up on their own)."""
+        return [self._rows, self.seen, self.hits]
+
+    def named_columns(self) -> Dict[str, Column]:
+        """ "seen", "hits" and the optimizer's columns, by name."""
+        return {"seen": self.seen, "hits": self.hits, **self.columns}
+
+    # --------------------------------------------------------------- state --
+
+    def add_column(self, name: str, fill: float) -> tf.Variable:
+        """A pool beside the rows (an optimizer slot), `fill` for every row; then each member's restored
+        values of it, if a restore left them waiting.
+
+        A column has its own capacity: functions traced before it existed grow
+        only the rows, and every optimizer write first extends the column to
+        the rows' capacity (`exclusive_body`).
+        """
+        if name in self.columns:
+            return self.columns[name].variable
+        with tf.init_scope(), tf.device(self.device):
+            capacity = self.capacity.read_value()
+            column = Column(None, fill, self.dtype, self.dim)
+            column.variable = _compat.plain_variable(
+                column.filled(capacity), name=f"{self.name}/{name}_{self.shard}", trainable=False,
+                shape=tf.TensorShape(None),
+            )  # fmt: skip
+            rows = _compat.plain_variable(capacity, f"{self.name}/{name}_capacity_{self.shard}", False)
+        self.columns[name] = column
+        self._column_capacity[name] = rows
+        with tf.init_scope():
+            for member in self.members:
+                member.apply_pending(name)
+        return column.variable
+
+    def _extend(self, column: Column, current, target) -> tf.Tensor:
+        grown = column.variable.assign(tf.concat([column.read(), column.filled(target - current)], 0), read_value=False)
+        with tf.control_dependencies([grown]):
+            return tf.identity(target)
+
+    def _extend_column(self, name: str, target) -> tf.Tensor:
+        """Grows column `name` to `target` rows of its fill if it is shorter (under the lock)."""
+        have = self._column_capacity[name]
+        current = have.read_value()
+
+        def extend():
+            with tf.control_dependencies([self._extend(self.columns[name], current, target)]):
+                return settled([have.assign(target, read_value=False)])
+
+        return tf.cond(current < target, extend, lambda: tf.constant(0, tf.int64))
+
+    def caught_up(self) -> list:
+        """Columns created after the last growth (by a function traced before them) grown to the rows' capacity."""
+        capacity = self.capacity.read_value()
+        return [self._extend_column(name, capacity) for name in self.columns]
+
+    def locked(self, body) -> tf.Tensor:
+        """`body()` under the pool's lock, after every critical section the traced function ran before."""
+        return locked_on(self.lock, self.device, body)
+
+    def read(self, variable) -> tf.Tensor:
+        return tf.reshape(variable.read_value(), [-1, self.dim])
+
+    def gather(self, rows) -> tf.Tensor:
+        """The pool's `rows` (differentiable: the pool's gradient is an `IndexedSlices` of these rows)."""
+        with tf.device(self.device):
+            values = tf.gather(self.rows, rows)
+            values.set_shape([rows.shape[0], self.dim])
+            return values
+
+    def dense_shape(self) -> tf.Tensor:
+        """`[capacity, dim]` (int64): the pool's shape, for its gradients."""
+        return tf.stack([self.capacity.read_value(), tf.constant(self.dim, tf.int64)])
+
+    def capacity_shape(self) -> tf.Tensor:
+        """`[capacity]`, from the variable that holds it (never the shape of a pool: see the module doc)."""
+        return tf.reshape(self.capacity.read_value(), [1])
+
+    # ------------------------------------------------------------- inserts --
+
+    def inserting(self, parts: Sequence[Insert]) -> Callable[[], List[tf.Tensor]]:
+        """The body (to run under the lock) that gives the admitted absent keys of every part a row and returns
+        each part's rows (-1 for keys a policy turned away), marking them seen at the part's step.
+
+        One allocation, one write of new rows and one mark for all parts; the
+        indexes and policies are each part's own.
+        """
+
+        def body():
+            found, positions, new_keys = [], [], []
+            for p in parts:
+                rows, where = p.member.absent(p)
+                found.append(rows)
+                positions.append(where)
+                new_keys.append(tf.gather_nd(p.keys, where))
+            sizes = [tf.size(k, out_type=tf.int64) for k in new_keys]
+            new_rows, ready = self.allocate_caught_up(tf.add_n(sizes))
+            new_parts = tf.split(new_rows, tf.stack(sizes), num=len(parts)) if len(parts) > 1 else [new_rows]
+            with tf.control_dependencies(ready):
+                values = tf.concat([p.initial_rows(k) for p, k in zip(parts, new_keys)], 0)
+                writes = self.write_new(new_rows, values)
+                writes += [p.member.index.insert(k, r) for p, k, r in zip(parts, new_keys, new_parts)]
+            with tf.control_dependencies(writes):
+                rows = [tf.tensor_scatter_nd_update(f, w, r) for f, w, r in zip(found, positions, new_parts)]
+                held, steps, counts = [], [], []
+                for p, r in zip(parts, rows):
+                    present = tf.where(r >= 0)
+                    held.append(tf.gather_nd(r, present))
+                    steps.append(tf.fill(tf.shape(held[-1]), p.step))
+                    counts.append(tf.gather_nd(p.counts, present))
+                held = tf.concat(held, 0)
+                marks = [
+                    self.seen.variable.scatter_update(tf.IndexedSlices(tf.concat(steps, 0), held)),
+                    self.hits.variable.scatter_add(tf.IndexedSlices(tf.concat(counts, 0), held)),
+                ]
+            with tf.control_dependencies(marks):
+                expired = [
+                    p.member.expire(p.step, e) for p in parts for e in p.evictions if not hasattr(e, "per_shard")
+                ]
+            with tf.control_dependencies(expired):
+                return [tf.identity(r) for r in rows]
+
+        return body
+
+    def _allocate(self, added) -> Tuple[tf.Tensor, tf.Tensor]:
+        """`added` rows for new keys (freed rows first, then fresh ones, growing the pools); call under the lock."""
+        free_count = self.free_count.read_value()
+        reused = tf.minimum(added, free_count)
+        taken = tf.reshape(self.free.read_value(), [-1])[free_count - reused : free_count]
+        start = self.count.read_value()
+        need = start + added - reused
+        checks = []
+        if self.max_rows is not None:
+            checks.append(
+                tf.debugging.assert_less_equal(
+                    need,
+                    tf.constant(self.max_rows, tf.int64),
+                    message=f"Dynamic table '{self.name}' shard {self.shard} is full ({self.max_rows} rows) and "
+                    "has no eviction policy to make room; raise `max_rows` or pass an eviction policy",
+                )
+            )
+        with tf.control_dependencies(checks):
+            grown = self._grow_to(need)
+        new_rows = tf.concat([taken, start + tf.range(added - reused)], 0)
+        with tf.control_dependencies([grown]):
+            done = settled(
+                [self.count.assign(need, read_value=False), self.free_count.assign_sub(reused, read_value=False)]
+            )
+        return new_rows, done
+
+    def allocate_caught_up(self, added) -> Tuple[tf.Tensor, list]:
+        """`_allocate`, then every column grown to the new capacity: `(rows, what writes to them wait for)`."""
+        rows, allocated = self._allocate(added)
+        with tf.control_dependencies([allocated]):
+            return rows, self.caught_up() + [allocated]
+
+    def write_new(self, new_rows, values, given: Optional[Dict[str, tf.Tensor]] = None) -> list:
+        """Writes `values` at `new_rows`, and each column's `given` values (else its fill) there."""
+        given = given or {}
+        writes = [self.rows.scatter_update(tf.IndexedSlices(tf.cast(values, self.dtype), new_rows))]
+        n = tf.size(new_rows)
+        for name, column in self.named_columns().items():
+            value = column.filled(n) if given.get(name) is None else tf.cast(given[name], column.dtype)
+            writes.append(column.variable.scatter_update(tf.IndexedSlices(value, new_rows)))
+        return writes
+
+    def _grow_to(self, need) -> tf.Tensor:
+        """Grows every pool to at least `need` rows (by `growth`, at least MIN_GROWTH_ROWS); call under the lock."""
+        capacity = self.capacity.read_value()
+
+        def grow():
+            target = tf.cast(tf.math.ceil(tf.cast(capacity, tf.float64) * self.growth), tf.int64)
+            target = tf.maximum(need, tf.maximum(target, capacity + MIN_GROWTH_ROWS))
+            bound = self.max_rows if self.bound is None else self.bound
+            if bound is not None:
+                target = tf.minimum(target, tf.maximum(need, tf.constant(bound, tf.int64)))
+            ops = [self._extend(pool, capacity, target) for pool in self._pools()]
+            ops += [self._extend_column(name, target) for name in self.columns]
+            with tf.control_dependencies(ops):
+                return settled(ops + [self.capacity.assign(target, read_value=False)])
+
+        return tf.cond(need > capacity, grow, lambda: tf.constant(0, tf.int64))
+
+    def free_rows(self, victims) -> tf.Tensor:
+        """Puts rows `victims` on the free list (their keys already left their index); call under the lock."""
+        free_count = self.free_count.read_value()
+        kept = tf.reshape(self.free.read_value(), [-1])[:free_count]
+        ops = [self.free.assign(tf.concat([kept, victims], 0), read_value=False)]
+        ops.append(self.free_count.assign_add(tf.size(victims, out_type=tf.int64), read_value=False))
+        return settled(ops)
+
+    def refill(self, values, columns: Dict[str, tf.Tensor], n) -> list:
+        """Makes `values` (and `columns`) rows `0..n-1` of a pool with one member, nothing free; under the lock."""
+        ops = [self.rows.assign(tf.cast(values, self.dtype), read_value=False)]
+        for name, column in self.named_columns().items():
+            value = columns.get(name)
+            value = column.filled(n) if value is None else tf.cast(value, column.dtype)
+            ops.append(column.variable.assign(value, read_value=False))
+        ops += [self.count.assign(n, read_value=False), self.capacity.assign(n, read_value=False)]
+        ops += [self.free_count.assign(0, read_value=False), self.free.assign(tf.zeros([0], tf.int64))]
+        ops += [have.assign(n, read_value=False) for have in self._column_capacity.values()]
+        return ops
+
+    # -------------------------------------------------------------- updates --
+
+    def update_exclusively(self, fn: Callable[[], object]) -> Optional[tf.Tensor]:
+        """Runs `fn` (writes to this pool's rows and columns) under the lock; returns once its writes are done.
+
+        Inside `grouped_updates` the writes wait for the block's end and this returns None.
+        """
+        body = lambda: self.exclusive_body(fn)  # noqa: E731
+        return None if defer(self, body) else self.locked(body)
+
+    def exclusive_body(self, fn: Callable[[], object]) -> tf.Tensor:
+        """`fn()` after the optimizer's columns caught up with the rows' capacity; call under the lock."""
+        if tf.executing_eagerly():
+            self.caught_up()
+            fn()
+            return tf.constant(0, tf.int64)
+        extended = self.caught_up()
+        graph = tf.compat.v1.get_default_graph()
+        with tf.control_dependencies(extended):
+            before = set(graph.get_operations())
+            fn()
+        created = [op for op in graph.get_operations() if op not in before and op.type != "Const"]
+        return settled(created)
+
+    def reset_lost(self) -> int:
+        """After the pool's task restarted (its variables renewed, uninitialised): an empty pool's state.
+        Returns how many variables it set; a pool whose task kept its state is left as it is."""
+        with tf.device(self.device):
+            empty = [(self.rows, self._rows.filled(0)), (self.free, tf.zeros([0], tf.int64))]
+            empty += [(c.variable, c.filled(0)) for c in self.named_columns().values()]
+            scalars = [self.capacity, self.count, self.free_count, *self._column_capacity.values()]
+            empty += [(v, tf.constant(0, tf.int64)) for v in scalars]
+            lost = [(v, value) for v, value in empty if not bool(v.is_initialized())]
+            for variable, value in lost:
+                variable.assign(value, read_value=False)
+        return len(lost)
