@@ -1,12 +1,15 @@
 """A collection's dynamic tables sharing one row pool per parameter server: each table trains, evicts, admits,
 saves and restores as it would alone."""
 
+import os
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
+from tests.harness.serving import serve_elsewhere
 from tests.harness.steps import squared_norm_collection_step
 from tests.harness.strategies import ps_strategy
 from tests.test_dynamic import by_key, power_law_keys
@@ -183,6 +186,34 @@ class PooledDynamicTablesTest(tf.test.TestCase):
         ever = len({k for b in batches for k in b["a"].tolist()}) + int(pooled.tables["b"].size())
         self.assertLess(handed_out, ever)
         self.assert_rows_accounted(pooled)
+
+    def test_export_and_delta_serve_each_table_of_the_pools_without_the_library(self):
+        layer, optimizer = self.collection()
+        with self.strategy.scope():
+            inputs = {n: keras.Input((), dtype="string" if n == "c" else "int64", name=n) for n in NAMES}
+            outputs = layer(inputs)
+            model = keras.Model(inputs, keras.layers.Concatenate()([outputs[n] for n in NAMES]))
+        batches = key_batches(np.random.default_rng(5), 3)
+        self.train(layer, optimizer, batches[:2])
+        path = tfs.export(model, os.path.join(self.get_temp_dir(), "served"))
+        since = {n: int(layer.tables[n].step.numpy()) for n in NAMES}
+        self.train(layer, optimizer, batches[2:])
+        delta = os.path.join(self.get_temp_dir(), "delta")
+        updated = tfs.export_delta(model, delta, since_step=since["a"])
+        self.assertEqual(
+            updated, {t.name: int(tf.size(t.export(since_step=since[n])[0])) for n, t in layer.tables.items()}
+        )
+
+        never = {"a": 7777777, "b": -8888888, "c": "never"}  # never trained: served as their initial rows
+        probe = {n: np.concatenate([batches[2][n][:5], [never[n]]]) for n in NAMES}
+        served = serve_elsewhere(self, path, {n: v.astype("S") if n == "c" else v for n, v in probe.items()}, delta)
+        rows = {n: by_key(layer.tables[n]) for n in NAMES}
+        for n, start in zip(NAMES, range(0, 3 * DIM, DIM)):
+            for i, key in enumerate(probe[n].tolist()):
+                want = rows[n].get(key)
+                if want is None:
+                    want = layer.tables[n].initial_rows(tf.constant([key], layer.tables[n].key_dtype)).numpy()[0]
+                self.assertAllClose(served[i, start : start + DIM], want, atol=1e-6, msg=f"table {n} key {key}")
 
 
 if __name__ == "__main__":

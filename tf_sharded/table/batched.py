@@ -46,8 +46,9 @@ def members_of(table) -> Optional[tuple]:
 
 
 def logical_tables(table) -> list:
-    """The tables a user sees for `table`: a storage table's members, else `table` itself."""
-    members = members_of(table)
+    """The tables a user sees for `table`: a storage table's members (or those of dynamic tables sharing row
+    pools, `dynamic_group.PooledTables`), else `table` itself."""
+    members = members_of(table) if isinstance(table, ShardedVariable) else getattr(table, "members", None)
     return [table] if members is None else list(members)
 
 
