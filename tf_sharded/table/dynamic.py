@@ -24,9 +24,10 @@ import tensorflow as tf
 from tf_sharded import _compat, initializers, policies
 from tf_sharded.errors import positive_int
 from tf_sharded.table.dynamic_agree import agreeing_context, gather_keys
+from tf_sharded.table.dynamic_group import lookup_groups
 from tf_sharded.table.dynamic_keys import key_fingerprints, parse_key_dtype, shard_of_keys
 from tf_sharded.table.dynamic_lock import locked_together
-from tf_sharded.table.dynamic_packed import Request, resolve, single
+from tf_sharded.table.dynamic_packed import Request, expand, resolve, single
 from tf_sharded.table.dynamic_pool import Insert
 from tf_sharded.table.dynamic_shard import DynamicShard
 from tf_sharded.table.dynamic_slot import DynamicSlot
@@ -269,7 +270,7 @@ class DynamicTable(_compat.Trackable):
         shape = tf.stack([plan.num_unique, self._dim])
         unique_rows = tf.add_n([tf.zeros(shape, self._dtype)] + [tf.scatter_nd(w[:, None], p, shape)
                                                                  for w, p in zip(where, parts)])  # fmt: skip
-        return _expand(unique_rows, plan.idx, plan.num_unique)
+        return expand(unique_rows, plan.idx, plan.num_unique)
 
     # ------------------------------------------------------------- contents --
 
@@ -420,6 +421,15 @@ def lookup_many(pairs, training: bool = True) -> list:
     """Rows for several `(DynamicTable, rank-1 keys)` pairs; a training lookup's inserts into every table's
     shards on one device run in one critical section, its keys and rows travel as one tensor each way per
     device (`dynamic_packed`), not one per table and shard."""
+    out = lookup_groups(pairs, training)  # tables sharing row pools, a group at a time
+    rest = [i for i, rows in enumerate(out) if rows is None]
+    for i, rows in zip(rest, _lookup_each([pairs[i] for i in rest], training)):
+        out[i] = rows
+    return out
+
+
+def _lookup_each(pairs, training: bool) -> list:
+    """`lookup_many` table by table (the inserts still in one critical section per device)."""
     plans = [table.plan_lookup(keys, training) for table, keys in pairs]
     packed = [request for plan in plans if plan.inserting and plan.agreed is None for request in plan.resolved]
     values = iter(resolve(packed))
@@ -435,16 +445,6 @@ def lookup_many(pairs, training: bool = True) -> list:
         resolved = [next(rows) for _ in plan.resolved] if plan.agreed is not None else plan.resolved
         out.append(plan.table.finish_lookup(plan, resolved))
     return out
-
-
-@tf.custom_gradient
-def _expand(unique_rows, idx, num_unique):
-    """Rows in the caller's order; the upstream gradient summed per distinct key (nothing table-sized)."""
-
-    def grad(dy):
-        return tf.math.unsorted_segment_sum(dy, idx, num_unique), None, None
-
-    return tf.gather(unique_rows, idx), grad
 
 
 _compat.register_dispatchable_type(DynamicTable)

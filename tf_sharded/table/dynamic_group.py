@@ -26,6 +26,9 @@ from typing import Dict, List, Optional, Sequence
 import tensorflow as tf
 
 from tf_sharded import policies
+from tf_sharded.table.dynamic_agree import agreeing_context
+from tf_sharded.table.dynamic_keys import shard_of_keys
+from tf_sharded.table.dynamic_packed import Request, expand, resolve_by_device
 from tf_sharded.table.dynamic_slot import DynamicSlot
 from tf_sharded.table.protocol import register_shards
 
@@ -100,3 +103,57 @@ class PooledTables:
 
     def __repr__(self):
         return f"<PooledTables '{self.name}' of {[m.name for m in self._members]}>"
+
+
+def lookup_groups(pairs, training: bool) -> list:
+    """Rows of the `(table, rank-1 keys)` pairs whose tables share row pools, a group at a time
+    (`lookup_pooled`), None for the others: those of a lookup that does not train, tables whose copies
+    must agree across workers, and a table met again."""
+    groups: Dict[int, list] = {}
+    for i, (table, _) in enumerate(pairs):
+        group = group_of(table)
+        if group is None or not (training and table.trainable) or agreeing_context(table.strategy) is not None:
+            continue
+        members = groups.setdefault(id(group), [])
+        if all(pairs[j][0] is not table for j in members):
+            members.append(i)
+    out = [None] * len(pairs)
+    for members in groups.values():
+        for i, rows in zip(members, lookup_pooled([pairs[i] for i in members])):
+            out[i] = rows
+    return out
+
+
+def lookup_pooled(pairs) -> List[tf.Tensor]:
+    """Rows of `(member table, rank-1 keys)` pairs, distinct members of one group, in a training lookup.
+
+    Per table only the de-duplication (`tf.unique` and the counts); then
+    all the tables' distinct keys are routed as one tensor: one shard hash,
+    one partition by (shard, table), one stitch of the values that come
+    back, one gather into the callers' order, and its gradient one segment
+    sum, instead of each of these per table (what a step on the worker
+    spent its time on once the parameter servers' work was pooled).
+    """
+    tables = [t for t, _ in pairs]
+    m, n = len(tables), tables[0].num_shards
+    uniq, idx, counts, sizes = [], [], [], []
+    for _, keys in pairs:
+        u, i = tf.unique(keys, out_idx=tf.int32)
+        uniq.append(u)
+        idx.append(i)
+        sizes.append(tf.size(u, out_type=tf.int32))
+        counts.append(tf.math.unsorted_segment_sum(tf.ones_like(i, tf.int64), i, sizes[-1]))
+    sizes = tf.stack(sizes)
+    offsets = tf.cumsum(sizes, exclusive=True)
+    total = tf.reduce_sum(sizes)
+    keys = tf.concat(uniq, 0)
+    where = shard_of_keys(keys, n) * m + tf.repeat(tf.range(m), sizes)
+    parts = [tf.dynamic_partition(t, where, m * n) for t in (keys, tf.concat(counts, 0), tf.range(total))]
+    steps = [t.step.assign_add(1) for t in tables]
+    requests = [Request(t, s, parts[0][s * m + j], parts[1][s * m + j], steps[j]) for s in range(n)
+                for j, t in enumerate(tables)]  # fmt: skip
+    by_device = resolve_by_device(requests)
+    positions = [tf.concat([parts[2][i] for i in members], 0) for members, _, _ in by_device]
+    unique_rows = tf.dynamic_stitch(positions, [values for _, values, _ in by_device])
+    rows = expand(unique_rows, tf.concat([i + offsets[j] for j, i in enumerate(idx)], 0), total)
+    return tf.split(rows, tf.stack([tf.size(k, out_type=tf.int32) for _, k in pairs]), num=m)

@@ -15,7 +15,7 @@ nothing more to fetch.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -33,12 +33,23 @@ class Request:
 
 def resolve(requests: Sequence[Request]) -> List[tf.Tensor]:
     """Each request's keys' rows (values, on the worker), inserting absent keys first; a key turned away
-    by a policy reads its initial row. Requests whose shards share a row pool insert in one body."""
+    by a policy reads its initial row."""
+    out: List[tf.Tensor] = [None] * len(requests)
+    for members, values, sizes in resolve_by_device(requests):
+        for i, part in zip(members, tf.split(values, sizes, num=len(members))):
+            out[i] = part
+    return out
+
+
+def resolve_by_device(requests: Sequence[Request]) -> List[Tuple[List[int], tf.Tensor, tf.Tensor]]:
+    """`resolve`, as it comes back: per device (and key dtype), `(positions of its requests, their values
+    concatenated in that order, each request's number of keys)`. Requests whose shards share a row pool
+    insert in one body."""
     by_device: Dict[tuple, List[int]] = {}  # keys of one dtype travel together (a collection mixes them)
     for i, request in enumerate(requests):
         by_device.setdefault((request.device, request.keys.dtype), []).append(i)
     stacked, position = _stacked_steps(requests)
-    bodies, inputs = [], {}
+    bodies, inputs = [], []
     for (device, _), members in by_device.items():
         mine = [requests[i] for i in members]
         sizes = tf.stack([tf.size(r.keys, out_type=tf.int32) for r in mine])
@@ -49,22 +60,37 @@ def resolve(requests: Sequence[Request]) -> List[tf.Tensor]:
             count_parts = tf.split(tf.identity(counts), here, num=len(mine))
             local = {home: tf.identity(stacked[home]) for home, _ in (position[id(r.step)] for r in mine)}
             step_of = [local[home][j] for home, j in (position[id(r.step)] for r in mine)]
-        by_pool: Dict[int, tuple] = {}
-        for r, k, c, step in zip(mine, key_parts, count_parts, step_of):
-            pool = r.table.shards[r.shard].pool
-            by_pool.setdefault(id(pool), (pool, []))[1].append(r.table.insert_part(r.shard, k, c, step))
-        order = [id(r.table.shards[r.shard].pool) for r in mine]
-        bodies += [(pool, pool.inserting(parts)) for pool, parts in by_pool.values()]
-        inputs[device, mine[0].keys.dtype] = (members, key_parts, sizes, here, order, list(by_pool))
+        parts = [
+            r.table.insert_part(r.shard, k, c, step) for r, k, c, step in zip(mine, key_parts, count_parts, step_of)
+        ]
+        pooled, order = _bodies(parts)
+        bodies += pooled
+        inputs.append((device, members, key_parts, sizes, here, order, len(pooled)))
     rows = iter(locked_together(bodies))
-    out: List[tf.Tensor] = [None] * len(requests)
-    for (device, _), (members, key_parts, sizes, here, order, pools) in inputs.items():
-        per_pool = {pool: iter(next(rows)) for pool in pools}
-        found = [next(per_pool[pool]) for pool in order]
-        values = _gather_on(device, [requests[i] for i in members], key_parts, found, here)
-        for i, part in zip(members, tf.split(values, sizes, num=len(members))):
-            out[i] = part
+    out = []
+    for device, members, key_parts, sizes, here, order, count in inputs:
+        results = [next(rows) for _ in range(count)]
+        found = [results[b][j] for b, j in order]
+        out.append((members, _gather_on(device, [requests[i] for i in members], key_parts, found, here), sizes))
     return out
+
+
+def _bodies(parts) -> tuple:
+    """`([(pool, body)], [(body, position in it)] per part)`: one insert body per pool for the parts whose
+    shards draw rows from it; a shard met again (a table looked up twice) starts another body, which runs
+    after the first and sees its inserts."""
+    bodies: List[list] = []  # per body: its pool and parts
+    latest: Dict[int, int] = {}  # id(pool) -> its latest body
+    order = []
+    for part in parts:
+        pool = part.member.pool
+        b = latest.get(id(pool))
+        if b is None or any(p.member is part.member for p in bodies[b][1]):
+            b = latest[id(pool)] = len(bodies)
+            bodies.append([pool, []])
+        order.append((b, len(bodies[b][1])))
+        bodies[b][1].append(part)
+    return [(pool, pool.inserting(members)) for pool, members in bodies], order
 
 
 def single(part):
@@ -142,3 +168,14 @@ def _values(run: List[int], requests, keys, found) -> tf.Tensor:
         r = requests[run[0]]
         return r.table.shard_values(r.shard, keys[run[0]], found[run[0]], r.table.every_key_held)
     return requests[run[0]].table.shards[requests[run[0]].shard].pool.gather(tf.concat([found[i] for i in run], 0))
+
+
+@tf.custom_gradient
+def expand(unique_rows, idx, num_unique):
+    """Rows in the caller's order (`unique_rows[idx]`); the upstream gradient summed per distinct key
+    (nothing table-sized)."""
+
+    def grad(dy):
+        return tf.math.unsorted_segment_sum(dy, idx, num_unique), None, None
+
+    return tf.gather(unique_rows, idx), grad
