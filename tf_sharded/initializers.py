@@ -52,13 +52,18 @@ def _mix_int(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def _uniform01(rows: tf.Tensor, width: int, seed: int, stream: int) -> tf.Tensor:
-    """Uniform float64 in (0, 1) for every element of the given logical rows."""
-    key = _mix_int(seed * 0x100000001B3 + stream * 0x632BE59BD9B4E019 + 1)
+def _stream_key(seed: int, stream: int) -> int:
+    return _mix_int(seed * 0x100000001B3 + stream * 0x632BE59BD9B4E019 + 1)
+
+
+def _uniform01(rows: tf.Tensor, width: int, seed: int, stream: int, keys: Optional[tf.Tensor] = None) -> tf.Tensor:
+    """Uniform float64 in (0, 1) for every element of the given logical rows (`keys`: a uint64 stream key
+    per row, `_stream_key` of each row's own seed, instead of `seed`'s)."""
+    key = _u64(_stream_key(seed, stream)) if keys is None else keys[:, None]
     counters = (
         tf.cast(rows, tf.uint64)[:, None] * _u64(width) + tf.cast(tf.range(width, dtype=tf.int64), tf.uint64)[None, :]
     )
-    z = _mix(_u64(key) + (counters + _u64(1)) * _u64(_GAMMA))
+    z = _mix(key + (counters + _u64(1)) * _u64(_GAMMA))
     mantissa = tf.cast(tf.bitwise.right_shift(z, _u64(11)), tf.float64)
     return (mantissa + 0.5) * (1.0 / 9007199254740992.0)
 
@@ -137,8 +142,20 @@ class RowInitializer(_PerRow):
     def __repr__(self):
         return f"RowInitializer({self.kind!r}, {self.a}, {self.b}, seed={self.seed})"
 
-    def rows(self, logical_rows: tf.Tensor, full_shape, dtype) -> tf.Tensor:
-        """Values of the given int64 logical rows of a table of `full_shape`."""
+    def stream_key(self) -> int:
+        """What `rows` draws this initializer's rows from (a uint64 value), for `rows(..., keys=)`."""
+        return _stream_key(self.seed, 0) & 0xFFFFFFFFFFFFFFFF
+
+    def same_draws(self, other) -> bool:
+        """Whether `other` draws rows as this one does but for its seed (`rows(..., keys=)` serves both)."""
+        return isinstance(other, RowInitializer) and (self.kind, self.a, self.b) == (other.kind, other.a, other.b)
+
+    def rows(self, logical_rows: tf.Tensor, full_shape, dtype, keys: Optional[tf.Tensor] = None) -> tf.Tensor:
+        """Values of the given int64 logical rows of a table of `full_shape`.
+
+        `keys`: None, or a uint64 `stream_key()` per row: rows of several tables
+        whose initializers make the `same_draws`, each with its own seed, at once.
+        """
         dtype = tf.as_dtype(dtype)
         inner = [int(d) for d in full_shape[1:]]
         width = math.prod(inner)
@@ -150,7 +167,7 @@ class RowInitializer(_PerRow):
             raise TypeError(
                 f"Random initializer {self.kind!r} needs a floating-point `dtype`. Received: dtype={dtype.name}"
             )
-        u = _uniform01(logical_rows, width, self.seed, 0)
+        u = _uniform01(logical_rows, width, self.seed, 0, keys)
         if self.kind == "uniform":
             values = self.a + (self.b - self.a) * u
         elif self.kind == "normal":

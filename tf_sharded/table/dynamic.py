@@ -204,7 +204,7 @@ class DynamicTable(_compat.Trackable):
     def insert_part(self, shard: int, keys, counts, step) -> Insert:
         """Shard `shard`'s part of an insert of distinct `keys` into its pool (`RowPool.inserting`)."""
         return Insert(self._shards[shard], keys, key_fingerprints(keys), counts, step, self.initial_rows,
-                      self._evictions, self._seed)  # fmt: skip
+                      self._evictions, self._seed, self._initializer)  # fmt: skip
 
     @property
     def every_key_held(self) -> bool:

@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from tf_sharded import _compat
+from tf_sharded.table.dynamic_keys import key_fingerprints
 from tf_sharded.table.dynamic_lock import defer, device_lock, locked_on, settled
 
 MIN_GROWTH_ROWS = 64
@@ -56,9 +57,17 @@ class Insert:
     """One shard's part of an insert into its pool: its distinct `keys`, their fingerprints and counts, the
     table step, and the table's initial rows, eviction policies and seed."""
 
-    def __init__(self, member, keys, fingerprints, counts, step, initial_rows: Callable, evictions=(), seed=0):
+    def __init__(self, member, keys, fingerprints, counts, step, initial_rows: Callable, evictions=(), seed=0,
+                 initializer=None):  # fmt: skip
         self.member, self.keys, self.fingerprints, self.counts = member, keys, fingerprints, counts
         self.step, self.initial_rows, self.evictions, self.seed = step, initial_rows, evictions, seed
+        self.initializer = initializer  # the `RowInitializer` behind `initial_rows`, if there is one
+
+    @property
+    def plain(self) -> bool:
+        """Whether every absent key gets a row (no admission, no capacity bound) from a `RowInitializer`."""
+        member = self.member
+        return member.admission is None and member.capacity_eviction is None and self.initializer is not None
 
 
 class RowPool:
@@ -186,6 +195,10 @@ class RowPool:
         indexes and policies are each part's own.
         """
 
+        first = parts[0].initializer
+        if all(p.plain and first.same_draws(p.initializer) for p in parts):
+            return lambda: self._insert_plain(parts)
+
         def body():
             found, positions, new_keys = [], [], []
             for p in parts:
@@ -221,6 +234,39 @@ class RowPool:
                 return [tf.identity(r) for r in rows]
 
         return body
+
+    def _insert_plain(self, parts: Sequence[Insert]) -> List[tf.Tensor]:
+        """`inserting`'s body where every part is `plain` with initializers of the `same_draws`: the parts'
+        keys handled as one tensor (one test for absent keys, one initial-row draw with each key's table
+        seed, one index update per part), not part by part."""
+        m = len(parts)
+        sizes = tf.stack([tf.size(p.keys, out_type=tf.int32) for p in parts])
+        keys = tf.concat([p.keys for p in parts], 0)
+        found = tf.concat([p.member.index_rows(p.keys) for p in parts], 0)
+        positions = tf.where(found < 0)
+        new_keys = tf.gather_nd(keys, positions)
+        part_of = tf.gather_nd(tf.repeat(tf.range(m), sizes), positions)
+        new_rows, ready = self.allocate_caught_up(tf.size(new_keys, out_type=tf.int64))
+        with tf.control_dependencies(ready):
+            seeds = tf.constant([p.initializer.stream_key() for p in parts], tf.uint64)
+            counters = key_fingerprints(new_keys)
+            values = parts[0].initializer.rows(counters, (1, self.dim), self.dtype, keys=tf.gather(seeds, part_of))
+            writes = self.write_new(new_rows, values)
+            added = tf.math.bincount(part_of, minlength=m, maxlength=m)
+            for p, k, r in zip(parts, tf.split(new_keys, added, num=m), tf.split(new_rows, added, num=m)):
+                writes.append(p.member.index.insert(k, r))
+        with tf.control_dependencies(writes):
+            rows = tf.tensor_scatter_nd_update(found, positions, new_rows)
+            steps = tf.repeat(tf.stack([p.step for p in parts]), sizes)
+            counts = tf.concat([p.counts for p in parts], 0)
+            marks = [
+                self.seen.variable.scatter_update(tf.IndexedSlices(steps, rows)),
+                self.hits.variable.scatter_add(tf.IndexedSlices(counts, rows)),
+            ]
+        with tf.control_dependencies(marks):
+            expired = [p.member.expire(p.step, e) for p in parts for e in p.evictions if not hasattr(e, "per_shard")]
+        with tf.control_dependencies(expired):
+            return tf.split(rows, sizes, num=m)
 
     def _allocate(self, added) -> Tuple[tf.Tensor, tf.Tensor]:
         """`added` rows for new keys (freed rows first, then fresh ones, growing the pools); call under the lock."""

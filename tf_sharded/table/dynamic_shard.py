@@ -115,9 +115,9 @@ class DynamicShard:
     def find(self, keys) -> tf.Tensor:
         """Rows of `keys` (int64, -1 where absent); reads only the index."""
         with tf.device(self.device):
-            return self._index_rows(keys)
+            return self.index_rows(keys)
 
-    def _index_rows(self, keys) -> tf.Tensor:
+    def index_rows(self, keys) -> tf.Tensor:
         """The index's rows of `keys`, its default (-1) made here: the table's own default is a tensor of the
         process that created it, which every lookup would fetch from there."""
         rows = tf.raw_ops.LookupTableFindV2(
@@ -148,7 +148,7 @@ class DynamicShard:
     def absent(self, part: Insert) -> Tuple[tf.Tensor, tf.Tensor]:
         """`(rows of part.keys, positions of the keys to give a row)`: the absent keys the admission policy
         admits and a capacity bound fits (evicting to make room); call under the lock."""
-        found = self._index_rows(part.keys)
+        found = self.index_rows(part.keys)
         missing = found < 0
         if self.admission is not None:
             missing = self.admission.admit(
@@ -250,7 +250,7 @@ class DynamicShard:
         """Writes `values` into column `name` at the rows of `keys` this shard holds (others are skipped)."""
 
         def body():
-            rows = self._index_rows(keys)
+            rows = self.index_rows(keys)
             held = tf.where(rows >= 0)
             update = tf.IndexedSlices(tf.gather_nd(values, held), tf.gather_nd(rows, held))
             return settled([self.columns[name].variable.scatter_update(update)])
