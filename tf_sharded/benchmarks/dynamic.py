@@ -141,7 +141,7 @@ def run(quick: bool = False, mode: str = "inprocess") -> Dict:
     from tf_sharded.benchmarks.ps_lookup import _ids, scheduled_seconds
 
     features, rows = (2, 20_000) if quick else (26, 200_000)
-    steps, rounds = (2, 1) if quick else (10, 3)
+    steps, rounds = (2, 1) if quick else (10, 9)
     memory = memory_per_key(20_000 if quick else 1_000_000)
     memory_ps_env = memory_in_child(20_000 if quick else 1_000_000, PS_ENV)
     de, skipped = dynamic_peer.load()
