@@ -247,6 +247,13 @@ class PooledDynamicTablesTest(tf.test.TestCase):
                     want = layer.tables[n].initial_rows(tf.constant([key], layer.tables[n].key_dtype)).numpy()[0]
                 self.assertAllClose(served[i, start : start + DIM], want, atol=1e-6, msg=f"table {n} key {key}")
 
+        # A .keras file holds each table's keys and rows; loaded without a strategy, each table has its own.
+        saved = os.path.join(self.get_temp_dir(), "pooled.keras")
+        model.save(saved)
+        loaded = keras.models.load_model(saved).get_layer(layer.name)
+        self.assertIsNot(loaded.tables["a"].variables[0], loaded.tables["b"].variables[0])
+        self.assert_same_tables(loaded, layer, columns=())
+
 
 if __name__ == "__main__":
     tf.test.main()

@@ -82,8 +82,9 @@ class ParameterServerFailureTest(tf.test.TestCase):
         self.assertLessEqual(row["max_weight_difference"], 1e-6)
 
     def test_a_killed_ps_holding_the_step_count_and_dynamic_table_shards_is_restored_exactly(self):
-        # ps:0 holds the step count, the table's step and a shard of the dynamic table (index, rows, Adagrad
-        # column, last-seen steps): all renewed, emptied and restored, the other shard restored beside them.
+        # ps:0 holds the step count, the tables' steps and a shard of each of the two dynamic tables (their
+        # indexes, and the row pool they share: rows, Adagrad column, last-seen steps): all renewed, emptied
+        # and restored table by table into the one pool, the other shards restored beside them.
         # Beside them, ps:1 killed where the first error names no task (a retried step's input iterator ends
         # with OutOfRangeError): the failed ps is found by asking each ps for its state.
         (whole, _), (killed, printed), (unnamed, unnamed_printed) = _runs(
@@ -92,7 +93,7 @@ class ParameterServerFailureTest(tf.test.TestCase):
             ["--dynamic", "--kill", "ps:0", "--after", "0.5"],
             ["--dynamic", "--kill", "ps:1", "--unnamed_errors"],
         )
-        self.assertEqual(len(whole["weights"]["keys"]), 60)
+        self.assertEqual([len(whole["weights"][f"keys_{n}"]) for n in ("a", "b")], [60, 60])
         for run, output, task in ((killed, printed, 0), (unnamed, unnamed_printed, 1)):
             self.assertEqual((run["steps"], run["iterations"]), (TOTAL, TOTAL))
             self.assertEqual([e["tasks"] for e in run["recoveries"]], [[task]])

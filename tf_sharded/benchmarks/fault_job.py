@@ -6,7 +6,7 @@
 With `--kill ps:N` it also prints the recovery time (seconds from the kill to
 the first step completed after the restore) and the steps redone.
 
-Trains a sharded (or dynamic) embedding and a dense layer for a fixed number
+Trains a sharded embedding (or two dynamic tables sharing row pools) and a dense layer for a fixed number
 of steps with checkpoints, kills the named task with SIGKILL once training
 has begun (the cluster restarts it), and writes the result: steps counted,
 `optimizer.iterations`, the cluster's restarts, the recoveries `tfs.fit`
@@ -40,15 +40,21 @@ def dataset_fn(context=None):
     return tf.data.Dataset.from_tensor_slices((ids, labels)).batch(BATCH).repeat()
 
 
+DYNAMIC = ("a", "b")  # two dynamic tables of one width: under parameter servers they share a row pool per ps
+
+
 def build(strategy, dynamic: bool):
     keras.utils.set_random_seed(1)
     with strategy.scope():
         inp = keras.Input((3,), dtype="int64")
         if dynamic:
-            emb = tfs.layers.DynamicEmbedding(4, key_dtype="int64", combiner="mean", seed=5, name="emb")
+            tables = {n: {"vocabulary": "dynamic", "output_dim": 4, "seed": 5 + i} for i, n in enumerate(DYNAMIC)}
+            features = {"a": {"table": "a", "combiner": "mean"}, "b": "b"}
+            rows = tfs.layers.EmbeddingCollection(tables, features, name="emb")({"a": inp[:, :2], "b": inp[:, 2]})
+            embedded = keras.layers.Concatenate()([rows["a"], rows["b"]])
         else:
-            emb = tfs.layers.Embedding(60, 4, combiner="mean", partitions=2, seed=5, name="emb")
-        out = keras.layers.Dense(1, name="dense")(emb(inp))
+            embedded = tfs.layers.Embedding(60, 4, combiner="mean", partitions=2, seed=5, name="emb")(inp)
+        out = keras.layers.Dense(1, name="dense")(embedded)
         model = keras.Model(inp, out)
         model.compile(optimizer=tfs.optimizers.Adagrad(0.1), loss="mse")
     return model
@@ -58,9 +64,10 @@ def weights_of(model, dynamic: bool) -> dict:
     out = {"kernel": model.get_layer("dense").kernel.numpy(), "bias": model.get_layer("dense").bias.numpy()}
     layer = model.get_layer("emb")
     if dynamic:
-        keys, values = layer.table.export()
-        order = np.argsort(keys.numpy())
-        out["keys"], out["rows"] = keys.numpy()[order], values.numpy()[order]
+        for name in DYNAMIC:
+            keys, values = layer.tables[name].export()
+            order = np.argsort(keys.numpy())
+            out[f"keys_{name}"], out[f"rows_{name}"] = keys.numpy()[order], values.numpy()[order]
     else:
         out["rows"] = layer.embeddings.numpy()
     return {k: np.asarray(v).tolist() for k, v in out.items()}

@@ -5,7 +5,7 @@ restarted by the cluster when it dies), `fault_job` trains an embedding
 table and a dense layer with `tfs.fit` (2 epochs of 150 steps of 64 ids,
 Adagrad, a checkpoint every 50 steps), one run after another: uninterrupted,
 then with ps:1 killed (SIGKILL) one second after training began. Reported
-per kind of table (sharded; dynamic, raw int64 keys):
+per kind of table (sharded; dynamic: two tables of raw int64 keys sharing row pools):
 
 * `recovery_s`: from the kill to the first step completed after `tfs.fit`
   restored the latest checkpoint, in the same program;

@@ -61,7 +61,11 @@ class EmbeddingCollection(keras.layers.Layer):
         (table-batched storage: one gather and one update per ps and step
         instead of one per shard). Each table keeps its own layout,
         checkpoint key, weight-file entry and export; `layer.weights` are
-        the storage variables. Other strategies ignore it.
+        the storage variables. Consecutive dynamic tables of one
+        `output_dim`, shard count and key dtype, without `max_rows` or a
+        `CapacityEviction`, likewise share one row pool per ps (each keeps
+        its own keys, policies and checkpoint entry). Other strategies
+        ignore it.
       plan: optional `tfs.plan(...)` result (or its `to_config()`) for these
         tables: each table gets the plan's shards, scheme, placement and
         exchange when the layer is built under the strategy the plan was made

@@ -194,9 +194,8 @@ class RowPool:
         One allocation, one write of new rows and one mark for all parts; the
         indexes and policies are each part's own.
         """
-
         first = parts[0].initializer
-        if all(p.plain and first.same_draws(p.initializer) for p in parts):
+        if first is not None and all(p.plain and first.same_draws(p.initializer) for p in parts):
             return lambda: self._insert_plain(parts)
 
         def body():
