@@ -200,6 +200,21 @@ class PooledDynamicTablesTest(tf.test.TestCase):
         ever = len({k for b in batches for k in b["a"].tolist()}) + int(pooled.tables["b"].size())
         self.assertLess(handed_out, ever)
 
+    def test_a_keras_optimizer_is_refused_naming_the_pooled_tables(self):
+        layer, _ = self.collection()
+        with self.strategy.scope():
+            inputs = {n: keras.Input((), dtype="string" if n == "c" else "int64", name=n) for n in NAMES}
+            outputs = layer(inputs)
+            model = keras.Model(inputs, keras.layers.Concatenate()([outputs[n] for n in NAMES]))
+            model.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="mse")
+        dataset_fn = lambda context=None: tf.data.Dataset.from_tensors(  # noqa: E731
+            ({"a": [1, 2], "b": [3, 4], "c": ["x", "y"]}, tf.zeros([2, 3 * DIM]))
+        )
+        names = f"'{layer.tables['a'].name}', '{layer.tables['b'].name}'"
+        with self.assertRaisesRegex(ValueError, f"Dynamic tables {names} need a tfs.optimizers optimizer.*Adagrad"):
+            tfs.fit(model, dataset_fn, steps_per_epoch=1, verbose=0)
+        self.assertEqual([int(layer.tables[n].size()) for n in NAMES], [0, 0, 0])
+
     def test_a_table_met_twice_in_one_lookup_inserts_each_key_once(self):
         layer, _ = self.collection()
         a, b = layer.tables["a"], layer.tables["b"]

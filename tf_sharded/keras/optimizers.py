@@ -26,7 +26,7 @@ import keras
 import tensorflow as tf
 
 from tf_sharded import _compat, trace
-from tf_sharded.table.batched import members_of, slot_views
+from tf_sharded.table.batched import logical_tables, members_of, slot_views
 from tf_sharded.table.protocol import Table, owner_of, update_exclusively
 
 
@@ -71,9 +71,12 @@ def check_trains_tables(optimizer, variables) -> None:
     for variable in variables:
         tag = owner_of(variable)
         if tag is not None and tag[0].shape[0] is None:
+            tables = logical_tables(tag[0])  # the tables sharing row pools, where they do
+            names, many = ", ".join(f"'{t.name}'" for t in tables), len(tables) > 1
             raise ValueError(
-                f"Dynamic table '{tag[0].name}' needs a tfs.optimizers optimizer (its rows are added as keys "
-                f"arrive; Keras's own optimizers size their slots once). Received: optimizer="
+                f"Dynamic table{'s' if many else ''} {names} need{'' if many else 's'} a tfs.optimizers optimizer "
+                f"({'their' if many else 'its'} rows are added as keys arrive; Keras's own optimizers size their "
+                f"slots once). Received: optimizer="
                 f"{type(optimizer).__module__}.{type(optimizer).__name__}. Use tfs.optimizers."
                 f"{type(optimizer).__name__} with the same arguments."
             )
