@@ -131,8 +131,8 @@ def lookup_pooled(pairs) -> List[tf.Tensor]:
     all the tables' distinct keys are routed as one tensor: one shard hash,
     one partition by (shard, table), one stitch of the values that come
     back, one gather into the callers' order, and its gradient one segment
-    sum, instead of each of these per table (what a step on the worker
-    spent its time on once the parameter servers' work was pooled).
+    sum, instead of each of these per table: with the pools shared, those
+    per-table ops are most of what the worker executes in a step.
     """
     tables = [t for t, _ in pairs]
     m, n = len(tables), tables[0].num_shards

@@ -13,8 +13,9 @@ draws its rows from a pool. A table's shards usually have a pool each; the
 dynamic tables of an `EmbeddingCollection` under parameter servers share one
 pool per device (`dynamic_group`), so a step allocates, writes new rows,
 marks them seen, gathers and updates once per device for all of them, not
-once per table: per-table work on the parameter servers, not the index
-reads, was what a dynamic step cost beside a static one (RFC §11 B7).
+once per table: with a pool per table, that per-table work on the
+parameter servers, not the index reads, is what a dynamic step costs
+beside a static one (RFC §11 B7).
 
 Everything here runs on the pool's device, under its lock (`device_lock`)
 where it writes: inserts, optimizer writes and growth (a growth copies the
