@@ -84,6 +84,13 @@ class PooledDynamicTablesTest(tf.test.TestCase):
                 optimizer.build(layer.trainable_variables)
         return layer, optimizer
 
+    def model_of(self, layer) -> keras.Model:
+        """A Keras model of `layer`: one input per table, the rows concatenated."""
+        with self.strategy.scope():
+            inputs = {n: keras.Input((), dtype="string" if n == "c" else "int64", name=n) for n in NAMES}
+            outputs = layer(inputs)
+            return keras.Model(inputs, keras.layers.Concatenate()([outputs[n] for n in NAMES]))
+
     def train(self, layer, optimizer, batches) -> None:
         step = squared_norm_collection_step(self.strategy, layer, optimizer)
         for batch in batches:
@@ -202,10 +209,8 @@ class PooledDynamicTablesTest(tf.test.TestCase):
 
     def test_a_keras_optimizer_is_refused_naming_the_pooled_tables(self):
         layer, _ = self.collection()
+        model = self.model_of(layer)
         with self.strategy.scope():
-            inputs = {n: keras.Input((), dtype="string" if n == "c" else "int64", name=n) for n in NAMES}
-            outputs = layer(inputs)
-            model = keras.Model(inputs, keras.layers.Concatenate()([outputs[n] for n in NAMES]))
             model.compile(optimizer=keras.optimizers.Adagrad(0.1), loss="mse")
         dataset_fn = lambda context=None: tf.data.Dataset.from_tensors(  # noqa: E731
             ({"a": [1, 2], "b": [3, 4], "c": ["x", "y"]}, tf.zeros([2, 3 * DIM]))
@@ -236,10 +241,7 @@ class PooledDynamicTablesTest(tf.test.TestCase):
 
     def test_export_and_delta_serve_each_table_of_the_pools_without_the_library(self):
         layer, optimizer = self.collection()
-        with self.strategy.scope():
-            inputs = {n: keras.Input((), dtype="string" if n == "c" else "int64", name=n) for n in NAMES}
-            outputs = layer(inputs)
-            model = keras.Model(inputs, keras.layers.Concatenate()([outputs[n] for n in NAMES]))
+        model = self.model_of(layer)
         batches = key_batches(np.random.default_rng(5), 3)
         self.train(layer, optimizer, batches[:2])
         path = tfs.export(model, os.path.join(self.get_temp_dir(), "served"))

@@ -1,7 +1,7 @@
 """Admission and eviction policies of dynamic tables: which keys get a row, which rows are freed.
 
 Every policy runs on the shard's device, inside the shard's critical section,
-during a training lookup (`DynamicShard.find_or_insert`); nothing runs on the
+during a training lookup (`RowPool.inserting`); nothing runs on the
 coordinator. A table's *step* counts its training lookups (one per training
 step for a table looked up once per step, as layers and collections do); it
 is what "last seen" and `export(since_step=)` refer to.

@@ -221,16 +221,8 @@ class RowPool:
                     held.append(tf.gather_nd(r, present))
                     steps.append(tf.fill(tf.shape(held[-1]), p.step))
                     counts.append(tf.gather_nd(p.counts, present))
-                held = tf.concat(held, 0)
-                marks = [
-                    self.seen.variable.scatter_update(tf.IndexedSlices(tf.concat(steps, 0), held)),
-                    self.hits.variable.scatter_add(tf.IndexedSlices(tf.concat(counts, 0), held)),
-                ]
-            with tf.control_dependencies(marks):
-                expired = [
-                    p.member.expire(p.step, e) for p in parts for e in p.evictions if not hasattr(e, "per_shard")
-                ]
-            with tf.control_dependencies(expired):
+                done = self._mark_and_expire(parts, tf.concat(held, 0), tf.concat(steps, 0), tf.concat(counts, 0))
+            with tf.control_dependencies(done):
                 return [tf.identity(r) for r in rows]
 
         return body
@@ -258,15 +250,20 @@ class RowPool:
         with tf.control_dependencies(writes):
             rows = tf.tensor_scatter_nd_update(found, positions, new_rows)
             steps = tf.repeat(tf.stack([p.step for p in parts]), sizes)
-            counts = tf.concat([p.counts for p in parts], 0)
-            marks = [
-                self.seen.variable.scatter_update(tf.IndexedSlices(steps, rows)),
-                self.hits.variable.scatter_add(tf.IndexedSlices(counts, rows)),
-            ]
-        with tf.control_dependencies(marks):
-            expired = [p.member.expire(p.step, e) for p in parts for e in p.evictions if not hasattr(e, "per_shard")]
-        with tf.control_dependencies(expired):
+            done = self._mark_and_expire(parts, rows, steps, tf.concat([p.counts for p in parts], 0))
+        with tf.control_dependencies(done):
             return tf.split(rows, sizes, num=m)
+
+    def _mark_and_expire(self, parts: Sequence[Insert], held, steps, counts) -> list:
+        """Marks rows `held` seen at `steps` and adds `counts` to their hits (one scatter each for all parts),
+        then runs each part's age eviction; returns what the body's result waits for."""
+        marks = [
+            self.seen.variable.scatter_update(tf.IndexedSlices(steps, held)),
+            self.hits.variable.scatter_add(tf.IndexedSlices(counts, held)),
+        ]
+        with tf.control_dependencies(marks):
+            # A capacity eviction ran before the allocation (`DynamicShard.absent`).
+            return [p.member.expire(p.step, e) for p in parts for e in p.evictions if not hasattr(e, "per_shard")]
 
     def _allocate(self, added) -> Tuple[tf.Tensor, tf.Tensor]:
         """`added` rows for new keys (freed rows first, then fresh ones, growing the pools); call under the lock."""

@@ -19,9 +19,9 @@ Everything here is core TensorFlow, on the shard's device:
   seen keys and never the current batch's, so this needs a key in flight on
   another worker to be the eviction victim.)
 
-`inserting` is the body a lookup runs under the lock for this shard alone;
-a lookup of many tables runs one `RowPool.inserting` body per pool instead,
-with one `Insert` per shard (`dynamic_packed`).
+A training lookup inserts through the pool: one `RowPool.inserting` body per
+pool, with one `Insert` per shard (`dynamic_packed`); the shard answers for
+its index and policies (`absent`, `expire`).
 """
 
 from __future__ import annotations
@@ -129,21 +129,6 @@ class DynamicShard:
     def gather(self, rows) -> tf.Tensor:
         """The pool's `rows` (differentiable: the pool's gradient is an `IndexedSlices` of these rows)."""
         return self.pool.gather(rows)
-
-    def find_or_insert(self, keys, fingerprints, counts, step, initial_rows: Callable, evictions=(), seed=0):
-        """Rows of distinct `keys` at table step `step`, giving admitted absent keys a row first (atomically).
-
-        `counts`: occurrences of each key in the batch. Keys the admission
-        policy turns away, or that do not fit a capacity bound, stay -1.
-        Marks the found and inserted rows as seen at `step`, then applies the
-        steps-since-seen eviction if it is due.
-        """
-        return self.pool.locked(self.inserting(keys, fingerprints, counts, step, initial_rows, evictions, seed))
-
-    def inserting(self, keys, fingerprints, counts, step, initial_rows: Callable, evictions=(), seed=0):
-        """The body of `find_or_insert`, to run under the shard's lock (`locked_together`)."""
-        body = self.pool.inserting([Insert(self, keys, fingerprints, counts, step, initial_rows, evictions, seed)])
-        return lambda: body()[0]
 
     def absent(self, part: Insert) -> Tuple[tf.Tensor, tf.Tensor]:
         """`(rows of part.keys, positions of the keys to give a row)`: the absent keys the admission policy
