@@ -152,6 +152,10 @@ class BenchmarkSuiteTest(tf.test.TestCase):
         self.assertGreater(row["insert_keys_per_s"], 0)
         self.assertEqual(dynamic["memory"]["keys"], 20_000)
         self.assertEqual(dynamic["memory_ps_env"]["keys"], 20_000)
+        for memory in (dynamic["memory"], dynamic["memory_ps_env"]):  # read at 1/2, 3/4 and all the keys
+            self.assertEqual([p["keys"] for p in memory["points"]], [10_000, 15_000, 20_000])
+            worst = max(p["bytes_per_key"] for p in memory["points"])
+            self.assertAlmostEqual(memory["per_key_vs_bound"], worst / memory["bound_bytes"])
         self.assertEqual(dynamic["memory_ps_env"]["env"]["TF_ENABLE_ONEDNN_OPTS"], "0")
         self.assertIn("TFRA: ", proc.stdout)
         if dynamic["tfra"].startswith("skipped"):

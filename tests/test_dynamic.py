@@ -91,6 +91,33 @@ class DynamicTableTest(tf.test.TestCase):
         other = tfs.create_dynamic_table(uid("seed"), dim=DIM, seed=4)
         self.assertNotAllClose(tfs.embedding_lookup(other, keys).numpy(), values[0])
 
+    def test_the_dense_index_reserved_keys_train_evict_and_restore_like_any_other(self):
+        # The index's dense table reserves the two smallest int64 keys as markers; they are held beside it.
+        low = [-(2**63), -(2**63) + 1]
+        batches = [np.array(low + [0, 7]), np.array([7, 9, low[0]]), np.array([low[1], 9, 11, 7])]
+        eviction = tfs.StepsSinceSeenEviction(max_steps=2, every=1)
+        table = tfs.create_dynamic_table(uid("low"), dim=DIM, partitions=2, seed=5, eviction=eviction)
+        step = train_step(table, tfs.optimizers.Adagrad(0.3))
+        ref = Reference(table, batches, tfs.optimizers.Adagrad(0.3))
+        for keys in batches[:2]:
+            self.assertAllClose(float(step(tf.constant(keys))), ref.step(keys), rtol=1e-5)
+        path = tf.train.Checkpoint(t=table).write(self.get_temp_dir() + "/low")
+        self.assertAllClose(float(step(tf.constant(batches[2]))), ref.step(batches[2]), rtol=1e-5)
+        # Step 3 evicts what was last seen at step 1: key 0 only (low[0] was seen at 2, low[1] again at 3).
+        rows = by_key(table)
+        self.assertEqual(set(rows), {low[0], low[1], 7, 9, 11})
+        for key, value in rows.items():
+            self.assertAllClose(value, ref.var.numpy()[ref.row[key]], atol=1e-6)
+        self.assertEqual(int(table.size()), 5)
+        step(tf.constant([11], tf.int64))  # step 4 evicts low[0] (seen at 2) and reuses rows
+        step(tf.constant([11], tf.int64))  # step 5 evicts low[1], 7 and 9 (seen at 3)
+        self.assertEqual(set(by_key(table)), {11})
+        self.assertAllEqual(tfs.embedding_lookup(table, low, training=False), table.initial_rows(low))
+        other = tfs.create_dynamic_table(uid("low1"), dim=DIM, partitions=1, seed=5)
+        tf.train.Checkpoint(t=other).read(path).assert_consumed()
+        self.assertEqual(set(by_key(other)), {low[0], low[1], 0, 7, 9})
+        self.assertEqual(int(other.size()), 5)
+
     def test_inference_lookup_stores_nothing(self):
         table = tfs.create_dynamic_table(uid("inf"), dim=DIM, seed=1)
         fresh = tfs.embedding_lookup(table, [3, 4], training=False)

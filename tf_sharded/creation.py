@@ -19,7 +19,7 @@ from tf_sharded.strategy import family_of, registered_families
 from tf_sharded.table.builder import VariableFactory, draw_seed
 from tf_sharded.table.dynamic import DynamicTable
 from tf_sharded.table.dynamic_group import PooledTables
-from tf_sharded.table.dynamic_pool import RowPool
+from tf_sharded.table.dynamic_pool import GROWTH, RowPool
 from tf_sharded.table.sharded_variable import ShardedVariable
 
 
@@ -142,7 +142,7 @@ def create_dynamic_table(
     dtype=tf.float32,
     trainable: bool = True,
     max_rows: Optional[int] = None,
-    growth: float = 1.25,
+    growth: float = GROWTH,
 ) -> DynamicTable:
     """Creates a `tfs.DynamicTable` (raw int64 or string keys) under the current `tf.distribute` strategy.
 

@@ -27,6 +27,7 @@ from tf_sharded.keras.layer_tables import (
 from tf_sharded.policies import deserialize_policies, serialize_policies
 from tf_sharded.table.dynamic import DynamicTable
 from tf_sharded.table.dynamic_keys import parse_key_dtype
+from tf_sharded.table.dynamic_pool import GROWTH
 from tf_sharded.table.dynamic_slot import keys_from_file, keys_to_file
 from tf_sharded.table.lookup import FeatureLookup, lookup_features
 
@@ -80,7 +81,7 @@ class DynamicEmbedding(keras.layers.Layer):
         admission: Any = None,
         eviction: Any = None,
         max_rows: Optional[int] = None,
-        growth: float = 1.25,
+        growth: float = GROWTH,
         **kwargs,
     ):
         super().__init__(**kwargs)

@@ -28,7 +28,7 @@ from tf_sharded.table.dynamic_group import lookup_groups
 from tf_sharded.table.dynamic_keys import key_fingerprints, parse_key_dtype, shard_of_keys
 from tf_sharded.table.dynamic_lock import locked_together
 from tf_sharded.table.dynamic_packed import Request, expand, resolve, single
-from tf_sharded.table.dynamic_pool import Insert
+from tf_sharded.table.dynamic_pool import GROWTH, Insert
 from tf_sharded.table.dynamic_shard import DynamicShard
 from tf_sharded.table.dynamic_slot import DynamicSlot
 from tf_sharded.table.protocol import MAX_IDS_RANK, register_shards
@@ -62,7 +62,7 @@ class DynamicTable(_compat.Trackable):
         devices: Sequence[Optional[str]] = (None,),
         trainable: bool = True,
         strategy: Optional[tf.distribute.Strategy] = None,
-        growth: float = 1.25,
+        growth: float = GROWTH,
         max_rows: Optional[int] = None,
         admission: Any = None,
         eviction: Any = None,

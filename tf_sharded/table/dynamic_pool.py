@@ -32,10 +32,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from tf_sharded import _compat
+from tf_sharded.table.dynamic_index import MAX_ROWS, find_many, insert_many
 from tf_sharded.table.dynamic_keys import key_fingerprints
 from tf_sharded.table.dynamic_lock import defer, device_lock, locked_on, settled
 
 MIN_GROWTH_ROWS = 64
+# A pool grows by a tenth: at most that share of its rows is spare (the bound of issue 14 leaves 30% for the
+# spare rows and the index together), for about ten row copies per key ever inserted (RFC §11 B7).
+GROWTH = 1.1
 
 
 class Column:
@@ -86,7 +90,7 @@ class RowPool:
       bound: None or the capacity growth stops at (a capacity eviction's share of keys).
     """
 
-    def __init__(self, name, shard, device, dim, dtype, trainable, growth=1.25, max_rows=None, bound=None):
+    def __init__(self, name, shard, device, dim, dtype, trainable, growth=GROWTH, max_rows=None, bound=None):
         self.name, self.shard, self.dim, self.dtype = name, shard, dim, dtype
         self.growth, self.max_rows, self.bound = float(growth), max_rows, bound
         self.members: List = []  # the shards drawing rows from this pool
@@ -212,7 +216,7 @@ class RowPool:
             with tf.control_dependencies(ready):
                 values = tf.concat([p.initial_rows(k) for p, k in zip(parts, new_keys)], 0)
                 writes = self.write_new(new_rows, values)
-                writes += [p.member.index.insert(k, r) for p, k, r in zip(parts, new_keys, new_parts)]
+                writes += insert_many([p.member.index for p in parts], new_keys, new_parts)
             with tf.control_dependencies(writes):
                 rows = [tf.tensor_scatter_nd_update(f, w, r) for f, w, r in zip(found, positions, new_parts)]
                 held, steps, counts = [], [], []
@@ -234,7 +238,7 @@ class RowPool:
         m = len(parts)
         sizes = tf.stack([tf.size(p.keys, out_type=tf.int32) for p in parts])
         keys = tf.concat([p.keys for p in parts], 0)
-        found = tf.concat([p.member.index_rows(p.keys) for p in parts], 0)
+        found = find_many([p.member.index for p in parts], [p.keys for p in parts])
         positions = tf.where(found < 0)
         new_keys = tf.gather_nd(keys, positions)
         part_of = tf.gather_nd(tf.repeat(tf.range(m), sizes), positions)
@@ -245,8 +249,8 @@ class RowPool:
             values = parts[0].initializer.rows(counters, (1, self.dim), self.dtype, keys=tf.gather(seeds, part_of))
             writes = self.write_new(new_rows, values)
             added = tf.math.bincount(part_of, minlength=m, maxlength=m)
-            for p, k, r in zip(parts, tf.split(new_keys, added, num=m), tf.split(new_rows, added, num=m)):
-                writes.append(p.member.index.insert(k, r))
+            indexes = [p.member.index for p in parts]
+            writes += insert_many(indexes, tf.split(new_keys, added, num=m), tf.split(new_rows, added, num=m))
         with tf.control_dependencies(writes):
             rows = tf.tensor_scatter_nd_update(found, positions, new_rows)
             steps = tf.repeat(tf.stack([p.step for p in parts]), sizes)
@@ -312,8 +316,14 @@ class RowPool:
         capacity = self.capacity.read_value()
 
         def grow():
-            target = tf.cast(tf.math.ceil(tf.cast(capacity, tf.float64) * self.growth), tf.int64)
-            target = tf.maximum(need, tf.maximum(target, capacity + MIN_GROWTH_ROWS))
+            fits = tf.debugging.assert_less_equal(
+                need, tf.constant(MAX_ROWS, tf.int64),
+                message=f"Dynamic table '{self.name}' shard {self.shard} needs more than {MAX_ROWS} rows (its index "
+                "holds int32 rows); give it more partitions",
+            )  # fmt: skip
+            with tf.control_dependencies([fits]):
+                target = tf.cast(tf.math.ceil(tf.cast(capacity, tf.float64) * self.growth), tf.int64)
+            target = tf.minimum(tf.maximum(need, tf.maximum(target, capacity + MIN_GROWTH_ROWS)), MAX_ROWS)
             bound = self.max_rows if self.bound is None else self.bound
             if bound is not None:
                 target = tf.minimum(target, tf.maximum(need, tf.constant(bound, tf.int64)))

@@ -2,8 +2,8 @@
 
 Everything here is core TensorFlow, on the shard's device:
 
-* `index`: a `tf.lookup.experimental.MutableHashTable` from key (int64 or
-  string, any value) to the key's row in the pool (-1 when absent);
+* `index`: a `KeyIndex` (`dynamic_index`) from key (int64 or string, any
+  value) to the key's row in the pool (-1 when absent);
 * `pool`: a `RowPool` (`dynamic_pool`): the trainable rows, the optimizer's
   columns, each row's "last seen" step and hit count, capacity and free
   list. A shard usually has a pool of its own; the dynamic tables of an
@@ -31,8 +31,9 @@ from typing import Callable, Dict, Optional, Tuple
 import tensorflow as tf
 
 from tf_sharded import _compat
+from tf_sharded.table.dynamic_index import KeyIndex
 from tf_sharded.table.dynamic_lock import settled
-from tf_sharded.table.dynamic_pool import Insert, RowPool
+from tf_sharded.table.dynamic_pool import GROWTH, Insert, RowPool
 
 
 class DynamicShard:
@@ -54,7 +55,7 @@ class DynamicShard:
       pool: a `RowPool` on `device` shared with other shards, or None (a pool of its own).
     """
 
-    def __init__(self, name, shard, device, key_dtype, dim, dtype, trainable, growth=1.25, max_rows=None,
+    def __init__(self, name, shard, device, key_dtype, dim, dtype, trainable, growth=GROWTH, max_rows=None,
                  admission=None, capacity_eviction=None, max_keys=None, pool: Optional[RowPool] = None):  # fmt: skip
         self.name, self.shard, self.dim, self.dtype = name, shard, dim, dtype
         self.key_dtype = key_dtype
@@ -65,10 +66,7 @@ class DynamicShard:
         self.pool = pool
         pool.members.append(self)
         with tf.init_scope(), tf.device(pool.device):
-            self.index = tf.lookup.experimental.MutableHashTable(
-                key_dtype, tf.int64, default_value=-1, name=f"{name}_index_{shard}"
-            )
-            _compat.local_table_default(self.index)  # what a step reads stays valid across a ps restart
+            self.index = KeyIndex(key_dtype, f"{name}_index_{shard}")
         self.admission_state = admission.make_state(self) if admission is not None else None
 
     rows = property(lambda self: self.pool.rows)
@@ -118,13 +116,8 @@ class DynamicShard:
             return self.index_rows(keys)
 
     def index_rows(self, keys) -> tf.Tensor:
-        """The index's rows of `keys`, its default (-1) made here: the table's own default is a tensor of the
-        process that created it, which every lookup would fetch from there."""
-        rows = tf.raw_ops.LookupTableFindV2(
-            table_handle=self.index.resource_handle, keys=keys, default_value=tf.constant(-1, tf.int64)
-        )
-        rows.set_shape(keys.shape)
-        return rows
+        """The index's rows of `keys` (-1 where absent)."""
+        return self.index.find(keys)
 
     def gather(self, rows) -> tf.Tensor:
         """The pool's `rows` (differentiable: the pool's gradient is an `IndexedSlices` of these rows)."""
@@ -159,8 +152,7 @@ class DynamicShard:
 
     def _live(self) -> Tuple[tf.Tensor, tf.Tensor]:
         """`(keys, rows)` of the live keys, as rank-1 tensors."""
-        keys, rows = self.index.export()
-        return tf.reshape(keys, [-1]), tf.reshape(rows, [-1])
+        return self.index.export()
 
     def _live_rows(self) -> tf.Tensor:
         return self._live()[1]
@@ -222,7 +214,7 @@ class DynamicShard:
     def export(self, columns=(), since_step=None):
         """`(keys, rows' values, {column: values})` of live keys (seen after `since_step` if given)."""
         with tf.device(self.device):
-            keys, rows = self.index.export()
+            keys, rows = self._live()
             if since_step is not None:
                 recent = tf.where(tf.gather(self.seen.read(), rows) > since_step)[:, 0]
                 keys, rows = tf.gather(keys, recent), tf.gather(rows, recent)
