@@ -45,7 +45,7 @@ class KeyIndex:
         if key_dtype == tf.string:
             self.main = tf.lookup.experimental.MutableHashTable(tf.string, tf.int64, -1, name=f"{name}_index")
             self.reserved = None
-            self._rows = tf.int64
+            self.row_dtype = tf.int64
         else:
             self.main = tf.lookup.experimental.DenseHashTable(
                 tf.int64, tf.int32, -1, empty_key=EMPTY, deleted_key=DELETED,
@@ -54,7 +54,7 @@ class KeyIndex:
             self.reserved = tf.lookup.experimental.MutableHashTable(
                 tf.int64, tf.int64, -1, name=f"{name}_index_reserved"
             )
-            self._rows = tf.int32
+            self.row_dtype = tf.int32
         for table in self.tables():
             _compat.local_table_default(table)  # what a step reads stays valid across a ps restart
 
@@ -68,11 +68,8 @@ class KeyIndex:
         if self.reserved is None:
             return self.find_ordinary(keys)
         reserved = keys <= DELETED
-        return tf.cond(
-            tf.reduce_any(reserved),
-            lambda: tf.where(reserved, _find(self.reserved, keys, tf.int64), self.find_ordinary(_ordinary(keys))),
-            lambda: self.find_ordinary(keys),
-        )
+        return tf.cond(tf.reduce_any(reserved), lambda: self._find_routed(keys, reserved),
+                       lambda: tf.cast(self.find_ordinary(keys), tf.int64))  # fmt: skip
 
     def insert(self, keys, rows) -> tf.Tensor:
         """Sets the rows of `keys` (distinct)."""
@@ -99,7 +96,7 @@ class KeyIndex:
     def export(self) -> Tuple[tf.Tensor, tf.Tensor]:
         """`(keys, rows)` of every key held, rank 1."""
         keys, rows = tf.raw_ops.LookupTableExportV2(
-            table_handle=self.main.resource_handle, Tkeys=self.key_dtype, Tvalues=self._rows
+            table_handle=self.main.resource_handle, Tkeys=self.key_dtype, Tvalues=self.row_dtype
         )
         keys, rows = tf.reshape(keys, [-1]), tf.cast(tf.reshape(rows, [-1]), tf.int64)
         if self.reserved is None:
@@ -117,11 +114,17 @@ class KeyIndex:
     # ------------------------------------------------------------ helpers --
 
     def find_ordinary(self, keys) -> tf.Tensor:
-        return _find(self.main, keys, self._rows)
+        """Rows of `keys`, none of them reserved, in `row_dtype` (-1 where absent)."""
+        return _find(self.main, keys, self.row_dtype)
 
     def insert_ordinary(self, keys, rows) -> tf.Tensor:
-        rows = tf.cast(rows, self._rows)
+        """Sets the rows of `keys` (distinct, none of them reserved)."""
+        rows = tf.cast(rows, self.row_dtype)
         return settled([tf.raw_ops.LookupTableInsertV2(table_handle=self.main.resource_handle, keys=keys, values=rows)])
+
+    def _find_routed(self, keys, reserved) -> tf.Tensor:
+        ordinary = tf.cast(self.find_ordinary(tf.where(reserved, tf.zeros_like(keys), keys)), tf.int64)
+        return tf.where(reserved, _find(self.reserved, keys, tf.int64), ordinary)
 
     def _insert_routed(self, keys, rows, reserved) -> tf.Tensor:
         ordinary = tf.logical_not(reserved)
@@ -132,8 +135,9 @@ class KeyIndex:
         ])  # fmt: skip
 
 
-def find_many(indexes: Sequence[KeyIndex], keys: Sequence[tf.Tensor]) -> tf.Tensor:
-    """The rows of `keys[i]` in `indexes[i]`, concatenated: one test for reserved keys among all of them."""
+def find_many(indexes: Sequence[KeyIndex], keys: Sequence[tf.Tensor], every: tf.Tensor) -> tf.Tensor:
+    """The rows (int64) of `keys[i]` in `indexes[i]`, concatenated, given `every` = the keys concatenated: one
+    test for reserved keys among all of them, one cast."""
     if indexes[0].reserved is None:
         return tf.concat([x.find(k) for x, k in zip(indexes, keys)], 0)
 
@@ -141,9 +145,9 @@ def find_many(indexes: Sequence[KeyIndex], keys: Sequence[tf.Tensor]) -> tf.Tens
         return tf.concat([x.find(k) for x, k in zip(indexes, keys)], 0)
 
     def plain():
-        return tf.concat([x.find_ordinary(k) for x, k in zip(indexes, keys)], 0)
+        return tf.cast(tf.concat([x.find_ordinary(k) for x, k in zip(indexes, keys)], 0), tf.int64)
 
-    return tf.cond(tf.reduce_any(tf.concat(list(keys), 0) <= DELETED), routed, plain)
+    return tf.cond(tf.reduce_any(every <= DELETED), routed, plain)
 
 
 def insert_many(indexes: Sequence[KeyIndex], keys: Sequence[tf.Tensor], rows: Sequence[tf.Tensor]) -> List:
@@ -161,15 +165,10 @@ def insert_many(indexes: Sequence[KeyIndex], keys: Sequence[tf.Tensor], rows: Se
 
 
 def _find(table, keys, rows_dtype) -> tf.Tensor:
-    """The table's rows of `keys` as int64, its default (-1) made here: the table's own default is a tensor
+    """The table's rows of `keys`, its default (-1) made here: the table's own default is a tensor
     of the process that created it, which every lookup would fetch from there."""
     rows = tf.raw_ops.LookupTableFindV2(
         table_handle=table.resource_handle, keys=keys, default_value=tf.constant(-1, rows_dtype)
     )
     rows.set_shape(keys.shape)
-    return tf.cast(rows, tf.int64)
-
-
-def _ordinary(keys) -> tf.Tensor:
-    """`keys` with the reserved ones replaced by 0 (their results are taken from the reserved table)."""
-    return tf.where(keys <= DELETED, tf.zeros_like(keys), keys)
+    return rows

@@ -238,7 +238,8 @@ class RowPool:
         m = len(parts)
         sizes = tf.stack([tf.size(p.keys, out_type=tf.int32) for p in parts])
         keys = tf.concat([p.keys for p in parts], 0)
-        found = find_many([p.member.index for p in parts], [p.keys for p in parts])
+        indexes = [p.member.index for p in parts]
+        found = find_many(indexes, [p.keys for p in parts], keys)
         positions = tf.where(found < 0)
         new_keys = tf.gather_nd(keys, positions)
         part_of = tf.gather_nd(tf.repeat(tf.range(m), sizes), positions)
@@ -249,8 +250,8 @@ class RowPool:
             values = parts[0].initializer.rows(counters, (1, self.dim), self.dtype, keys=tf.gather(seeds, part_of))
             writes = self.write_new(new_rows, values)
             added = tf.math.bincount(part_of, minlength=m, maxlength=m)
-            indexes = [p.member.index for p in parts]
-            writes += insert_many(indexes, tf.split(new_keys, added, num=m), tf.split(new_rows, added, num=m))
+            new_index_rows = tf.cast(new_rows, indexes[0].row_dtype)  # one cast, not one per part
+            writes += insert_many(indexes, tf.split(new_keys, added, num=m), tf.split(new_index_rows, added, num=m))
         with tf.control_dependencies(writes):
             rows = tf.tensor_scatter_nd_update(found, positions, new_rows)
             steps = tf.repeat(tf.stack([p.step for p in parts]), sizes)
