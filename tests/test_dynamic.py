@@ -6,7 +6,7 @@ import tensorflow as tf
 import tf_sharded as tfs
 from tests.harness import graphs
 from tests.harness.strategies import uid
-from tf_sharded.table import dynamic
+from tf_sharded.table import dynamic, dynamic_index
 
 DIM = 4
 
@@ -117,6 +117,26 @@ class DynamicTableTest(tf.test.TestCase):
         tf.train.Checkpoint(t=other).read(path).assert_consumed()
         self.assertEqual(set(by_key(other)), {low[0], low[1], 0, 7, 9})
         self.assertEqual(int(other.size()), 5)
+
+    def test_index_parts_keep_their_reserved_keys_apart(self):
+        # The shards of one pool share the table of reserved keys; one call serves several shards' keys.
+        shared = dynamic_index.reserved_table(uid("low"))
+        indexes = [dynamic_index.KeyIndex(tf.int64, uid(f"part{i}"), shared, slot=i) for i in range(3)]
+        low = [-(2**63), -(2**63) + 1]
+        keys = tf.constant([5, low[0]] + [low[0], low[1], 5, 6] + [low[1]], tf.int64)
+        sizes = tf.constant([2, 4, 1])
+        rows = tf.range(10, 17, dtype=tf.int64)
+        self.assertAllEqual(dynamic_index.find_many(indexes, keys, sizes), [-1] * 7)
+        dynamic_index.insert_many(indexes, keys, rows, sizes)
+        self.assertAllEqual(dynamic_index.find_many(indexes, keys, sizes), rows)
+        others = tf.constant([6, low[1], 6, low[1], low[0], 5], tf.int64)
+        self.assertAllEqual(dynamic_index.find_many(indexes, others, tf.constant([2, 2, 2])), [-1, -1, 15, 13, -1, -1])
+        exported = [dict(zip(*[t.numpy().tolist() for t in x.export()])) for x in indexes]
+        self.assertEqual(exported, [{5: 10, low[0]: 11}, {low[0]: 12, low[1]: 13, 5: 14, 6: 15}, {low[1]: 16}])
+        indexes[1].remove(tf.constant([low[0], 5, 7], tf.int64))
+        self.assertEqual([int(x.size()) for x in indexes], [2, 2, 1])
+        self.assertAllEqual(indexes[1].find(tf.constant([low[0], low[1], 5, 6], tf.int64)), [-1, 13, -1, 15])
+        self.assertAllEqual(indexes[0].find(tf.constant([low[0], 5], tf.int64)), [11, 10])
 
     def test_inference_lookup_stores_nothing(self):
         table = tfs.create_dynamic_table(uid("inf"), dim=DIM, seed=1)

@@ -2,23 +2,24 @@
 
 * int64 keys: a `tf.lookup.experimental.DenseHashTable` (open addressing in
   two tensors, int32 rows: 12 bytes per bucket, at most 0.8 of the buckets
-  used, doubling) beside a small `MutableHashTable` for the two keys the
-  dense table reserves as its empty and deleted markers (the two smallest
-  int64 values), so every int64 is a key. It holds a key in 15 to 30 bytes
-  where a `MutableHashTable` of int64 rows takes about 43 (RFC §11 B7).
-* string keys: a `MutableHashTable` (any string is a key; it has no reserved
-  values).
+  used, doubling), where a `MutableHashTable` of int64 rows takes about 43
+  bytes per key (RFC §5d). The dense table reserves two keys as its empty
+  and deleted markers (the two smallest int64 values); those keys live in a
+  small `MutableHashTable` of their own, one per row pool, keyed by a code
+  (2 x the shard's slot in the pool, + 1 for the deleted marker), so every
+  int64 is a key.
+* string keys: a `MutableHashTable` (any string is a key; none is reserved).
 
 Rows are int64 outside (-1: absent) and below 2**31 per shard (`MAX_ROWS`).
 
-The lookups of one pool's parts (`find_many`, `insert_many`) test once
-whether any key is reserved, so a step whose keys are all ordinary runs one
-find and one insert per part and no routing.
+`find_many` and `insert_many` serve all shards (parts) of one insert body:
+the reserved keys are picked out of all parts' keys at once, with no control
+flow (a `tf.cond` here cost the B7 step about 2 ms with a process per task).
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import tensorflow as tf
 
@@ -33,6 +34,13 @@ MIN_BUCKETS = 64  # TF's default (2**17 buckets, 1.5 MB) would dominate small ta
 class KeyIndex:
     """Key -> row (int64, -1 where absent) of one shard, created on the current device.
 
+    Args:
+      key_dtype: tf.int64 or tf.string.
+      name: the tables' name.
+      reserved: for int64 keys, the `reserved_table()` of the row pool this shard draws from (shared by the
+        pool's shards), or None: one of its own.
+      slot: this shard's slot among the shards sharing `reserved`.
+
     >>> import tensorflow as tf
     >>> index = KeyIndex(tf.int64, "example")
     >>> _ = index.insert(tf.constant([7, -2**63], tf.int64), tf.constant([0, 1], tf.int64))
@@ -40,57 +48,39 @@ class KeyIndex:
     ([1, 0, -1], 2)
     """
 
-    def __init__(self, key_dtype: tf.DType, name: str):
-        self.key_dtype = key_dtype
+    def __init__(self, key_dtype: tf.DType, name: str, reserved=None, slot: int = 0):
+        self.key_dtype, self.slot = key_dtype, slot
         if key_dtype == tf.string:
             self.main = tf.lookup.experimental.MutableHashTable(tf.string, tf.int64, -1, name=f"{name}_index")
-            self.reserved = None
-            self.row_dtype = tf.int64
+            self.reserved, self.row_dtype = None, tf.int64
         else:
             self.main = tf.lookup.experimental.DenseHashTable(
                 tf.int64, tf.int32, -1, empty_key=EMPTY, deleted_key=DELETED,
                 initial_num_buckets=MIN_BUCKETS, name=f"{name}_index",
             )  # fmt: skip
-            self.reserved = tf.lookup.experimental.MutableHashTable(
-                tf.int64, tf.int64, -1, name=f"{name}_index_reserved"
-            )
+            self.reserved = reserved_table(f"{name}_index") if reserved is None else reserved
             self.row_dtype = tf.int32
-        for table in self.tables():
-            _compat.local_table_default(table)  # what a step reads stays valid across a ps restart
-
-    def tables(self) -> list:
-        return [self.main] if self.reserved is None else [self.main, self.reserved]
-
-    # ---------------------------------------------------- single key sets --
+        _compat.local_table_default(self.main)  # what a step reads stays valid across a ps restart
 
     def find(self, keys) -> tf.Tensor:
-        """Rows of `keys` (int64; -1 where absent)."""
-        if self.reserved is None:
-            return self.find_ordinary(keys)
-        reserved = keys <= DELETED
-        return tf.cond(tf.reduce_any(reserved), lambda: self._find_routed(keys, reserved),
-                       lambda: tf.cast(self.find_ordinary(keys), tf.int64))  # fmt: skip
+        """Rows of `keys` (rank 1; int64, -1 where absent)."""
+        return find_many([self], keys, tf.size(keys, out_type=tf.int64)[None])
 
     def insert(self, keys, rows) -> tf.Tensor:
-        """Sets the rows of `keys` (distinct)."""
-        if self.reserved is None:
-            return self.insert_ordinary(keys, rows)
-        keys, rows = tf.reshape(keys, [-1]), tf.reshape(rows, [-1])  # a restore's tensors have no static rank
-        reserved = keys <= DELETED
-        return tf.cond(tf.reduce_any(reserved), lambda: self._insert_routed(keys, rows, reserved),
-                       lambda: self.insert_ordinary(keys, rows))  # fmt: skip
+        """Sets the rows of `keys` (rank 1, distinct)."""
+        keys = tf.reshape(keys, [-1])  # a restore's tensors have no static rank
+        return insert_many([self], keys, tf.reshape(rows, [-1]), tf.size(keys, out_type=tf.int64)[None])
 
     def remove(self, keys) -> tf.Tensor:
         """Removes `keys` (those absent are ignored)."""
         if self.reserved is None:
             return settled([tf.raw_ops.LookupTableRemoveV2(table_handle=self.main.resource_handle, keys=keys)])
         keys = tf.reshape(keys, [-1])
-        reserved = keys <= DELETED
+        ordinary, low = _ordinary_and_low(keys)
         return settled([
-            tf.raw_ops.LookupTableRemoveV2(table_handle=self.main.resource_handle,
-                                           keys=tf.boolean_mask(keys, tf.logical_not(reserved))),
+            tf.raw_ops.LookupTableRemoveV2(table_handle=self.main.resource_handle, keys=tf.gather(keys, ordinary)),
             tf.raw_ops.LookupTableRemoveV2(table_handle=self.reserved.resource_handle,
-                                           keys=tf.boolean_mask(keys, reserved)),
+                                           keys=_codes([self], keys, low, None)),
         ])  # fmt: skip
 
     def export(self) -> Tuple[tf.Tensor, tf.Tensor]:
@@ -102,16 +92,14 @@ class KeyIndex:
         if self.reserved is None:
             return keys, rows
         held = tf.where(keys > DELETED)[:, 0]  # the dense table exports its empty and deleted buckets too
-        more_keys, more_rows = self.reserved.export()
-        keys = tf.concat([tf.gather(keys, held), tf.reshape(more_keys, [-1])], 0)
-        return keys, tf.concat([tf.gather(rows, held), tf.reshape(more_rows, [-1])], 0)
+        codes, low_rows = self._own_reserved()
+        low_keys = tf.where(codes % 2 == 1, tf.constant(DELETED, tf.int64), tf.constant(EMPTY, tf.int64))
+        return tf.concat([tf.gather(keys, held), low_keys], 0), tf.concat([tf.gather(rows, held), low_rows], 0)
 
     def size(self) -> tf.Tensor:
         if self.reserved is None:
             return self.main.size()
-        return self.main.size() + self.reserved.size()
-
-    # ------------------------------------------------------------ helpers --
+        return self.main.size() + tf.size(self._own_reserved()[0], out_type=tf.int64)
 
     def find_ordinary(self, keys) -> tf.Tensor:
         """Rows of `keys`, none of them reserved, in `row_dtype` (-1 where absent)."""
@@ -120,53 +108,84 @@ class KeyIndex:
     def insert_ordinary(self, keys, rows) -> tf.Tensor:
         """Sets the rows of `keys` (distinct, none of them reserved)."""
         rows = tf.cast(rows, self.row_dtype)
-        return settled([tf.raw_ops.LookupTableInsertV2(table_handle=self.main.resource_handle, keys=keys, values=rows)])
+        return tf.raw_ops.LookupTableInsertV2(table_handle=self.main.resource_handle, keys=keys, values=rows)
 
-    def _find_routed(self, keys, reserved) -> tf.Tensor:
-        ordinary = tf.cast(self.find_ordinary(tf.where(reserved, tf.zeros_like(keys), keys)), tf.int64)
-        return tf.where(reserved, _find(self.reserved, keys, tf.int64), ordinary)
-
-    def _insert_routed(self, keys, rows, reserved) -> tf.Tensor:
-        ordinary = tf.logical_not(reserved)
-        low_keys, low_rows = tf.boolean_mask(keys, reserved), tf.cast(tf.boolean_mask(rows, reserved), tf.int64)
-        return settled([
-            self.insert_ordinary(tf.boolean_mask(keys, ordinary), tf.boolean_mask(rows, ordinary)),
-            tf.raw_ops.LookupTableInsertV2(table_handle=self.reserved.resource_handle, keys=low_keys, values=low_rows),
-        ])  # fmt: skip
+    def _own_reserved(self) -> Tuple[tf.Tensor, tf.Tensor]:
+        """`(codes, rows)` of this shard's reserved keys."""
+        codes, rows = self.reserved.export()
+        codes, rows = tf.reshape(codes, [-1]), tf.reshape(rows, [-1])
+        mine = tf.where(codes // 2 == self.slot)[:, 0]
+        return tf.gather(codes, mine), tf.gather(rows, mine)
 
 
-def find_many(indexes: Sequence[KeyIndex], keys: Sequence[tf.Tensor], every: tf.Tensor) -> tf.Tensor:
-    """The rows (int64) of `keys[i]` in `indexes[i]`, concatenated, given `every` = the keys concatenated: one
-    test for reserved keys among all of them, one cast."""
+def reserved_table(name: str):
+    """The table (code -> row) holding the reserved keys of the shards of one row pool (see the module doc)."""
+    table = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, -1, name=f"{name}_reserved")
+    _compat.local_table_default(table)
+    return table
+
+
+def find_many(indexes: Sequence[KeyIndex], keys, sizes) -> tf.Tensor:
+    """The rows (int64, -1 where absent) of `keys`, whose first `sizes[0]` are for `indexes[0]`, the next
+    `sizes[1]` for `indexes[1]`, ...: one find per index, and one for the reserved keys of all of them."""
+    m = len(indexes)
     if indexes[0].reserved is None:
-        return tf.concat([x.find(k) for x, k in zip(indexes, keys)], 0)
+        parts = tf.split(keys, sizes, num=m) if m > 1 else [keys]
+        return tf.concat([x.find_ordinary(k) for x, k in zip(indexes, parts)], 0)
+    safe = tf.maximum(keys, DELETED + 1)  # a reserved key's result is replaced below
+    parts = tf.split(safe, sizes, num=m) if m > 1 else [safe]
+    rows = tf.cast(tf.concat([x.find_ordinary(k) for x, k in zip(indexes, parts)], 0), tf.int64)
+    low = tf.where(keys <= DELETED)
+    low_rows = _find(indexes[0].reserved, _codes(indexes, keys, low[:, 0], sizes), tf.int64)
+    rows = tf.tensor_scatter_nd_update(rows, low, low_rows)
+    rows.set_shape(keys.shape)
+    return rows
 
-    def routed():
-        return tf.concat([x.find(k) for x, k in zip(indexes, keys)], 0)
 
-    def plain():
-        return tf.cast(tf.concat([x.find_ordinary(k) for x, k in zip(indexes, keys)], 0), tf.int64)
-
-    return tf.cond(tf.reduce_any(every <= DELETED), routed, plain)
-
-
-def insert_many(indexes: Sequence[KeyIndex], keys: Sequence[tf.Tensor], rows: Sequence[tf.Tensor]) -> List:
-    """`indexes[i].insert(keys[i], rows[i])` for every i: one test for reserved keys among all of them."""
+def insert_many(indexes: Sequence[KeyIndex], keys, rows, sizes) -> tf.Tensor:
+    """Sets the rows of `keys` (distinct per index; split among `indexes` by `sizes` as in `find_many`)."""
+    m = len(indexes)
     if indexes[0].reserved is None:
-        return [x.insert(k, r) for x, k, r in zip(indexes, keys, rows)]
+        key_parts = tf.split(keys, sizes, num=m) if m > 1 else [keys]
+        row_parts = tf.split(rows, sizes, num=m) if m > 1 else [rows]
+        return settled([x.insert_ordinary(k, r) for x, k, r in zip(indexes, key_parts, row_parts)])
+    ordinary, low = _ordinary_and_low(keys)
+    low_codes = _codes(indexes, keys, low, sizes)
+    if m > 1:
+        sizes = tf.cast(sizes, tf.int32) - tf.math.bincount(_part_of(low, sizes), minlength=m, maxlength=m)
+    kept_keys, kept_rows = tf.gather(keys, ordinary), tf.cast(tf.gather(rows, ordinary), indexes[0].row_dtype)
+    key_parts = tf.split(kept_keys, sizes, num=m) if m > 1 else [kept_keys]
+    row_parts = tf.split(kept_rows, sizes, num=m) if m > 1 else [kept_rows]
+    writes = [x.insert_ordinary(k, r) for x, k, r in zip(indexes, key_parts, row_parts)]
+    low_rows = tf.cast(tf.gather(rows, low), tf.int64)
+    writes.append(tf.raw_ops.LookupTableInsertV2(table_handle=indexes[0].reserved.resource_handle, keys=low_codes,
+                                                 values=low_rows))  # fmt: skip
+    return settled(writes)
 
-    def routed():
-        return settled([x.insert(k, r) for x, k, r in zip(indexes, keys, rows)])
 
-    def plain():
-        return settled([x.insert_ordinary(k, r) for x, k, r in zip(indexes, keys, rows)])
+def _ordinary_and_low(keys) -> Tuple[tf.Tensor, tf.Tensor]:
+    """Positions of `keys`'s ordinary keys and of its reserved ones."""
+    return tf.where(keys > DELETED)[:, 0], tf.where(keys <= DELETED)[:, 0]
 
-    return [tf.cond(tf.reduce_any(tf.concat(list(keys), 0) <= DELETED), routed, plain)]
+
+def _part_of(positions, sizes) -> tf.Tensor:
+    """Which part (of `sizes`) each of `positions` falls in."""
+    ends = tf.cumsum(tf.cast(sizes, tf.int64))
+    return tf.searchsorted(ends, tf.cast(positions, tf.int64), side="right")
+
+
+def _codes(indexes: Sequence[KeyIndex], keys, low, sizes) -> tf.Tensor:
+    """The reserved table's codes of the reserved keys at positions `low` of `keys`."""
+    deleted = tf.cast(tf.equal(tf.gather(keys, low), DELETED), tf.int64)
+    if len(indexes) == 1:
+        return 2 * indexes[0].slot + deleted
+    slots = tf.constant([2 * x.slot for x in indexes], tf.int64)
+    return tf.gather(slots, _part_of(low, sizes)) + deleted
 
 
 def _find(table, keys, rows_dtype) -> tf.Tensor:
-    """The table's rows of `keys`, its default (-1) made here: the table's own default is a tensor
-    of the process that created it, which every lookup would fetch from there."""
+    """The table's rows of `keys`, its default (-1) made here: the table's own default is a tensor of the
+    process that created it, which every lookup would fetch from there."""
     rows = tf.raw_ops.LookupTableFindV2(
         table_handle=table.resource_handle, keys=keys, default_value=tf.constant(-1, rows_dtype)
     )

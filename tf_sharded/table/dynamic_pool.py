@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from tf_sharded import _compat
-from tf_sharded.table.dynamic_index import MAX_ROWS, find_many, insert_many
+from tf_sharded.table.dynamic_index import MAX_ROWS, find_many, insert_many, reserved_table
 from tf_sharded.table.dynamic_keys import key_fingerprints
 from tf_sharded.table.dynamic_lock import defer, device_lock, locked_on, settled
 
@@ -111,6 +111,14 @@ class RowPool:
             self.free_count = new(tf.constant(0, tf.int64), "free_count")
         self.device = self.rows.device
         self.lock = device_lock(self.device)
+        self._reserved = None
+
+    def reserved_keys(self):
+        """The table of its int64 shards' reserved keys (`dynamic_index.reserved_table`), made with the first."""
+        if self._reserved is None:
+            with tf.init_scope(), tf.device(self.device):
+                self._reserved = reserved_table(f"{self.name}_{self.shard}")
+        return self._reserved
 
     def _pools(self):
         """Every pool that grows with the rows in `_grow_to` (optimizer columns catch up on their own)."""
@@ -216,7 +224,8 @@ class RowPool:
             with tf.control_dependencies(ready):
                 values = tf.concat([p.initial_rows(k) for p, k in zip(parts, new_keys)], 0)
                 writes = self.write_new(new_rows, values)
-                writes += insert_many([p.member.index for p in parts], new_keys, new_parts)
+                writes.append(insert_many([p.member.index for p in parts], tf.concat(new_keys, 0), new_rows,
+                                          tf.stack(sizes)))  # fmt: skip
             with tf.control_dependencies(writes):
                 rows = [tf.tensor_scatter_nd_update(f, w, r) for f, w, r in zip(found, positions, new_parts)]
                 held, steps, counts = [], [], []
@@ -239,7 +248,7 @@ class RowPool:
         sizes = tf.stack([tf.size(p.keys, out_type=tf.int32) for p in parts])
         keys = tf.concat([p.keys for p in parts], 0)
         indexes = [p.member.index for p in parts]
-        found = find_many(indexes, [p.keys for p in parts], keys)
+        found = find_many(indexes, keys, sizes)
         positions = tf.where(found < 0)
         new_keys = tf.gather_nd(keys, positions)
         part_of = tf.gather_nd(tf.repeat(tf.range(m), sizes), positions)
@@ -250,8 +259,7 @@ class RowPool:
             values = parts[0].initializer.rows(counters, (1, self.dim), self.dtype, keys=tf.gather(seeds, part_of))
             writes = self.write_new(new_rows, values)
             added = tf.math.bincount(part_of, minlength=m, maxlength=m)
-            new_index_rows = tf.cast(new_rows, indexes[0].row_dtype)  # one cast, not one per part
-            writes += insert_many(indexes, tf.split(new_keys, added, num=m), tf.split(new_index_rows, added, num=m))
+            writes.append(insert_many(indexes, new_keys, new_rows, added))
         with tf.control_dependencies(writes):
             rows = tf.tensor_scatter_nd_update(found, positions, new_rows)
             steps = tf.repeat(tf.stack([p.step for p in parts]), sizes)

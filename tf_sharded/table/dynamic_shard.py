@@ -66,7 +66,8 @@ class DynamicShard:
         self.pool = pool
         pool.members.append(self)
         with tf.init_scope(), tf.device(pool.device):
-            self.index = KeyIndex(key_dtype, f"{name}_index_{shard}")
+            reserved = None if key_dtype == tf.string else pool.reserved_keys()
+            self.index = KeyIndex(key_dtype, f"{name}_index_{shard}", reserved, slot=len(pool.members) - 1)
         self.admission_state = admission.make_state(self) if admission is not None else None
 
     rows = property(lambda self: self.pool.rows)
