@@ -128,15 +128,14 @@ def reserved_table(name: str):
 def find_many(indexes: Sequence[KeyIndex], keys, sizes) -> tf.Tensor:
     """The rows (int64, -1 where absent) of `keys`, whose first `sizes[0]` are for `indexes[0]`, the next
     `sizes[1]` for `indexes[1]`, ...: one find per index, and one for the reserved keys of all of them."""
-    m = len(indexes)
     if indexes[0].reserved is None:
-        parts = tf.split(keys, sizes, num=m) if m > 1 else [keys]
-        return tf.concat([x.find_ordinary(k) for x, k in zip(indexes, parts)], 0)
+        return tf.concat([x.find_ordinary(k) for x, k in zip(indexes, _split(keys, sizes, indexes))], 0)
     safe = tf.maximum(keys, DELETED + 1)  # a reserved key's result is replaced below
-    parts = tf.split(safe, sizes, num=m) if m > 1 else [safe]
-    rows = tf.cast(tf.concat([x.find_ordinary(k) for x, k in zip(indexes, parts)], 0), tf.int64)
+    rows = tf.concat([x.find_ordinary(k) for x, k in zip(indexes, _split(safe, sizes, indexes))], 0)
+    rows = tf.cast(rows, tf.int64)
     low = tf.where(keys <= DELETED)
-    low_rows = _find(indexes[0].reserved, _codes(indexes, keys, low[:, 0], sizes), tf.int64)
+    codes = _codes(indexes, keys, low[:, 0], _part_of(low[:, 0], sizes, indexes))
+    low_rows = _find(indexes[0].reserved, codes, tf.int64)
     rows = tf.tensor_scatter_nd_update(rows, low, low_rows)
     rows.set_shape(keys.shape)
     return rows
@@ -146,17 +145,16 @@ def insert_many(indexes: Sequence[KeyIndex], keys, rows, sizes) -> tf.Tensor:
     """Sets the rows of `keys` (distinct per index; split among `indexes` by `sizes` as in `find_many`)."""
     m = len(indexes)
     if indexes[0].reserved is None:
-        key_parts = tf.split(keys, sizes, num=m) if m > 1 else [keys]
-        row_parts = tf.split(rows, sizes, num=m) if m > 1 else [rows]
-        return settled([x.insert_ordinary(k, r) for x, k, r in zip(indexes, key_parts, row_parts)])
+        parts = zip(indexes, _split(keys, sizes, indexes), _split(rows, sizes, indexes))
+        return settled([x.insert_ordinary(k, r) for x, k, r in parts])
     ordinary, low = _ordinary_and_low(keys)
-    low_codes = _codes(indexes, keys, low, sizes)
-    if m > 1:
-        sizes = tf.cast(sizes, tf.int32) - tf.math.bincount(_part_of(low, sizes), minlength=m, maxlength=m)
+    low_parts = _part_of(low, sizes, indexes)
+    low_codes = _codes(indexes, keys, low, low_parts)
+    if low_parts is not None:
+        sizes = tf.cast(sizes, tf.int32) - tf.math.bincount(low_parts, minlength=m, maxlength=m)
     kept_keys, kept_rows = tf.gather(keys, ordinary), tf.cast(tf.gather(rows, ordinary), indexes[0].row_dtype)
-    key_parts = tf.split(kept_keys, sizes, num=m) if m > 1 else [kept_keys]
-    row_parts = tf.split(kept_rows, sizes, num=m) if m > 1 else [kept_rows]
-    writes = [x.insert_ordinary(k, r) for x, k, r in zip(indexes, key_parts, row_parts)]
+    parts = zip(indexes, _split(kept_keys, sizes, indexes), _split(kept_rows, sizes, indexes))
+    writes = [x.insert_ordinary(k, r) for x, k, r in parts]
     low_rows = tf.cast(tf.gather(rows, low), tf.int64)
     writes.append(tf.raw_ops.LookupTableInsertV2(table_handle=indexes[0].reserved.resource_handle, keys=low_codes,
                                                  values=low_rows))  # fmt: skip
@@ -168,19 +166,26 @@ def _ordinary_and_low(keys) -> Tuple[tf.Tensor, tf.Tensor]:
     return tf.where(keys > DELETED)[:, 0], tf.where(keys <= DELETED)[:, 0]
 
 
-def _part_of(positions, sizes) -> tf.Tensor:
-    """Which part (of `sizes`) each of `positions` falls in."""
+def _split(tensor, sizes, indexes) -> list:
+    """`tensor` split into one part per index (by `sizes`)."""
+    return tf.split(tensor, sizes, num=len(indexes)) if len(indexes) > 1 else [tensor]
+
+
+def _part_of(positions, sizes, indexes):
+    """Which part (of `sizes`, one per index) each of `positions` falls in; None for one index."""
+    if len(indexes) == 1:
+        return None
     ends = tf.cumsum(tf.cast(sizes, tf.int64))
     return tf.searchsorted(ends, tf.cast(positions, tf.int64), side="right")
 
 
-def _codes(indexes: Sequence[KeyIndex], keys, low, sizes) -> tf.Tensor:
-    """The reserved table's codes of the reserved keys at positions `low` of `keys`."""
+def _codes(indexes: Sequence[KeyIndex], keys, low, parts) -> tf.Tensor:
+    """The reserved table's codes of the reserved keys at positions `low` of `keys`, in `parts` (`_part_of`)."""
     deleted = tf.cast(tf.equal(tf.gather(keys, low), DELETED), tf.int64)
-    if len(indexes) == 1:
+    if parts is None:
         return 2 * indexes[0].slot + deleted
     slots = tf.constant([2 * x.slot for x in indexes], tf.int64)
-    return tf.gather(slots, _part_of(low, sizes)) + deleted
+    return tf.gather(slots, parts) + deleted
 
 
 def _find(table, keys, rows_dtype) -> tf.Tensor:
