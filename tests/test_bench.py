@@ -47,10 +47,15 @@ PS_KEYS = (
         for k in ("s", "samples_per_s")
     }
     | {"tf_native_vs_ours", "unbatched_vs_ours", "keras_vs_ours", "ours_vs_limit", "dispatch_share_of_ours"}
+    | {f"{v}_multi_{k}" for v in ("ours", "tf_native", "dispatch") for k in ("s", "samples_per_s")}
+    | {"tf_native_vs_ours_multi", "ours_multi_vs_limit", "dispatch_share_of_ours_multi"}
 )
 
 TFRA_VARIANTS = {"tfra_per_feature", "tfra_one_table"}
-TFRA_KEYS = {f"{v}_{k}" for v in TFRA_VARIANTS for k in ("s", "samples_per_s")} | {"tfra_vs_ours"}
+TFRA_KEYS = {f"{v}{m}_{k}" for v in TFRA_VARIANTS for m in ("", "_multi") for k in ("s", "samples_per_s")} | {
+    "tfra_vs_ours",
+    "tfra_vs_ours_multi",
+}
 
 E2E_KEYS = {
     "strategy",
@@ -102,6 +107,14 @@ class BenchmarkSuiteTest(tf.test.TestCase):
         )
         self.assertGreater(check["reference_moved"], 1e-2)
         for variant, difference in check.items():
+            if variant != "reference_moved":
+                self.assertLess(difference, 1e-4, variant)
+        # The same 3 steps in one scheduled function (the `*_multi` variants' loop) land there too.
+        self.assertEqual((ps["steps_per_execution_multi"], ps["multi_steps_per_round"]), (2, 6))
+        looped = ps["agreement_multi"]
+        self.assertEqual(set(looped), {"reference_moved", "ours", "tf_native"} | (TFRA_VARIANTS if peers else set()))
+        self.assertEqual(looped["reference_moved"], check["reference_moved"])
+        for variant, difference in looped.items():
             if variant != "reference_moved":
                 self.assertLess(difference, 1e-4, variant)
         # Two workers' overlapping steps against the same steps in order: ours and TensorFlow's paths stay within

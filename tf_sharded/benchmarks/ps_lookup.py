@@ -28,6 +28,14 @@ on the same batches, timed in interleaved rounds:
   nothing else: what a step pays on this cluster for scheduling and remote
   execution alone.
 
+Then the same variants (Keras 3 and the unbatched layout aside) with
+`PER_EXECUTION` steps in one scheduled function (`*_multi`): a `tf.range`
+loop over that many stacked batches, the form `tfs.fit` gives Keras's
+`steps_per_execution` and the application's `--steps_per_execution` under
+parameter servers. `dispatch_multi` loops its read the same way. Their
+times are per step, so the dispatch is paid once per `PER_EXECUTION` steps,
+by every variant alike.
+
 Before the timing, every distributed variant runs 3 steps on small tables
 (`CHECK_ROWS` rows each) from the same starting rows, and the report gives
 each one's largest difference from a plain local reference trained on the
@@ -49,7 +57,10 @@ share of rows beyond the bound.
 
 Reported per variant: median step time, samples/s, and the ratios
 `tf_native / ours`, `keras / ours`, `tfra / ours` (TFRA's faster layout) and
-`ours / limit` (as throughput: limit time / ours time).
+`ours / limit` (as throughput: limit time / ours time), and the same for
+the `*_multi` variants (`*_vs_ours_multi`, `ours_multi_vs_limit`,
+`dispatch_share_of_ours_multi`). The agreement check runs the looped forms
+too (`agreement_multi`: the 3 steps in one scheduled function).
 
     python -m tf_sharded bench ps [--quick] [--mode inprocess|process]
 """
@@ -72,6 +83,8 @@ SCALE = 1e-3
 CHECK_ROWS = 500  # rows per table in the agreement check
 CONCURRENT_STEPS = 16
 TOLERANCE = 1e-4  # float32 rounding of ~1,000 duplicate updates of one row in a batch, in either order
+PER_EXECUTION = 8  # steps per scheduled function of the `*_multi` variants (as e2e's `ours_multi`)
+MULTI = ("ours", "tf_native", "tfra_per_feature", "tfra_one_table", "dispatch")  # variants also timed looped
 
 
 def scheduled_seconds(coordinator, fn, batches) -> float:
@@ -81,6 +94,27 @@ def scheduled_seconds(coordinator, fn, batches) -> float:
         coordinator.schedule(fn, args=(b,))
     coordinator.join()
     return (time.perf_counter() - start) / len(batches)
+
+
+def looped(tf, keys, step):
+    """A function running `step` (a batch `{key: ids}` -> loss) once per batch of stacked batches
+    `{key: [count, ids]}`, in a `tf.range` loop: one scheduled function for `count` steps."""
+
+    def run(stacked):
+        loss = step({k: stacked[k][0] for k in keys})
+        for i in tf.range(1, stacked[keys[0]].shape[0]):
+            loss = step({k: stacked[k][i] for k in keys})
+        return loss
+
+    return tf.function(run)
+
+
+def stack(tf, batches, count: int) -> list:
+    """`batches` as stacked batches of `count` (the last ones dropped if they do not fill one)."""
+    return [
+        {k: tf.stack([b[k] for b in batches[i : i + count]]) for k in batches[0]}
+        for i in range(0, len(batches) - count + 1, count)
+    ]
 
 
 def _ids(rng, distribution: str, rows: int, count: int) -> np.ndarray:
@@ -207,21 +241,30 @@ def _tfra_step(tf, strategy, tfra, keys, shift):
     return step
 
 
-def agreement(tf, tfs, keras, strategy, coordinator, keys, peer, steps: int = 3) -> Dict[str, float]:
+def agreement(tf, tfs, keras, strategy, coordinator, keys, peer, steps: int = 3, multi: bool = False) -> Dict:
     """Largest difference of every variant's rows from a plain local reference after `steps` shared steps.
 
     Small tables (`CHECK_ROWS` rows each) that every variant starts from the same values; the reference is
-    local variables trained by the same loss and SGD in this process.
+    local variables trained by the same loss and SGD in this process. `multi`: the looped variants (`MULTI`),
+    all `steps` steps in one scheduled function.
     """
     rng, initial = _start_rows(keys, 7)
-    fns, readers, _ = _variants(tf, tfs, keras, strategy, keys, [CHECK_ROWS] * len(keys), "check_", peer, initial)
+    prefix = "check_multi_" if multi else "check_"
+    fns, readers, _ = _variants(tf, tfs, keras, strategy, keys, [CHECK_ROWS] * len(keys), prefix, peer, initial)
     reference = [tf.Variable(a) for a in initial]
     batches = [{k: tf.constant(_ids(rng, "power_law", CHECK_ROWS, BATCH)) for k in keys} for _ in range(steps)]
     for batch in batches:
         _local_sgd_step(tf, reference, keys, batch)
-        for fn in fns.values():
-            coordinator.schedule(fn, args=(batch,))
+    if multi:
+        readers = {name: read for name, read in readers.items() if name in MULTI}
+        for name in readers:
+            coordinator.schedule(looped(tf, keys, fns[name].python_function), args=(stack(tf, batches, steps)[0],))
             coordinator.join()
+    else:
+        for batch in batches:
+            for fn in fns.values():
+                coordinator.schedule(fn, args=(batch,))
+                coordinator.join()
     expected = [v.numpy() for v in reference]
     moved = max(float(np.abs(e - a).max()) for e, a in zip(expected, initial))
     out = {"reference_moved": moved}
@@ -325,12 +368,14 @@ def run(quick: bool = False, mode: str = "inprocess", rounds: int = None) -> Dic
     max_vocab = 20_000 if quick else 1_000_000
     vocab = data.vocab_sizes(max_vocab)
     steps = 4 if quick else 20
+    per_execution = 2 if quick else PER_EXECUTION
     rounds = rounds or (1 if quick else 3)
     distributions = ["power_law"] if quick else ["power_law", "uniform"]
     cluster, strategy, coordinator, peer, skipped = _cluster(mode, workers=1)
     try:
         keys = data.CATEGORICAL_KEYS
         check = agreement(tf, tfs, keras, strategy, coordinator, keys, peer)
+        check_multi = agreement(tf, tfs, keras, strategy, coordinator, keys, peer, multi=True)
         scheduled, _, ours = _variants(tf, tfs, keras, strategy, keys, vocab, "", peer)
         local = [tf.Variable(tf.random.uniform([v, DIM], -0.05, 0.05, seed=i)) for i, v in enumerate(vocab)]
 
@@ -345,20 +390,26 @@ def run(quick: bool = False, mode: str = "inprocess", rounds: int = None) -> Dic
             return strategy.run(fn, args=(ids,))
 
         scheduled["dispatch"] = tf.function(dispatch_step)
+        multi = {name: looped(tf, keys, scheduled[name].python_function) for name in MULTI if name in scheduled}
         rng = np.random.default_rng(0)
         results = []
         for distribution in distributions:
             batches = [
-                {k: tf.constant(_ids(rng, distribution, v, BATCH)) for k, v in zip(keys, vocab)} for _ in range(steps)
+                {k: tf.constant(_ids(rng, distribution, v, BATCH)) for k, v in zip(keys, vocab)}
+                for _ in range(max(steps, 3 * per_execution))
             ]
-            times: Dict[str, List[float]] = {name: [] for name in list(scheduled) + ["limit"]}
-            for fn in scheduled.values():  # warm-up (tracing) outside the timing
-                coordinator.schedule(fn, args=(batches[0],))
+            stacked = stack(tf, batches, per_execution)
+            batches = batches[:steps]
+            runs = {name: (fn, batches, 1) for name, fn in scheduled.items()}
+            runs.update({f"{name}_multi": (fn, stacked, per_execution) for name, fn in multi.items()})
+            times: Dict[str, List[float]] = {name: [] for name in list(runs) + ["limit"]}
+            for fn, inputs, _ in runs.values():  # warm-up (tracing) outside the timing
+                coordinator.schedule(fn, args=(inputs[0],))
                 coordinator.join()
             limit_step(batches[0])
             for _ in range(rounds):
-                for name, fn in scheduled.items():
-                    times[name].append(scheduled_seconds(coordinator, fn, batches))
+                for name, (fn, inputs, count) in runs.items():
+                    times[name].append(scheduled_seconds(coordinator, fn, inputs) / count)
                 start = time.perf_counter()
                 for b in batches:
                     limit_step(b)
@@ -373,8 +424,14 @@ def run(quick: bool = False, mode: str = "inprocess", rounds: int = None) -> Dic
             row["keras_vs_ours"] = row["keras_s"] / row["ours_s"]
             row["ours_vs_limit"] = row["limit_s"] / row["ours_s"]
             row["dispatch_share_of_ours"] = row["dispatch_s"] / row["ours_s"]
+            row["tf_native_vs_ours_multi"] = row["tf_native_multi_s"] / row["ours_multi_s"]
+            row["ours_multi_vs_limit"] = row["limit_s"] / row["ours_multi_s"]
+            row["dispatch_share_of_ours_multi"] = row["dispatch_multi_s"] / row["ours_multi_s"]
             if peer is not None:
                 row["tfra_vs_ours"] = min(row["tfra_per_feature_s"], row["tfra_one_table_s"]) / row["ours_s"]
+                row["tfra_vs_ours_multi"] = (
+                    min(row["tfra_per_feature_multi_s"], row["tfra_one_table_multi_s"]) / row["ours_multi_s"]
+                )
             results.append(row)
         report = {
             "benchmark": "ps",
@@ -385,9 +442,12 @@ def run(quick: bool = False, mode: str = "inprocess", rounds: int = None) -> Dic
             "dim": DIM,
             "batch": BATCH,
             "steps_per_round": steps,
+            "steps_per_execution_multi": per_execution,
+            "multi_steps_per_round": len(stacked) * per_execution,
             "rounds": rounds,
             "tfra": "measured (TFRA 0.8.1)" if peer is not None else skipped,
             "agreement": check,
+            "agreement_multi": check_multi,
             "results": results,
         }
     finally:
@@ -418,13 +478,25 @@ def format_rows(report: Dict) -> List[str]:
                 f"{'':>60}{'':>10} | TFRA per feature {r['tfra_per_feature_s'] * 1e3:.1f}ms, one table "
                 f"{r['tfra_one_table_s'] * 1e3:.1f}ms: TFRA (faster) / ours {r['tfra_vs_ours']:.2f}"
             )
+        tfra = (
+            f", TFRA per feature {r['tfra_per_feature_multi_s'] * 1e3:.1f}ms, one table "
+            f"{r['tfra_one_table_multi_s'] * 1e3:.1f}ms (TFRA (faster) / ours {r['tfra_vs_ours_multi']:.2f})"
+            if "tfra_vs_ours_multi" in r
+            else ""
+        )
+        lines.append(
+            f"{'':>60}{'':>10} | {report['steps_per_execution_multi']} steps per scheduled function, per step: "
+            f"ours {r['ours_multi_s'] * 1e3:.1f}ms, tf_native {r['tf_native_multi_s'] * 1e3:.1f}ms "
+            f"(native/ours {r['tf_native_vs_ours_multi']:.2f}), dispatch {r['dispatch_multi_s'] * 1e3:.2f}ms "
+            f"(dispatch/ours {r['dispatch_share_of_ours_multi']:.2f}), ours/limit {r['ours_multi_vs_limit']:.2f}" + tfra
+        )
     lines.append(f"  TFRA: {report['tfra']}")
-    check = report["agreement"]
-    lines.append(
-        "  rows after 3 steps from the same start, largest difference from a local reference (which moved "
-        f"{check['reference_moved']:.1e}): "
-        + ", ".join(f"{k} {v:.1e}" for k, v in check.items() if k != "reference_moved")
-    )
+    for check, how in ((report["agreement"], ""), (report["agreement_multi"], ", all in one scheduled function")):
+        lines.append(
+            f"  rows after 3 steps from the same start{how}, largest difference from a local reference (which "
+            f"moved {check['reference_moved']:.1e}): "
+            + ", ".join(f"{k} {v:.1e}" for k, v in check.items() if k != "reference_moved")
+        )
     concurrent = report.get("concurrency")
     if concurrent:
         lines.append(

@@ -79,10 +79,14 @@ def _plot(name: str, reports: List[Dict], out: str) -> str:
         a.legend()
         b.legend()
     elif name == "ps":
+        from tf_sharded.benchmarks import ps_lookup
+
         fig, axes = plt.subplots(1, len(reports), figsize=(6 * len(reports), 4), squeeze=False)
         for ax, report in zip(axes[0], reports):
             variants = ["ours", "ours_unbatched", "tf_native", "keras", "limit", "dispatch"]
             variants += [v for v in ("tfra_per_feature", "tfra_one_table") if f"{v}_s" in report["results"][0]]
+            multi = report["steps_per_execution_multi"]
+            variants += [f"{v}_multi" for v in ps_lookup.MULTI if f"{v}_multi_s" in report["results"][0]]
             for i, r in enumerate(report["results"]):
                 ax.bar(
                     [x + 0.4 * i for x in range(len(variants))],
@@ -90,8 +94,10 @@ def _plot(name: str, reports: List[Dict], out: str) -> str:
                     width=0.4,
                     label=r["distribution"],
                 )
-            ax.set_xticks([x + 0.2 for x in range(len(variants))], variants, rotation=30, ha="right")
-            ax.set(yscale="log", ylabel="samples / s", title=f"B1/B5, {report['mode']} cluster")
+            labels = [v.replace("_multi", f" x{multi}") for v in variants]
+            ax.set_xticks([x + 0.2 for x in range(len(variants))], labels, rotation=30, ha="right")
+            title = f"B1/B5, {report['mode']} cluster (xN: N steps a dispatch)"
+            ax.set(yscale="log", ylabel="samples / s", title=title)
             ax.legend()
     elif name == "memory":
         fig, ax = plt.subplots(figsize=(6, 4))
