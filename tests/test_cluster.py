@@ -20,7 +20,9 @@ SCRIPT = textwrap.dedent(
     print("PIDS", *cluster.pids, flush=True)
     import psutil
     for (job, index), pid in sorted(cluster.task_pids().items()):
-        print("ENV", job, index, psutil.Process(pid).environ().get("TF_ENABLE_ONEDNN_OPTS", "-"), flush=True)
+        environ = psutil.Process(pid).environ()
+        print("ENV", job, index, environ.get("TF_ENABLE_ONEDNN_OPTS", "-"), environ.get("MALLOC_MMAP_THRESHOLD_", "-"),
+              flush=True)
     strategy = cluster.strategy()
     coordinator = cluster.coordinator(strategy)
     values = np.arange(20, dtype=np.float32).reshape(10, 2)
@@ -69,11 +71,15 @@ class ProcessClusterTest(tf.test.TestCase):
         proc = self.check("ok")
         self.assertEqual(proc.returncode, 0, msg=proc.stderr[-3000:])
         self.assertIn("DONE", proc.stdout)
-        # Parameter servers run without oneDNN (tfs.cluster.PS_ENV); the worker keeps the caller's setting.
-        env = {tuple(line.split()[1:3]): line.split()[3] for line in proc.stdout.splitlines() if line.startswith("ENV")}
-        self.assertEqual(env[("ps", "0")], "0")
-        self.assertEqual(env[("ps", "1")], "0")
-        self.assertEqual(env[("worker", "0")], os.environ.get("TF_ENABLE_ONEDNN_OPTS", "-"))
+        # Parameter servers run with tfs.cluster.PS_ENV (no oneDNN, a 1 MB mmap threshold); the worker keeps the
+        # caller's setting.
+        lines = [line.split() for line in proc.stdout.splitlines() if line.startswith("ENV")]
+        env = {tuple(words[1:3]): words[3:] for words in lines}
+        settings = [tfs.cluster.PS_ENV["TF_ENABLE_ONEDNN_OPTS"], tfs.cluster.PS_ENV["MALLOC_MMAP_THRESHOLD_"]]
+        self.assertEqual(settings, ["0", "1048576"])
+        self.assertEqual(env[("ps", "0")], settings)
+        self.assertEqual(env[("ps", "1")], settings)
+        self.assertEqual(env[("worker", "0")][0], os.environ.get("TF_ENABLE_ONEDNN_OPTS", "-"))
 
     def test_tasks_are_cleaned_up_when_the_coordinator_fails(self):
         proc = self.check("fail")

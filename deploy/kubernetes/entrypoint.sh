@@ -28,7 +28,7 @@ if [ "$ROLE" = "ps" ]; then
   # A ps only gathers and scatters rows: no oneDNN (its allocator pools freed memory), and big blocks
   # freed back to the OS (glibc's adaptive mmap threshold would keep them): tf_sharded.cluster.PS_ENV.
   export TF_ENABLE_ONEDNN_OPTS="${TF_ENABLE_ONEDNN_OPTS:-0}"
-  export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-4194304}"
+  export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-1048576}"
 fi
 if [ "${DRY_RUN:-0}" = "1" ]; then
   printf '%s\n' "$TF_CONFIG"

@@ -36,6 +36,7 @@ from typing import Dict, List
 import numpy as np
 
 from tf_sharded.benchmarks import dynamic_peer
+from tf_sharded.cluster import PS_ENV as PS_SETTINGS
 
 DIM, BATCH = 16, 512
 KEY_BYTES, META_BYTES = 8, 16  # an int64 key; its last-seen step and occurrences
@@ -133,9 +134,9 @@ def memory_per_key(keys: int) -> Dict:
             "per_key_vs_bound": worst["bytes_per_key"] / bound, "points": points}  # fmt: skip
 
 
-# A parameter server's settings for dynamic tables (README): oneDNN's CPU allocator keeps every freed block of a
-# grown pool, and glibc's adaptive mmap threshold moves pool-sized blocks onto a heap it does not give back.
-PS_ENV = {"TF_ENABLE_ONEDNN_OPTS": "0", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+# The parameter servers' settings (`tfs.cluster.PS_ENV`, README): oneDNN's CPU allocator keeps every freed block of
+# a grown pool, and glibc's adaptive mmap threshold moves pool-sized blocks onto a heap it does not give back.
+PS_ENV = PS_SETTINGS
 
 
 def memory_in_child(keys: int, env: Dict[str, str]) -> Dict:
