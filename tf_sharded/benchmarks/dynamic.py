@@ -36,7 +36,7 @@ from typing import Dict, List
 import numpy as np
 
 from tf_sharded.benchmarks import dynamic_peer
-from tf_sharded.cluster import PS_ENV as PS_SETTINGS
+from tf_sharded.cluster import PS_ENV  # the ps settings (README): memory per key is measured with them too
 
 DIM, BATCH = 16, 512
 KEY_BYTES, META_BYTES = 8, 16  # an int64 key; its last-seen step and occurrences
@@ -132,11 +132,6 @@ def memory_per_key(keys: int) -> Dict:
     bound = 1.3 * (DIM * 4 * 2 + KEY_BYTES + META_BYTES)
     return {**points[-1], "max_bytes_per_key": worst["bytes_per_key"], "bound_bytes": bound,
             "per_key_vs_bound": worst["bytes_per_key"] / bound, "points": points}  # fmt: skip
-
-
-# The parameter servers' settings (`tfs.cluster.PS_ENV`, README): oneDNN's CPU allocator keeps every freed block of
-# a grown pool, and glibc's adaptive mmap threshold moves pool-sized blocks onto a heap it does not give back.
-PS_ENV = PS_SETTINGS
 
 
 def memory_in_child(keys: int, env: Dict[str, str]) -> Dict:
