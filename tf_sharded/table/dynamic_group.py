@@ -23,6 +23,7 @@ from __future__ import annotations
 import weakref
 from typing import Dict, List, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from tf_sharded import policies
@@ -124,36 +125,54 @@ def lookup_groups(pairs, training: bool) -> list:
     return out
 
 
+def _distinct(pairs):
+    """`(keys, table, idx)` of every table's keys as one tensor: the distinct `(table, key)` pairs' keys and
+    tables (int32), and each caller key's position among them.
+
+    Two `tf.unique`s over all the keys, not one per table: first the keys
+    alone, then (that key's position, table) as one int64, which is
+    collision-free. Per-table de-duplication was a `unique`, a count and
+    an offset per table, most of the ops the worker ran in a step.
+    """
+    m = len(pairs)
+    keys = tf.concat([k for _, k in pairs], 0)
+    distinct, first = tf.unique(keys, out_idx=tf.int64)
+    if m == 1:
+        return distinct, tf.zeros(tf.shape(distinct), tf.int32), tf.cast(first, tf.int32)
+    static = [k.shape[0] for _, k in pairs]
+    if None in static:
+        table_of = tf.repeat(tf.range(m, dtype=tf.int64), tf.stack([tf.size(k) for _, k in pairs]))
+    else:
+        table_of = tf.constant(np.repeat(np.arange(m, dtype=np.int64), static))
+    pair, idx = tf.unique(first * m + table_of, out_idx=tf.int32)
+    return tf.gather(distinct, pair // m), tf.cast(pair % m, tf.int32), idx
+
+
 def lookup_pooled(pairs) -> List[tf.Tensor]:
     """Rows of `(member table, rank-1 keys)` pairs, distinct members of one group, in a training lookup.
 
-    Per table only the de-duplication (`tf.unique` and the counts); then
-    all the tables' distinct keys are routed as one tensor: one shard hash,
-    one partition by (shard, table), one stitch of the values that come
-    back, one gather into the callers' order, and its gradient one segment
-    sum, instead of each of these per table: with the pools shared, those
-    per-table ops are most of what the worker executes in a step.
+    All the tables' keys are de-duplicated and routed as one tensor
+    (`_distinct`): one shard hash, one partition by (shard, table), one
+    stitch of the values that come back, one gather into the callers'
+    order, and its gradient one segment sum, instead of each of these per
+    table: with the pools shared, those per-table ops are most of what the
+    worker executes in a step.
     """
     tables = [t for t, _ in pairs]
     m, n = len(tables), tables[0].num_shards
-    uniq, idx, counts, sizes = [], [], [], []
-    for _, keys in pairs:
-        u, i = tf.unique(keys, out_idx=tf.int32)
-        uniq.append(u)
-        idx.append(i)
-        sizes.append(tf.size(u, out_type=tf.int32))
-        counts.append(tf.math.unsorted_segment_sum(tf.ones_like(i, tf.int64), i, sizes[-1]))
-    sizes = tf.stack(sizes)
-    offsets = tf.cumsum(sizes, exclusive=True)
-    total = tf.reduce_sum(sizes)
-    keys = tf.concat(uniq, 0)
-    where = shard_of_keys(keys, n) * m + tf.repeat(tf.range(m), sizes)
-    parts = [tf.dynamic_partition(t, where, m * n) for t in (keys, tf.concat(counts, 0), tf.range(total))]
+    keys, table, idx = _distinct(pairs)
+    total = tf.size(keys)
+    counts = tf.math.unsorted_segment_sum(tf.ones_like(idx, tf.int64), idx, total)
+    where = shard_of_keys(keys, n) * m + table
+    parts = [tf.dynamic_partition(t, where, m * n) for t in (keys, counts, tf.range(total))]
     steps = [t.step.assign_add(1) for t in tables]
     requests = [Request(t, s, parts[0][s * m + j], parts[1][s * m + j], steps[j]) for s in range(n)
                 for j, t in enumerate(tables)]  # fmt: skip
     by_device = resolve_by_device(requests)
     positions = [tf.concat([parts[2][i] for i in members], 0) for members, _, _ in by_device]
     unique_rows = tf.dynamic_stitch(positions, [values for _, values, _ in by_device])
-    rows = expand(unique_rows, tf.concat([i + offsets[j] for j, i in enumerate(idx)], 0), total)
-    return tf.split(rows, tf.stack([tf.size(k, out_type=tf.int32) for _, k in pairs]), num=m)
+    rows = expand(unique_rows, idx, total)
+    if m == 1:
+        return [rows]
+    static = [k.shape[0] for _, k in pairs]
+    return tf.split(rows, tf.stack([tf.size(k, out_type=tf.int32) for _, k in pairs]) if None in static else static)

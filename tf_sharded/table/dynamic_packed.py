@@ -59,7 +59,7 @@ def resolve_by_device(requests: Sequence[Request]) -> List[Tuple[List[int], tf.T
             key_parts = tf.split(tf.identity(keys), here, num=len(mine))
             count_parts = tf.split(tf.identity(counts), here, num=len(mine))
             local = {home: tf.identity(stacked[home]) for home, _ in (position[id(r.step)] for r in mine)}
-            step_of = [local[home][j] for home, j in (position[id(r.step)] for r in mine)]
+            step_of = [(local[home], j) for home, j in (position[id(r.step)] for r in mine)]
         parts = [
             r.table.insert_part(r.shard, k, c, step) for r, k, c, step in zip(mine, key_parts, count_parts, step_of)
         ]

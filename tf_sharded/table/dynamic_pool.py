@@ -60,13 +60,37 @@ class Column:
 
 class Insert:
     """One shard's part of an insert into its pool: its distinct `keys`, their fingerprints and counts, the
-    table step, and the table's initial rows, eviction policies and seed."""
+    table step (a scalar, or `(steps, j)`: element `j` of a vector of table steps, read when first used),
+    and the table's initial rows, eviction policies and seed."""
 
     def __init__(self, member, keys, fingerprints, counts, step, initial_rows: Callable, evictions=(), seed=0,
                  initializer=None):  # fmt: skip
         self.member, self.keys, self.fingerprints, self.counts = member, keys, fingerprints, counts
-        self.step, self.initial_rows, self.evictions, self.seed = step, initial_rows, evictions, seed
+        self._step, self.initial_rows, self.evictions, self.seed = step, initial_rows, evictions, seed
         self.initializer = initializer  # the `RowInitializer` behind `initial_rows`, if there is one
+
+    @property
+    def step(self) -> tf.Tensor:
+        if isinstance(self._step, tuple):
+            steps, j = self._step
+            self._step = steps[j]
+        return self._step
+
+    @property
+    def step_position(self) -> Optional[tuple]:
+        """`(steps, j)` while the step is still element `j` of the vector `steps` it came in, else None."""
+        return self._step if isinstance(self._step, tuple) else None
+
+    @staticmethod
+    def steps(parts: Sequence[Insert]) -> tf.Tensor:
+        """The parts' table steps as one vector: the vector they were given in, where they all index one
+        in order, rather than a slice and a re-stack per part."""
+        given = [p.step_position for p in parts]
+        if given[0] is not None and all(g is not None and g[0] is given[0][0] for g in given):
+            steps = given[0][0]
+            positions = [j for _, j in given]
+            return steps if positions == list(range(steps.shape[0])) else tf.gather(steps, positions)
+        return tf.stack([p.step for p in parts])
 
     @property
     def plain(self) -> bool:
@@ -262,7 +286,7 @@ class RowPool:
             writes.append(insert_many(indexes, new_keys, new_rows, added))
         with tf.control_dependencies(writes):
             rows = tf.tensor_scatter_nd_update(found, positions, new_rows)
-            steps = tf.repeat(tf.stack([p.step for p in parts]), sizes)
+            steps = tf.repeat(Insert.steps(parts), sizes)
             done = self._mark_and_expire(parts, rows, steps, tf.concat([p.counts for p in parts], 0))
         with tf.control_dependencies(done):
             return tf.split(rows, sizes, num=m)
