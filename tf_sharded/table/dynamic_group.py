@@ -125,25 +125,30 @@ def lookup_groups(pairs, training: bool) -> list:
     return out
 
 
-def _distinct(pairs):
+def _sizes(pairs):
+    """Each pair's number of keys: a list of ints where the shapes say, else an int32 tensor."""
+    static = [k.shape[0] for _, k in pairs]
+    return tf.stack([tf.size(k, out_type=tf.int32) for _, k in pairs]) if None in static else static
+
+
+def _distinct(pairs, sizes):
     """`(keys, table, idx)` of every table's keys as one tensor: the distinct `(table, key)` pairs' keys and
     tables (int32), and each caller key's position among them.
 
     Two `tf.unique`s over all the keys, not one per table: first the keys
     alone, then (that key's position, table) as one int64, which is
-    collision-free. Per-table de-duplication was a `unique`, a count and
-    an offset per table, most of the ops the worker ran in a step.
+    collision-free. A `unique`, a count and an offset per table would be
+    most of the ops the worker runs in a step.
     """
     m = len(pairs)
     keys = tf.concat([k for _, k in pairs], 0)
     distinct, first = tf.unique(keys, out_idx=tf.int64)
     if m == 1:
         return distinct, tf.zeros(tf.shape(distinct), tf.int32), tf.cast(first, tf.int32)
-    static = [k.shape[0] for _, k in pairs]
-    if None in static:
-        table_of = tf.repeat(tf.range(m, dtype=tf.int64), tf.stack([tf.size(k) for _, k in pairs]))
+    if isinstance(sizes, list):
+        table_of = tf.constant(np.repeat(np.arange(m, dtype=np.int64), sizes))
     else:
-        table_of = tf.constant(np.repeat(np.arange(m, dtype=np.int64), static))
+        table_of = tf.repeat(tf.range(m, dtype=tf.int64), sizes)
     pair, idx = tf.unique(first * m + table_of, out_idx=tf.int32)
     return tf.gather(distinct, pair // m), tf.cast(pair % m, tf.int32), idx
 
@@ -160,7 +165,8 @@ def lookup_pooled(pairs) -> List[tf.Tensor]:
     """
     tables = [t for t, _ in pairs]
     m, n = len(tables), tables[0].num_shards
-    keys, table, idx = _distinct(pairs)
+    sizes = _sizes(pairs)
+    keys, table, idx = _distinct(pairs, sizes)
     total = tf.size(keys)
     counts = tf.math.unsorted_segment_sum(tf.ones_like(idx, tf.int64), idx, total)
     where = shard_of_keys(keys, n) * m + table
@@ -172,7 +178,4 @@ def lookup_pooled(pairs) -> List[tf.Tensor]:
     positions = [tf.concat([parts[2][i] for i in members], 0) for members, _, _ in by_device]
     unique_rows = tf.dynamic_stitch(positions, [values for _, values, _ in by_device])
     rows = expand(unique_rows, idx, total)
-    if m == 1:
-        return [rows]
-    static = [k.shape[0] for _, k in pairs]
-    return tf.split(rows, tf.stack([tf.size(k, out_type=tf.int32) for _, k in pairs]) if None in static else static)
+    return [rows] if m == 1 else tf.split(rows, sizes, num=m)

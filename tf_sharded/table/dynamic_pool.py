@@ -89,7 +89,8 @@ class Insert:
         if given[0] is not None and all(g is not None and g[0] is given[0][0] for g in given):
             steps = given[0][0]
             positions = [j for _, j in given]
-            return steps if positions == list(range(steps.shape[0])) else tf.gather(steps, positions)
+            in_order = steps.shape[0] == len(positions) and positions == list(range(len(positions)))
+            return steps if in_order else tf.gather(steps, positions)
         return tf.stack([p.step for p in parts])
 
     @property
