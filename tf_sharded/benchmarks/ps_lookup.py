@@ -257,8 +257,9 @@ def agreement(tf, tfs, keras, strategy, coordinator, keys, peer, steps: int = 3,
         _local_sgd_step(tf, reference, keys, batch)
     if multi:
         readers = {name: read for name, read in readers.items() if name in MULTI}
+        stacked = stack(tf, batches, steps)[0]
         for name in readers:
-            coordinator.schedule(looped(tf, keys, fns[name].python_function), args=(stack(tf, batches, steps)[0],))
+            coordinator.schedule(looped(tf, keys, fns[name].python_function), args=(stacked,))
             coordinator.join()
     else:
         for batch in batches:
