@@ -6,7 +6,9 @@ Speed is not checked here: figures come from the benchmark command itself.
 import json
 import os
 import subprocess
+import sys
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -49,6 +51,9 @@ PS_KEYS = (
     | {"tf_native_vs_ours", "unbatched_vs_ours", "keras_vs_ours", "ours_vs_limit", "dispatch_share_of_ours"}
     | {f"{v}_multi_{k}" for v in ("ours", "tf_native", "dispatch") for k in ("s", "samples_per_s")}
     | {"tf_native_vs_ours_multi", "ours_multi_vs_limit", "dispatch_share_of_ours_multi"}
+    | {"cpu_ms_per_step", "cpu_busy"}
+    | {f"overlap_{v}_multi_{k}" for v in ("sync", "pipelined", "stale") for k in ("s", "samples_per_s")}
+    | {"overlap_pipelined_speedup", "overlap_stale_speedup"}
 )
 
 TFRA_VARIANTS = {"tfra_per_feature", "tfra_one_table"}
@@ -99,6 +104,15 @@ class BenchmarkSuiteTest(tf.test.TestCase):
         for row in ps["results"]:
             self.assertEqual(set(row), PS_KEYS | (TFRA_KEYS if peers else set()))
             self.assertGreater(row["ours_s"], 0)
+            # CPU by process for every timed variant (in-process: one process holds the cluster), and the share
+            # of the cores it kept busy, which CPU time measured against wall time cannot push past 1.
+            timed = {k[: -len("_s")] for k in row if k.endswith("_s") and not k.endswith("_per_s")}
+            self.assertEqual(set(row["cpu_ms_per_step"]), timed)
+            self.assertEqual(set(row["cpu_busy"]), timed)
+            for variant, spent in row["cpu_ms_per_step"].items():
+                self.assertEqual(set(spent), {"process", "total"}, variant)
+                self.assertGreater(spent["total"], 0, variant)
+                self.assertTrue(0 < row["cpu_busy"][variant] <= 1.05, (variant, row["cpu_busy"][variant]))
         # From the same rows, every variant trained 3 steps lands where a plain local reference does.
         check = ps["agreement"]
         self.assertEqual(
@@ -117,6 +131,14 @@ class BenchmarkSuiteTest(tf.test.TestCase):
         for variant, difference in looped.items():
             if variant != "reference_moved":
                 self.assertLess(difference, 1e-4, variant)
+        # The overlap probe's loops: sync lands where a local reference does, the pipelined loop reads exactly
+        # what sync reads, and the stale loop really reads some rows one update late.
+        overlap = ps["agreement_overlap"]
+        self.assertEqual(set(overlap), {"reference_moved", "sync", "pipelined_vs_sync", "stale_vs_sync"})
+        self.assertGreater(overlap["reference_moved"], 1e-4)
+        self.assertLess(overlap["sync"], 1e-6)
+        self.assertEqual(overlap["pipelined_vs_sync"], 0.0)
+        self.assertGreater(overlap["stale_vs_sync"], 1e-7)
         # Two workers' overlapping steps against the same steps in order: ours and TensorFlow's paths stay within
         # the stale-read bound (TFRA's read-then-upsert is reported, whatever it gives).
         concurrent = ps["concurrency"]
@@ -232,6 +254,36 @@ class BenchmarkSuiteTest(tf.test.TestCase):
             self.assertAlmostEqual(row["auc_change"], row["auc"] - rows["float"]["auc"])
             self.assertGreater(row["max_abs_logit_change"], 0)
             self.assertLess(abs(row["auc_change"]), auc_tolerance, mode)
+
+    def test_cpu_clock_reads_task_processes(self):
+        # B1's CPU accounting reads a "process" cluster's tasks from /proc: a task that spins for a known time
+        # shows that time, and an idle one next to nothing.
+        from tf_sharded.benchmarks.ps_lookup import CpuClock, cpu_per_step
+
+        spin = "import time\nend = time.process_time() + 0.6\nwhile time.process_time() < end: pass\ntime.sleep(30)"
+        procs = [subprocess.Popen([sys.executable, "-c", code]) for code in (spin, "import time; time.sleep(30)")]
+        try:
+
+            class Tasks:
+                def task_pids(self):
+                    return {("worker", 0): procs[0].pid, ("ps", 0): procs[1].pid}
+
+            clock = CpuClock(Tasks())
+            before = clock.read()
+            deadline = time.time() + 20
+            while clock.read()["worker:0"] - before["worker:0"] < 0.55 and time.time() < deadline:
+                time.sleep(0.05)
+            spent = {k: v - before[k] for k, v in clock.read().items()}
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+        self.assertEqual(set(spent), {"coordinator", "worker:0", "ps:0"})
+        self.assertBetween(spent["worker:0"], 0.55, 0.75)
+        self.assertLess(spent["ps:0"], 0.1)
+        per_step = cpu_per_step(spent, 2)
+        self.assertAllClose(per_step["worker:0"], spent["worker:0"] * 500)
+        self.assertAllClose(per_step["total"], sum(spent.values()) * 500)
 
     def test_unknown_benchmark_is_named(self):
         proc = run_python(["-m", "tf_sharded", "bench", "nope"], timeout=120)

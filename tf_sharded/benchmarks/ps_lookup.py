@@ -36,6 +36,16 @@ parameter servers. `dispatch_multi` loops its read the same way. Their
 times are per step, so the dispatch is paid once per `PER_EXECUTION` steps,
 by every variant alike.
 
+Beside them, the overlap probe (`ps_overlap`): the same batches on plain
+variables, looped the same way, with and without the next batch's lookup
+overlapping this one's update (`overlap_*_multi`): whether the crossings to
+the ps, which overlapping would hide, are what a step waits for.
+
+While each variant runs, the CPU time of every process is read
+(`cpu_ms_per_step`: the coordinator and each task of a process-per-task
+cluster, or the one process in-process) with the share of the machine's
+cores it kept busy (`cpu_busy`): what a step costs in work, beside its time.
+
 Before the timing, every distributed variant runs 3 steps on small tables
 (`CHECK_ROWS` rows each) from the same starting rows, and the report gives
 each one's largest difference from a plain local reference trained on the
@@ -59,8 +69,10 @@ Reported per variant: median step time, samples/s, and the ratios
 `tf_native / ours`, `keras / ours`, `tfra / ours` (TFRA's faster layout) and
 `ours / limit` (as throughput: limit time / ours time), and the same for
 the `*_multi` variants (`*_vs_ours_multi`, `ours_multi_vs_limit`,
-`dispatch_share_of_ours_multi`). The agreement check runs the looped forms
-too (`agreement_multi`: the 3 steps in one scheduled function).
+`dispatch_share_of_ours_multi`), and the overlap probe's `sync / pipelined`
+and `sync / stale` (`overlap_*_speedup`). The agreement check runs the
+looped forms too (`agreement_multi`: the 3 steps in one scheduled function)
+and the probe's loops (`agreement_overlap`).
 
     python -m tf_sharded bench ps [--quick] [--mode inprocess|process]
 """
@@ -68,6 +80,7 @@ too (`agreement_multi`: the 3 steps in one scheduled function).
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -75,6 +88,8 @@ import time
 from typing import Dict, List
 
 import numpy as np
+
+from tf_sharded.benchmarks import ps_overlap
 
 DIM = 16
 BATCH = 512
@@ -85,6 +100,39 @@ CONCURRENT_STEPS = 16
 TOLERANCE = 1e-4  # float32 rounding of ~1,000 duplicate updates of one row in a batch, in either order
 PER_EXECUTION = 8  # steps per scheduled function of the `*_multi` variants (as e2e's `ours_multi`)
 MULTI = ("ours", "tf_native", "tfra_per_feature", "tfra_one_table", "dispatch")  # variants also timed looped
+
+
+class CpuClock:
+    """CPU seconds used so far (user + system, all threads) by this process (the coordinator; in-process, the
+    whole cluster) and each task process of a "process" cluster, from `/proc`, by `(task, pid)`."""
+
+    def __init__(self, cluster):
+        self.tasks = {f"{job}:{index}": pid for (job, index), pid in cluster.task_pids().items()}
+        self.own = "coordinator" if self.tasks else "process"
+        self.tick = os.sysconf("SC_CLK_TCK")
+
+    def read(self) -> Dict[str, float]:
+        out = {self.own: time.process_time()}
+        for task, pid in self.tasks.items():
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[task] = (int(fields[11]) + int(fields[12])) / self.tick  # utime + stime, in clock ticks
+        return out
+
+
+def cpu_per_step(spent: Dict[str, float], steps: int) -> Dict[str, float]:
+    """`spent` ({where: CPU seconds}) as CPU milliseconds per step, with their sum as "total"."""
+    out = {where: seconds * 1e3 / steps for where, seconds in spent.items()}
+    out["total"] = sum(out.values())
+    return out
+
+
+def _add_use(use: list, before: Dict[str, float], after: Dict[str, float], steps: int, wall: float) -> None:
+    """Adds a timed run's CPU seconds by process (`after - before`), steps and wall seconds to `use`."""
+    for where in after:
+        use[0][where] = use[0].get(where, 0.0) + after[where] - before[where]
+    use[1] += steps
+    use[2] += wall
 
 
 def scheduled_seconds(coordinator, fn, batches) -> float:
@@ -373,6 +421,7 @@ def run(quick: bool = False, mode: str = "inprocess", rounds: int = None) -> Dic
     rounds = rounds or (1 if quick else 3)
     distributions = ["power_law"] if quick else ["power_law", "uniform"]
     cluster, strategy, coordinator, peer, skipped = _cluster(mode, workers=1)
+    clock, cores = CpuClock(cluster), len(os.sched_getaffinity(0))
     try:
         keys = data.CATEGORICAL_KEYS
         check = agreement(tf, tfs, keras, strategy, coordinator, keys, peer)
@@ -392,6 +441,11 @@ def run(quick: bool = False, mode: str = "inprocess", rounds: int = None) -> Dic
 
         scheduled["dispatch"] = tf.function(dispatch_step)
         multi = {name: looped(tf, keys, scheduled[name].python_function) for name in MULTI if name in scheduled}
+        check_rng = np.random.default_rng(11)
+        check_batches = [{k: _ids(check_rng, "power_law", CHECK_ROWS, BATCH) for k in keys} for _ in range(3)]
+        check_overlap = ps_overlap.check(tf, strategy, coordinator, keys, [CHECK_ROWS] * len(keys), DIM, LR, SCALE,
+                                         check_batches)  # fmt: skip
+        overlap = ps_overlap.Probe(tf, strategy, keys, vocab, DIM, LR, SCALE).loops()
         rng = np.random.default_rng(0)
         results = []
         for distribution in distributions:
@@ -403,23 +457,35 @@ def run(quick: bool = False, mode: str = "inprocess", rounds: int = None) -> Dic
             batches = batches[:steps]
             runs = {name: (fn, batches, 1) for name, fn in scheduled.items()}
             runs.update({f"{name}_multi": (fn, stacked, per_execution) for name, fn in multi.items()})
+            runs.update({f"overlap_{name}_multi": (fn, stacked, per_execution) for name, fn in overlap.items()})
             times: Dict[str, List[float]] = {name: [] for name in list(runs) + ["limit"]}
+            # per variant: CPU seconds by process, steps and wall seconds, over all rounds
+            used: Dict[str, list] = {name: [{}, 0, 0.0] for name in times}
             for fn, inputs, _ in runs.values():  # warm-up (tracing) outside the timing
                 coordinator.schedule(fn, args=(inputs[0],))
                 coordinator.join()
             limit_step(batches[0])
             for _ in range(rounds):
                 for name, (fn, inputs, count) in runs.items():
-                    times[name].append(scheduled_seconds(coordinator, fn, inputs) / count)
+                    before = clock.read()
+                    seconds = scheduled_seconds(coordinator, fn, inputs)
+                    _add_use(used[name], before, clock.read(), len(inputs) * count, seconds * len(inputs))
+                    times[name].append(seconds / count)
+                before = clock.read()
                 start = time.perf_counter()
                 for b in batches:
                     limit_step(b)
                 limit_step(batches[0]).numpy()
                 times["limit"].append((time.perf_counter() - start) / (steps + 1))
+                _add_use(used["limit"], before, clock.read(), steps + 1, times["limit"][-1] * (steps + 1))
             row = {"distribution": distribution}
             for name, values in times.items():
                 row[f"{name}_s"] = statistics.median(values)
                 row[f"{name}_samples_per_s"] = BATCH / row[f"{name}_s"]
+            row["cpu_ms_per_step"] = {name: cpu_per_step(spent, count) for name, (spent, count, _) in used.items()}
+            row["cpu_busy"] = {  # the share of the machine's cores the variant kept busy while it ran
+                name: sum(spent.values()) / (wall * cores) for name, (spent, _, wall) in used.items()
+            }
             row["tf_native_vs_ours"] = row["tf_native_s"] / row["ours_s"]
             row["unbatched_vs_ours"] = row["ours_unbatched_s"] / row["ours_s"]
             row["keras_vs_ours"] = row["keras_s"] / row["ours_s"]
@@ -428,6 +494,8 @@ def run(quick: bool = False, mode: str = "inprocess", rounds: int = None) -> Dic
             row["tf_native_vs_ours_multi"] = row["tf_native_multi_s"] / row["ours_multi_s"]
             row["ours_multi_vs_limit"] = row["limit_s"] / row["ours_multi_s"]
             row["dispatch_share_of_ours_multi"] = row["dispatch_multi_s"] / row["ours_multi_s"]
+            for name in ps_overlap.NAMES[1:]:
+                row[f"overlap_{name}_speedup"] = row["overlap_sync_multi_s"] / row[f"overlap_{name}_multi_s"]
             if peer is not None:
                 row["tfra_vs_ours"] = min(row["tfra_per_feature_s"], row["tfra_one_table_s"]) / row["ours_s"]
                 row["tfra_vs_ours_multi"] = (
@@ -446,9 +514,11 @@ def run(quick: bool = False, mode: str = "inprocess", rounds: int = None) -> Dic
             "steps_per_execution_multi": per_execution,
             "multi_steps_per_round": len(stacked) * per_execution,
             "rounds": rounds,
+            "cores": cores,
             "tfra": "measured (TFRA 0.8.1)" if peer is not None else skipped,
             "agreement": check,
             "agreement_multi": check_multi,
+            "agreement_overlap": check_overlap,
             "results": results,
         }
     finally:
@@ -491,6 +561,17 @@ def format_rows(report: Dict) -> List[str]:
             f"(native/ours {r['tf_native_vs_ours_multi']:.2f}), dispatch {r['dispatch_multi_s'] * 1e3:.2f}ms "
             f"(dispatch/ours {r['dispatch_share_of_ours_multi']:.2f}), ours/limit {r['ours_multi_vs_limit']:.2f}" + tfra
         )
+        lines.append(
+            f"{'':>60}{'':>10} | overlap probe, plain variables, {report['steps_per_execution_multi']} steps per "
+            f"function: sync {r['overlap_sync_multi_s'] * 1e3:.2f}ms, "
+            f"pipelined {r['overlap_pipelined_multi_s'] * 1e3:.2f}ms "
+            f"(sync / pipelined {r['overlap_pipelined_speedup']:.2f}), stale by one "
+            f"{r['overlap_stale_multi_s'] * 1e3:.2f}ms (sync / stale {r['overlap_stale_speedup']:.2f})"
+        )
+        lines.append(
+            f"{'':>60}{'':>10} | CPU ms per step by process, and the share of {report['cores']} cores busy: "
+            + "; ".join(_cpu_text(r, name) for name in CPU_SHOWN if name in r["cpu_ms_per_step"])
+        )
     lines.append(f"  TFRA: {report['tfra']}")
     for check, how in ((report["agreement"], ""), (report["agreement_multi"], ", all in one scheduled function")):
         lines.append(
@@ -498,6 +579,12 @@ def format_rows(report: Dict) -> List[str]:
             f"moved {check['reference_moved']:.1e}): "
             + ", ".join(f"{k} {v:.1e}" for k, v in check.items() if k != "reference_moved")
         )
+    check = report["agreement_overlap"]
+    lines.append(
+        f"  overlap probe after 3 steps from the same start: sync against a local reference {check['sync']:.1e}, "
+        f"pipelined against sync {check['pipelined_vs_sync']:.1e}, stale by one against sync "
+        f"{check['stale_vs_sync']:.1e} (reference moved {check['reference_moved']:.1e})"
+    )
     concurrent = report.get("concurrency")
     if concurrent:
         lines.append(
@@ -511,6 +598,15 @@ def format_rows(report: Dict) -> List[str]:
             )
         )
     return lines
+
+
+CPU_SHOWN = ("ours", "tf_native", "tfra_one_table", "dispatch", "ours_multi", "dispatch_multi")
+
+
+def _cpu_text(row: Dict, name: str) -> str:
+    spent = row["cpu_ms_per_step"][name]
+    parts = ", ".join(f"{where} {ms:.1f}" for where, ms in spent.items() if where != "total")
+    return f"{name} {spent['total']:.1f} ({parts}; busy {row['cpu_busy'][name]:.2f})"
 
 
 if __name__ == "__main__":
