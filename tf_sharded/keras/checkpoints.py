@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 
 import keras
 import tensorflow as tf
+from google.protobuf import text_format
 
 from tf_sharded import _compat
 from tf_sharded.table.protocol import is_table
@@ -79,8 +80,20 @@ class Checkpoints:
             for f in tf.io.gfile.glob(old + ".*"):
                 tf.io.gfile.remove(f)
         kept = kept[-self._max_to_keep :]
-        tf.compat.v1.train.update_checkpoint_state(self.directory, prefix, all_model_checkpoint_paths=kept)
+        _record_state(self.directory, prefix, kept)
         return prefix
+
+
+def _record_state(directory: str, latest: str, kept: list) -> None:
+    """Writes `directory`'s checkpoint state file (what `tf.train.latest_checkpoint` reads) naming `latest` and
+    the `kept` checkpoints, replacing the file at once so a reader never sees half of it. The same file
+    `tf.compat.v1.train.update_checkpoint_state` writes, without its deprecation warning on every run."""
+    state = tf.compat.v1.train.generate_checkpoint_state_proto(directory, latest, all_model_checkpoint_paths=kept)
+    path = os.path.join(directory, "checkpoint")
+    temporary = f"{path}.tmp{os.getpid()}"
+    with tf.io.gfile.GFile(temporary, "w") as f:
+        f.write(text_format.MessageToString(state))
+    tf.io.gfile.rename(temporary, path, overwrite=True)
 
 
 LAYOUT_FILE = "tf_sharded_layout.json"
