@@ -7,6 +7,7 @@ loop in `test_keras_ps.py`, the replica loop in `test_layers.py` (Mirrored,
 
 import json
 import os
+import warnings
 
 import keras
 import numpy as np
@@ -56,7 +57,11 @@ def table_of(model):
 class FitTest(tf.test.TestCase):
     def test_fit_is_keras_fit_step_for_step(self):
         ours, twin = model_and_twin()
-        got = tfs.fit(ours, data(), epochs=3, verbose=0).history["loss"]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = tfs.fit(ours, data(), epochs=3, verbose=0).history["loss"]
+        # Keras warns that `shuffle=True` is ignored for a Dataset: tfs.fit does not pass it on a user's behalf.
+        self.assertEqual([str(w.message) for w in caught if "shuffle" in str(w.message)], [])
         want = twin.fit(data(), epochs=3, verbose=0, shuffle=False).history["loss"]
         self.assertAllClose(got, want, rtol=1e-5)
         self.assertAllClose(ours.get_layer(index=1).embeddings.numpy(), table_of(twin), atol=1e-6)
