@@ -57,6 +57,11 @@ class StrategyFamily:
         -> tables of one dtype and row shape stored together (table-batched
         storage, `tf_sharded.table.batched`); None: each table has its own
         variables.
+      pools_dynamic_tables: a collection's dynamic tables of one row width,
+        shard count and key dtype share one row pool per device
+        (`tf_sharded.table.dynamic_group`): one insert section per device
+        and step for all of them. Only where one copy of each table serves
+        every replica (parameter servers, one device).
     """
 
     name: str
@@ -68,6 +73,7 @@ class StrategyFamily:
     dataset_function: bool = False
     dynamic_devices: Optional[Callable[[Any, Optional[int]], list]] = None
     create_group: Optional[Callable[..., list]] = None
+    pools_dynamic_tables: bool = False
 
 
 _FAMILIES: Dict[type, StrategyFamily] = {}

@@ -1,5 +1,5 @@
-"""A collection's dynamic tables sharing one row pool per parameter server: each table trains, evicts, admits,
-saves and restores as it would alone."""
+"""A collection's dynamic tables sharing one row pool per parameter server (or per device under the default
+strategy): each table trains, evicts, admits, saves and restores as it would alone."""
 
 import os
 
@@ -148,14 +148,38 @@ class PooledDynamicTablesTest(tf.test.TestCase):
             used = np.concatenate([tables[n].shards[i].index.export()[1].numpy() for n in ("a", "b")])
             self.assertEqual(len(set(used.tolist())), len(used))
 
+    def test_under_the_default_strategy_the_tables_share_one_pool_and_train_like_their_references(self):
+        # One device, one copy of each table: the collection pools its int64 tables there too (one insert
+        # section a step for both), and each table still trains exactly like its own dense reference.
+        default = tf.distribute.get_strategy()
+        layer, optimizer = self.collection(strategy=default)
+        tables = layer.tables
+        self.assertIs(tables["a"].variables[0], tables["b"].variables[0])
+        self.assertIsNot(tables["a"].variables[0], tables["c"].variables[0])
+        self.assertLen(layer.trainable_variables, 2)
+        batches = key_batches(np.random.default_rng(4), 4)
+        reference = PooledReference(tables, batches, 0.3)
+        step = squared_norm_collection_step(default, layer, optimizer)
+        for batch in batches:
+            step({n: tf.constant(v) for n, v in batch.items()})
+            reference.step(batch)
+        for name in NAMES:
+            rows, accumulators = by_key(tables[name]), by_key(tables[name], "accumulator")
+            self.assertEqual(set(rows), set(reference.row[name]))
+            expected_rows, expected_acc = reference.rows(name), reference.accumulators(name)
+            for key, value in rows.items():
+                self.assertAllClose(value, expected_rows[key], atol=1e-6)
+                self.assertAllClose(accumulators[key], expected_acc[key], atol=1e-6)
+        self.assert_rows_accounted(layer)
+
     def test_checkpoint_restores_into_separate_tables_and_into_a_used_pool_with_slots(self):
         layer, optimizer = self.collection()
         batches = key_batches(np.random.default_rng(2), 3)
         self.train(layer, optimizer, batches)
         path = tf.train.Checkpoint(layer=layer, optimizer=optimizer).save(self.get_temp_dir() + "/pooled")
 
-        # A local collection (its own pools per table) gets every table's keys, rows and slots.
-        local, local_optimizer = self.collection(strategy=tf.distribute.get_strategy())
+        # A local collection with a pool per table gets every table's keys, rows and slots.
+        local, local_optimizer = self.collection(strategy=tf.distribute.get_strategy(), batch_tables=False)
         tf.train.Checkpoint(layer=local, optimizer=local_optimizer).restore(path).assert_existing_objects_matched()
         self.assert_same_tables(local, layer)
 
@@ -264,11 +288,13 @@ class PooledDynamicTablesTest(tf.test.TestCase):
                     want = layer.tables[n].initial_rows(tf.constant([key], layer.tables[n].key_dtype)).numpy()[0]
                 self.assertAllClose(served[i, start : start + DIM], want, atol=1e-6, msg=f"table {n} key {key}")
 
-        # A .keras file holds each table's keys and rows; loaded without a strategy, each table has its own.
+        # A .keras file holds each table's keys and rows; loaded under the default strategy, the int64 tables
+        # share that device's one pool (as they shared each ps's), and each gets its own keys and rows back.
         saved = os.path.join(self.get_temp_dir(), "pooled.keras")
         model.save(saved)
         loaded = keras.models.load_model(saved).get_layer(layer.name)
-        self.assertIsNot(loaded.tables["a"].variables[0], loaded.tables["b"].variables[0])
+        self.assertIs(loaded.tables["a"].variables[0], loaded.tables["b"].variables[0])
+        self.assertLen(loaded.tables["a"].variables, 1)
         self.assert_same_tables(loaded, layer, columns=())
 
 

@@ -1,4 +1,5 @@
-"""Dynamic tables that share one row pool per device: a collection's dynamic tables under parameter servers.
+"""Dynamic tables that share one row pool per device: a collection's dynamic tables under parameter servers
+or the default strategy (where one copy of each table serves every replica).
 
 Each member stays a whole `DynamicTable`: its own key -> row index per
 shard, policies, table step, `size()`, `export()` and checkpoint entry (its
@@ -71,7 +72,7 @@ class PooledTables:
             _GROUP[member] = self
         register_shards(self, self.variables)
 
-    exchange = None  # parameter servers: the gradient goes to the pool that owns the rows
+    exchange = None  # one copy of each table: the gradient goes to the pool that owns the rows
     shape = property(lambda self: tf.TensorShape([None, self.dim]))
     members = property(lambda self: self._members)
 
