@@ -60,7 +60,7 @@ class FitTest(tf.test.TestCase):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = tfs.fit(ours, data(), epochs=3, verbose=0).history["loss"]
-        # Keras warns that `shuffle=True` is ignored for a Dataset: tfs.fit does not pass it on a user's behalf.
+        # Keras warns when its default `shuffle=True` meets a Dataset (which it never shuffles): tfs.fit passes False.
         self.assertEqual([str(w.message) for w in caught if "shuffle" in str(w.message)], [])
         want = twin.fit(data(), epochs=3, verbose=0, shuffle=False).history["loss"]
         self.assertAllClose(got, want, rtol=1e-5)

@@ -103,8 +103,9 @@ MULTI = ("ours", "tf_native", "tfra_per_feature", "tfra_one_table", "dispatch") 
 
 
 class CpuClock:
-    """CPU seconds used so far (user + system, all threads) by this process (the coordinator; in-process, the
-    whole cluster) and each task process of a "process" cluster, from `/proc`, by `(task, pid)`."""
+    """CPU seconds used so far (user + system, all threads) by this process ("coordinator"; "process" for an
+    in-process cluster, which it holds whole) and by each task process of a "process" cluster ("worker:0",
+    "ps:0", ..., read from `/proc`)."""
 
     def __init__(self, cluster):
         self.tasks = {f"{job}:{index}": pid for (job, index), pid in cluster.task_pids().items()}

@@ -195,7 +195,7 @@ def fit(
         verbose=verbose,
         validation_data=validation_data,
         validation_steps=validation_steps,
-        shuffle=False,  # `data` is a Dataset, which Keras never shuffles; its default would only warn so
+        shuffle=False,  # `data` is a Dataset, which Keras never shuffles: its default, True, only warns
     )
 
 
