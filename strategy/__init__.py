@@ -61,7 +61,7 @@ class StrategyFamily:
         shard count and key dtype share one row pool per device
         (`tf_sharded.table.dynamic_group`): one insert section per device
         and step for all of them. Only where one copy of each table serves
-        every replica (parameter servers, one device).
+        every replica (parameter servers, one device, one worker's host).
     """
 
     name: str

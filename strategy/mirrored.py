@@ -141,6 +141,7 @@ MIRRORED = register(
         transport=transport,
         fit_loop=_mirrored_fit_loop,
         dynamic_devices=dynamic_devices,
+        pools_dynamic_tables=True,
     ),
     tf.distribute.MirroredStrategy,
 )

@@ -61,6 +61,18 @@ class PooledReference:
         return {k: value[i] for k, i in self.row[name].items()}
 
 
+def assert_like_reference(test, tables, reference, accumulator_rtol: float = 1e-6) -> None:
+    """Each table holds its `PooledReference`'s keys, rows and Adagrad accumulators."""
+    for name in NAMES:
+        test.assertEqual(int(tables[name].size()), len(reference.row[name]))
+        rows, accumulators = by_key(tables[name]), by_key(tables[name], "accumulator")
+        test.assertEqual(set(rows), set(reference.row[name]))
+        expected_rows, expected_acc = reference.rows(name), reference.accumulators(name)
+        for key, value in rows.items():
+            test.assertAllClose(value, expected_rows[key], atol=1e-6)
+            test.assertAllClose(accumulators[key], expected_acc[key], atol=1e-6, rtol=accumulator_rtol)
+
+
 class PooledDynamicTablesTest(tf.test.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -119,17 +131,6 @@ class PooledDynamicTablesTest(tf.test.TestCase):
             live = sum(int(s.size()) for s in pool.members)
             self.assertEqual(int(pool.count.numpy()) - int(pool.free_count.numpy()), live)
 
-    def assert_like_reference(self, tables, reference) -> None:
-        """Each table holds its reference's keys, rows and Adagrad accumulators."""
-        for name in NAMES:
-            self.assertEqual(int(tables[name].size()), len(reference.row[name]))
-            rows, accumulators = by_key(tables[name]), by_key(tables[name], "accumulator")
-            self.assertEqual(set(rows), set(reference.row[name]))
-            expected_rows, expected_acc = reference.rows(name), reference.accumulators(name)
-            for key, value in rows.items():
-                self.assertAllClose(value, expected_rows[key], atol=1e-6)
-                self.assertAllClose(accumulators[key], expected_acc[key], atol=1e-6)
-
     def test_tables_share_a_pool_per_ps_and_each_trains_like_its_own_reference(self):
         layer, optimizer = self.collection()
         tables = layer.tables
@@ -146,7 +147,7 @@ class PooledDynamicTablesTest(tf.test.TestCase):
         self.train(layer, optimizer, batches)
         for batch in batches:
             reference.step(batch)
-        self.assert_like_reference(tables, reference)
+        assert_like_reference(self, tables, reference)
         # Every table's keys hold distinct rows of the shared pools.
         for i in range(2):
             used = np.concatenate([tables[n].shards[i].index.export()[1].numpy() for n in ("a", "b")])
@@ -167,7 +168,7 @@ class PooledDynamicTablesTest(tf.test.TestCase):
         for batch in batches:
             step({n: tf.constant(v) for n, v in batch.items()})
             reference.step(batch)
-        self.assert_like_reference(tables, reference)
+        assert_like_reference(self, tables, reference)
         self.assert_rows_accounted(layer)
 
     def test_checkpoint_restores_into_separate_tables_and_into_a_used_pool_with_slots(self):

@@ -1,5 +1,5 @@
-"""Dynamic tables that share one row pool per device: a collection's dynamic tables under parameter servers
-or the default strategy (where one copy of each table serves every replica).
+"""Dynamic tables that share one row pool per device: a collection's dynamic tables under parameter servers,
+the default strategy or MirroredStrategy (wherever one copy of each table serves every replica).
 
 Each member stays a whole `DynamicTable`: its own key -> row index per
 shard, policies, table step, `size()`, `export()` and checkpoint entry (its
@@ -68,11 +68,13 @@ class PooledTables:
         first = self._members[0]
         self.dim, self.dtype, self.strategy = first.dim, first.dtype, first.strategy
         self.trainable = first.trainable
+        # The pools' gradient is exchanged as each member's would be: not at all with one copy per ps or
+        # device, all-gathered among the replicas that share a host copy (MirroredStrategy).
+        self.exchange, self.placement = first.exchange, first.placement
         for member in self._members:
             _GROUP[member] = self
         register_shards(self, self.variables)
 
-    exchange = None  # one copy of each table: the gradient goes to the pool that owns the rows
     shape = property(lambda self: tf.TensorShape([None, self.dim]))
     members = property(lambda self: self._members)
 
