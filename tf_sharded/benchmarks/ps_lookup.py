@@ -128,12 +128,19 @@ def cpu_per_step(spent: Dict[str, float], steps: int) -> Dict[str, float]:
     return out
 
 
-def _add_use(use: list, before: Dict[str, float], after: Dict[str, float], steps: int, wall: float) -> None:
-    """Adds a timed run's CPU seconds by process (`after - before`), steps and wall seconds to `use`."""
-    for where in after:
-        use[0][where] = use[0].get(where, 0.0) + after[where] - before[where]
-    use[1] += steps
-    use[2] += wall
+class CpuUse:
+    """One variant's CPU seconds by process, steps and wall seconds, summed over its timed runs."""
+
+    def __init__(self):
+        self.spent: Dict[str, float] = {}
+        self.steps, self.wall = 0, 0.0
+
+    def add(self, before: Dict[str, float], after: Dict[str, float], steps: int, wall: float) -> None:
+        """Adds a timed run: `CpuClock` readings around it, its steps and its wall seconds."""
+        for where in after:
+            self.spent[where] = self.spent.get(where, 0.0) + after[where] - before[where]
+        self.steps += steps
+        self.wall += wall
 
 
 def scheduled_seconds(coordinator, fn, batches) -> float:
@@ -460,8 +467,7 @@ def run(quick: bool = False, mode: str = "inprocess", rounds: int = None) -> Dic
             runs.update({f"{name}_multi": (fn, stacked, per_execution) for name, fn in multi.items()})
             runs.update({f"overlap_{name}_multi": (fn, stacked, per_execution) for name, fn in overlap.items()})
             times: Dict[str, List[float]] = {name: [] for name in list(runs) + ["limit"]}
-            # per variant: CPU seconds by process, steps and wall seconds, over all rounds
-            used: Dict[str, list] = {name: [{}, 0, 0.0] for name in times}
+            used = {name: CpuUse() for name in times}
             for fn, inputs, _ in runs.values():  # warm-up (tracing) outside the timing
                 coordinator.schedule(fn, args=(inputs[0],))
                 coordinator.join()
@@ -470,7 +476,7 @@ def run(quick: bool = False, mode: str = "inprocess", rounds: int = None) -> Dic
                 for name, (fn, inputs, count) in runs.items():
                     before = clock.read()
                     seconds = scheduled_seconds(coordinator, fn, inputs)
-                    _add_use(used[name], before, clock.read(), len(inputs) * count, seconds * len(inputs))
+                    used[name].add(before, clock.read(), len(inputs) * count, seconds * len(inputs))
                     times[name].append(seconds / count)
                 before = clock.read()
                 start = time.perf_counter()
@@ -478,14 +484,14 @@ def run(quick: bool = False, mode: str = "inprocess", rounds: int = None) -> Dic
                     limit_step(b)
                 limit_step(batches[0]).numpy()
                 times["limit"].append((time.perf_counter() - start) / (steps + 1))
-                _add_use(used["limit"], before, clock.read(), steps + 1, times["limit"][-1] * (steps + 1))
+                used["limit"].add(before, clock.read(), steps + 1, times["limit"][-1] * (steps + 1))
             row = {"distribution": distribution}
             for name, values in times.items():
                 row[f"{name}_s"] = statistics.median(values)
                 row[f"{name}_samples_per_s"] = BATCH / row[f"{name}_s"]
-            row["cpu_ms_per_step"] = {name: cpu_per_step(spent, count) for name, (spent, count, _) in used.items()}
+            row["cpu_ms_per_step"] = {name: cpu_per_step(use.spent, use.steps) for name, use in used.items()}
             row["cpu_busy"] = {  # the share of the machine's cores the variant kept busy while it ran
-                name: sum(spent.values()) / (wall * cores) for name, (spent, _, wall) in used.items()
+                name: sum(use.spent.values()) / (use.wall * cores) for name, use in used.items()
             }
             row["tf_native_vs_ours"] = row["tf_native_s"] / row["ours_s"]
             row["unbatched_vs_ours"] = row["ours_unbatched_s"] / row["ours_s"]
