@@ -60,8 +60,10 @@ class StrategyFamily:
       pools_dynamic_tables: a collection's dynamic tables of one row width,
         shard count and key dtype share one row pool per device
         (`tf_sharded.table.dynamic_group`): one insert section per device
-        and step for all of them. Only where one copy of each table serves
-        every replica (parameter servers, one device, one worker's host).
+        and step for all of them. Where one copy of each table serves every
+        replica (parameter servers, one device, one worker's host), or one
+        copy per worker kept equal by inserting every replica's keys
+        (MultiWorkerMirroredStrategy).
     """
 
     name: str

@@ -173,6 +173,7 @@ MULTI_WORKER = register(
         transport=transport,
         fit_loop=lambda strategy, steps_per_execution: FitLoop.REPLICAS,
         dynamic_devices=multi_worker_dynamic_devices,
+        pools_dynamic_tables=True,
     ),
     tf.distribute.MultiWorkerMirroredStrategy,
 )

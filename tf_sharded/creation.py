@@ -210,7 +210,8 @@ def create_dynamic_in(strategy, name, dim, key_dtype, initializer, partitions, s
 
 def create_dynamic_group(strategy, name: str, tables, dtype, trainable: bool):
     """Dynamic tables sharing one row pool per device where the strategy pools them (parameter servers, the
-    default strategy, MirroredStrategy: `tf_sharded.table.dynamic_group`); None under any other strategy.
+    default, Mirrored and MultiWorkerMirrored strategies: `tf_sharded.table.dynamic_group`); None under any
+    other strategy.
 
     `tables`: per table, `create_dynamic_table`'s arguments (`name`, `dim`,
     `key_dtype`, `initializer`, `partitions`, `seed`, `admission`,

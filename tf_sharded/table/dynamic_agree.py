@@ -18,7 +18,7 @@ markers also tell where each replica's keys start.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import tensorflow as tf
 
@@ -49,11 +49,13 @@ def _join_codes(lengths: tf.Tensor, codes: tf.Tensor) -> tf.Tensor:
     return tf.strings.reduce_join(tf.RaggedTensor.from_row_lengths(pieces, lengths), axis=1)
 
 
-def gather_keys(ctx, keys: tf.Tensor, counts: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+def gather_keys(ctx, keys: tf.Tensor, counts: tf.Tensor, tags: Optional[tf.Tensor] = None):
     """All replicas' distinct `keys` and their `counts`, in replica order, and where this replica's keys start.
 
-    Returns `(keys, counts, start)`; the same keys and counts on every
-    replica, and `keys[start : start + len(keys)]` are this replica's.
+    Returns `(keys, counts, start)`, or `(keys, counts, start, tags)` when
+    `tags` (int64, one per key: the table of a key in a group of tables)
+    travel with them; the same on every replica, and
+    `keys[start : start + len(keys)]` are this replica's.
     """
     marker = tf.constant([-1], tf.int64)
     if keys.dtype == tf.string:
@@ -61,16 +63,16 @@ def gather_keys(ctx, keys: tf.Tensor, counts: tf.Tensor) -> Tuple[tf.Tensor, tf.
         word = lengths
     else:
         word = keys
-    meta = ctx.all_gather(
-        tf.concat([tf.stack([tf.zeros([1], tf.int64), marker], 1), tf.stack([word, counts], 1)], 0), 0
-    )
+    columns = [word, counts] if tags is None else [word, counts, tags]
+    first = [tf.zeros([1], tf.int64), marker] + [tf.zeros([1], tf.int64)] * (len(columns) - 2)
+    meta = ctx.all_gather(tf.concat([tf.stack(first, 1), tf.stack(columns, 1)], 0), 0)
     valid = meta[:, 1] >= 0
     markers = tf.cast(tf.where(tf.logical_not(valid))[:, 0], tf.int32)
     rid = tf.cast(ctx.replica_id_in_sync_group, tf.int32)
     start = tf.gather(markers, rid) - rid  # the markers before it (its own included) drop out
     words, all_counts = tf.boolean_mask(meta[:, 0], valid), tf.boolean_mask(meta[:, 1], valid)
-    if keys.dtype != tf.string:
-        return words, all_counts, start
-    all_codes = ctx.all_gather(tf.concat([marker, codes], 0), 0)
-    all_codes = tf.boolean_mask(all_codes, all_codes >= 0)
-    return _join_codes(words, all_codes), all_counts, start
+    extra = () if tags is None else (tf.boolean_mask(meta[:, 2], valid),)
+    if keys.dtype == tf.string:
+        all_codes = ctx.all_gather(tf.concat([marker, codes], 0), 0)
+        words = _join_codes(words, tf.boolean_mask(all_codes, all_codes >= 0))
+    return (words, all_counts, start) + extra

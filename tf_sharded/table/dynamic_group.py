@@ -1,5 +1,6 @@
-"""Dynamic tables that share one row pool per device: a collection's dynamic tables under parameter servers,
-the default strategy or MirroredStrategy (wherever one copy of each table serves every replica).
+"""Dynamic tables that share one row pool per device: a collection's dynamic tables under every strategy
+that has dynamic tables (parameter servers, the default strategy, MirroredStrategy, and
+MultiWorkerMirroredStrategy, whose workers keep their copies equal as `dynamic_agree` says).
 
 Each member stays a whole `DynamicTable`: its own key -> row index per
 shard, policies, table step, `size()`, `export()` and checkpoint entry (its
@@ -28,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sharded import policies
-from tf_sharded.table.dynamic_agree import agreeing_context
+from tf_sharded.table.dynamic_agree import agreeing_context, gather_keys
 from tf_sharded.table.dynamic_keys import shard_of_keys
 from tf_sharded.table.dynamic_packed import Request, expand, resolve_by_device
 from tf_sharded.table.dynamic_slot import DynamicSlot
@@ -111,12 +112,11 @@ class PooledTables:
 
 def lookup_groups(pairs, training: bool) -> list:
     """Rows of the `(table, rank-1 keys)` pairs whose tables share row pools, a group at a time
-    (`lookup_pooled`), None for the others: those of a lookup that does not train, tables whose copies
-    must agree across workers, and a table met again."""
+    (`lookup_pooled`), None for the others: those of a lookup that does not train, and a table met again."""
     groups: Dict[int, list] = {}
     for i, (table, _) in enumerate(pairs):
         group = group_of(table)
-        if group is None or not (training and table.trainable) or agreeing_context(table.strategy) is not None:
+        if group is None or not (training and table.trainable):
             continue
         members = groups.setdefault(id(group), [])
         if all(pairs[j][0] is not table for j in members):
@@ -136,22 +136,29 @@ def _sizes(pairs):
 
 def _distinct(pairs, sizes):
     """`(keys, table, idx)` of every table's keys as one tensor: the distinct `(table, key)` pairs' keys and
-    tables (int32), and each caller key's position among them.
+    tables (int32), and each caller key's position among them (`_distinct_pairs`)."""
+    m = len(pairs)
+    keys = tf.concat([k for _, k in pairs], 0)
+    if m == 1:
+        distinct, idx = tf.unique(keys, out_idx=tf.int32)
+        return distinct, tf.zeros(tf.shape(distinct), tf.int32), idx
+    if isinstance(sizes, list):
+        table_of = tf.constant(np.repeat(np.arange(m, dtype=np.int64), sizes))
+    else:
+        table_of = tf.repeat(tf.range(m, dtype=tf.int64), sizes)
+    return _distinct_pairs(keys, table_of, m)
+
+
+def _distinct_pairs(keys, table_of, m: int):
+    """The distinct `(table_of, keys)` pairs (`table_of` int64, below `m`) in order of first appearance, as
+    `(keys, table (int32), each pair's position among them)`.
 
     Two `tf.unique`s over all the keys, not one per table: first the keys
     alone, then (that key's position, table) as one int64, which is
     collision-free. A `unique`, a count and an offset per table would be
     most of the ops the worker runs in a step.
     """
-    m = len(pairs)
-    keys = tf.concat([k for _, k in pairs], 0)
     distinct, first = tf.unique(keys, out_idx=tf.int64)
-    if m == 1:
-        return distinct, tf.zeros(tf.shape(distinct), tf.int32), tf.cast(first, tf.int32)
-    if isinstance(sizes, list):
-        table_of = tf.constant(np.repeat(np.arange(m, dtype=np.int64), sizes))
-    else:
-        table_of = tf.repeat(tf.range(m, dtype=tf.int64), sizes)
     pair, idx = tf.unique(first * m + table_of, out_idx=tf.int32)
     return tf.gather(distinct, pair // m), tf.cast(pair % m, tf.int32), idx
 
@@ -165,6 +172,10 @@ def lookup_pooled(pairs) -> List[tf.Tensor]:
     order, and its gradient one segment sum, instead of each of these per
     table: with the pools shared, those per-table ops are most of what the
     worker executes in a step.
+
+    Under MultiWorkerMirroredStrategy every worker inserts every replica's
+    pairs, in replica order, into its own copy (`dynamic_agree`), so that
+    the copies agree, and reads the values of its own.
     """
     tables = [t for t, _ in pairs]
     m, n = len(tables), tables[0].num_shards
@@ -172,13 +183,23 @@ def lookup_pooled(pairs) -> List[tf.Tensor]:
     keys, table, idx = _distinct(pairs, sizes)
     total = tf.size(keys)
     counts = tf.math.unsorted_segment_sum(tf.ones_like(idx, tf.int64), idx, total)
+    position = tf.range(total)  # of each pair inserted, among this replica's pairs (-1: another replica's only)
+    ctx = agreeing_context(tables[0].strategy)
+    if ctx is not None:
+        every_keys, every_counts, start, every_table = gather_keys(ctx, keys, counts, tf.cast(table, tf.int64))
+        keys, table, at = _distinct_pairs(every_keys, every_table, m)
+        counts = tf.math.unsorted_segment_sum(every_counts, at, tf.size(keys))
+        mine = tf.slice(at, [start], [total])
+        position = tf.tensor_scatter_nd_update(tf.fill(tf.shape(keys), -1), mine[:, None], position)
     where = shard_of_keys(keys, n) * m + table
-    parts = [tf.dynamic_partition(t, where, m * n) for t in (keys, counts, tf.range(total))]
+    parts = [tf.dynamic_partition(t, where, m * n) for t in (keys, counts, position)]
+    wanted = [None if ctx is None else tf.where(p >= 0)[:, 0] for p in parts[2]]
+    positions = parts[2] if ctx is None else [tf.gather(p, w) for p, w in zip(parts[2], wanted)]
     steps = [t.step.assign_add(1) for t in tables]
-    requests = [Request(t, s, parts[0][s * m + j], parts[1][s * m + j], steps[j]) for s in range(n)
-                for j, t in enumerate(tables)]  # fmt: skip
+    requests = [Request(t, s, parts[0][s * m + j], parts[1][s * m + j], steps[j], wanted[s * m + j])
+                for s in range(n) for j, t in enumerate(tables)]  # fmt: skip
     by_device = resolve_by_device(requests)
-    positions = [tf.concat([parts[2][i] for i in members], 0) for members, _, _ in by_device]
-    unique_rows = tf.dynamic_stitch(positions, [values for _, values, _ in by_device])
+    stitched = [tf.concat([positions[i] for i in members], 0) for members, _, _ in by_device]
+    unique_rows = tf.dynamic_stitch(stitched, [values for _, values, _ in by_device])
     rows = expand(unique_rows, idx, total)
     return [rows] if m == 1 else tf.split(rows, sizes, num=m)

@@ -23,12 +23,14 @@ from tf_sharded.table.dynamic_lock import locked_together
 
 
 class Request:
-    """One shard's part of a training lookup: its distinct keys and their counts (on the worker), and the
-    table's step for this lookup (where the step variable lives)."""
+    """One shard's part of a training lookup: its distinct keys and their counts (on the worker), the table's
+    step for this lookup (where the step variable lives), and which of the keys' values come back (`wanted`:
+    their positions among `keys`; None: all). A worker under MultiWorkerMirroredStrategy inserts every
+    replica's keys into its copy but reads only its own."""
 
-    def __init__(self, table, shard: int, keys: tf.Tensor, counts: tf.Tensor, step: tf.Tensor):
+    def __init__(self, table, shard: int, keys: tf.Tensor, counts: tf.Tensor, step: tf.Tensor, wanted=None):
         self.table, self.shard, self.keys, self.counts, self.step = table, shard, keys, counts, step
-        self.device = table.shards[shard].device
+        self.device, self.wanted = table.shards[shard].device, wanted
 
 
 def resolve(requests: Sequence[Request]) -> List[tf.Tensor]:
@@ -71,8 +73,22 @@ def resolve_by_device(requests: Sequence[Request]) -> List[Tuple[List[int], tf.T
     for device, members, key_parts, sizes, here, order, count in inputs:
         results = [next(rows) for _ in range(count)]
         found = [results[b][j] for b, j in order]
-        out.append((members, _gather_on(device, [requests[i] for i in members], key_parts, found, here), sizes))
+        mine = [requests[i] for i in members]
+        if any(r.wanted is not None for r in mine):
+            key_parts, found, sizes, here = _wanted(device, mine, key_parts, found)
+        out.append((members, _gather_on(device, mine, key_parts, found, here), sizes))
     return out
+
+
+def _wanted(device: str, requests: Sequence[Request], keys, found):
+    """The `wanted` keys and found rows of each of `requests` (all of them where None), with their numbers
+    on the worker and on `device`."""
+    with tf.device(device):
+        keys = [k if r.wanted is None else tf.gather(k, r.wanted) for r, k in zip(requests, keys)]
+        found = [f if r.wanted is None else tf.gather(f, r.wanted) for r, f in zip(requests, found)]
+        here = tf.stack([tf.size(k, out_type=tf.int32) for k in keys])
+    sizes = tf.stack([tf.size(r.keys if r.wanted is None else r.wanted, out_type=tf.int32) for r in requests])
+    return keys, found, sizes, here
 
 
 def _bodies(parts) -> tuple:
