@@ -12,11 +12,9 @@ from tests.harness.models import (
     assert_matches_dynamic_reference,
     make_dynamic_model,
 )
-from tests.harness.steps import squared_norm_collection_step
 from tests.harness.strategies import mirrored, uid
 from tests.test_dynamic import DIM, Reference, by_key, power_law_keys
-from tests.test_dynamic_pooled import DIM as POOL_DIM
-from tests.test_dynamic_pooled import NAMES, PooledReference, assert_like_reference, key_batches
+from tests.test_dynamic_pooled import assert_like_reference, key_batches, pooled_collection, train_replicas
 from tf_sharded.table import owner_of
 
 pytestmark = pytest.mark.mirrored
@@ -70,13 +68,7 @@ class DynamicMirroredTest(tf.test.TestCase):
         # insert section a step for both); the pools' gradient is all-gathered once, as each table's was.
         strategy = mirrored()
         replicas = strategy.num_replicas_in_sync
-        tables = {n: {"output_dim": POOL_DIM, "vocabulary": "dynamic", "seed": i + 1} for i, n in enumerate(NAMES)}
-        tables["c"]["key_dtype"] = "string"
-        with strategy.scope():
-            layer = tfs.layers.EmbeddingCollection(tables, {n: n for n in NAMES})
-            layer.build()
-            optimizer = tfs.optimizers.Adagrad(0.3)
-            optimizer.build(layer.trainable_variables)
+        layer, optimizer = pooled_collection(strategy)
         pooled = layer.tables
         self.assertIs(pooled["a"].variables[0], pooled["b"].variables[0])
         self.assertIsNot(pooled["a"].variables[0], pooled["c"].variables[0])
@@ -84,14 +76,7 @@ class DynamicMirroredTest(tf.test.TestCase):
         self.assertEqual(owner_of(pooled["a"].variables[0])[0].exchange.mode, "allgather")
         rng = np.random.default_rng(3)
         steps = [key_batches(rng, replicas, n=16) for _ in range(4)]  # per step, a batch per replica
-        whole = [{n: np.concatenate([b[n] for b in s]) for n in NAMES} for s in steps]
-        reference = PooledReference(pooled, whole, 0.3)
-        step = squared_norm_collection_step(strategy, layer, optimizer)
-        for per_step, batch in zip(steps, whole):
-            step(strategy.experimental_distribute_values_from_function(
-                lambda ctx, s=per_step: {n: tf.constant(s[ctx.replica_id_in_sync_group][n]) for n in NAMES}
-            ))  # fmt: skip
-            reference.step(batch)
+        reference = train_replicas(strategy, layer, optimizer, steps)
         # The accumulators sum squared gradients up to ~80: float32 sums in another order differ by ~4e-5.
         assert_like_reference(self, pooled, reference, accumulator_rtol=1e-5)
 

@@ -93,27 +93,14 @@ print(f"worker {task} fit digest {digest(model.get_layer('emb').table)}", flush=
 
 # 4. A collection's int64 tables share one pool in each worker's copy ("c", of strings, has its own), and each
 #    worker inserts both workers' keys: the copies agree and every table matches its reference.
-from tests.harness.steps import squared_norm_collection_step
-from tests.test_dynamic_pooled import DIM as POOL_DIM, NAMES, PooledReference, assert_like_reference, key_batches
+from tests.test_dynamic_pooled import NAMES, assert_like_reference, key_batches, pooled_collection, train_replicas
 
-tables = {n: {"output_dim": POOL_DIM, "vocabulary": "dynamic", "seed": i + 1} for i, n in enumerate(NAMES)}
-tables["c"]["key_dtype"] = "string"
-with strategy.scope():
-    layer = tfs.layers.EmbeddingCollection(tables, {n: n for n in NAMES})
-    layer.build()
-    adagrad = tfs.optimizers.Adagrad(0.3)
-    adagrad.build(layer.trainable_variables)
+layer, adagrad = pooled_collection(strategy)
 pooled = layer.tables
 assert pooled["a"].variables[0] is pooled["b"].variables[0] is not pooled["c"].variables[0]
 batches = [key_batches(np.random.default_rng(3 + s), 2, n=16) for s in range(4)]  # per step, one per worker
 batches[2][1] = {n: v[:0] for n, v in batches[2][1].items()}  # worker 1 meets no keys in step 3
-whole = [{n: np.concatenate([b[n] for b in s]) for n in NAMES} for s in batches]
-reference = PooledReference(pooled, whole, 0.3)
-collection_step = squared_norm_collection_step(strategy, layer, adagrad)
-for per_step, batch in zip(batches, whole):
-    collection_step(strategy.experimental_distribute_values_from_function(
-        lambda ctx, s=per_step: {n: tf.constant(s[ctx.replica_id_in_sync_group][n]) for n in NAMES}))
-    reference.step(batch)
+reference = train_replicas(strategy, layer, adagrad, batches)
 assert_like_reference(check, pooled, reference, accumulator_rtol=1e-5)
 print(f"worker {task} pooled digest {'-'.join(digest(pooled[n]) for n in NAMES)}", flush=True)
 print("MWMS DYNAMIC OK", flush=True)

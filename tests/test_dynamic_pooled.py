@@ -61,6 +61,37 @@ class PooledReference:
         return {k: value[i] for k, i in self.row[name].items()}
 
 
+def pooled_collection(strategy, batch_tables=True, build_optimizer=True, **policies):
+    """A collection of NAMES' dynamic tables ("c" of strings; policies per table name) and its Adagrad(0.3),
+    under `strategy`."""
+    tables = {}
+    for i, n in enumerate(NAMES):
+        key_dtype = "string" if n == "c" else "int64"
+        tables[n] = {"output_dim": DIM, "vocabulary": "dynamic", "seed": i + 1, "key_dtype": key_dtype}
+        tables[n].update(policies.get(n, {}))
+    with strategy.scope():
+        layer = tfs.layers.EmbeddingCollection(tables, {n: n for n in NAMES}, batch_tables=batch_tables)
+        layer.build()
+        optimizer = tfs.optimizers.Adagrad(0.3)
+        if build_optimizer:
+            optimizer.build(layer.trainable_variables)
+    return layer, optimizer
+
+
+def train_replicas(strategy, layer, optimizer, steps) -> PooledReference:
+    """Trains `layer` on `steps` (per step, a `key_batches` batch per replica) and a `PooledReference` on each
+    step's batches joined; returns the reference."""
+    whole = [{n: np.concatenate([b[n] for b in s]) for n in NAMES} for s in steps]
+    reference = PooledReference(layer.tables, whole, 0.3)
+    step = squared_norm_collection_step(strategy, layer, optimizer)
+    for per_step, batch in zip(steps, whole):
+        step(strategy.experimental_distribute_values_from_function(
+            lambda ctx, s=per_step: {n: tf.constant(s[ctx.replica_id_in_sync_group][n]) for n in NAMES}
+        ))  # fmt: skip
+        reference.step(batch)
+    return reference
+
+
 def assert_like_reference(test, tables, reference, accumulator_rtol: float = 1e-6) -> None:
     """Each table holds its `PooledReference`'s keys, rows and Adagrad accumulators."""
     for name in NAMES:
@@ -81,20 +112,7 @@ class PooledDynamicTablesTest(tf.test.TestCase):
         cls.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(cls.strategy)
 
     def collection(self, strategy=None, batch_tables=True, build_optimizer=True, **policies):
-        """A collection of NAMES' dynamic tables (policies per table name) and its Adagrad, under `strategy`."""
-        strategy = strategy or self.strategy
-        tables = {}
-        for i, n in enumerate(NAMES):
-            key_dtype = "string" if n == "c" else "int64"
-            tables[n] = {"output_dim": DIM, "vocabulary": "dynamic", "seed": i + 1, "key_dtype": key_dtype}
-            tables[n].update(policies.get(n, {}))
-        with strategy.scope():
-            layer = tfs.layers.EmbeddingCollection(tables, {n: n for n in NAMES}, batch_tables=batch_tables)
-            layer.build()
-            optimizer = tfs.optimizers.Adagrad(0.3)
-            if build_optimizer:
-                optimizer.build(layer.trainable_variables)
-        return layer, optimizer
+        return pooled_collection(strategy or self.strategy, batch_tables, build_optimizer, **policies)
 
     def model_of(self, layer) -> keras.Model:
         """A Keras model of `layer`: one input per table, the rows concatenated."""
