@@ -93,7 +93,8 @@ print(f"worker {task} fit digest {digest(model.get_layer('emb').table)}", flush=
 
 # 4. A collection's int64 tables share one pool in each worker's copy ("c", of strings, has its own), and each
 #    worker inserts both workers' keys: the copies agree and every table matches its reference.
-from tests.test_dynamic_pooled import NAMES, assert_like_reference, key_batches, pooled_collection, train_replicas
+from tests.test_dynamic_pooled import (NAMES, assert_like_reference, assert_rows_accounted, assert_same_tables,
+                                       key_batches, pooled_collection, train_replicas)
 
 layer, adagrad = pooled_collection(strategy)
 pooled = layer.tables
@@ -103,6 +104,20 @@ batches[2][1] = {n: v[:0] for n, v in batches[2][1].items()}  # worker 1 meets n
 reference = train_replicas(strategy, layer, adagrad, batches)
 assert_like_reference(check, pooled, reference, accumulator_rtol=1e-5)
 print(f"worker {task} pooled digest {'-'.join(digest(pooled[n]) for n in NAMES)}", flush=True)
+
+# 5. Policies in a shared pool ("a" evicts keys unseen for a step, "b" admits a key at its second occurrence):
+#    the pooled collection holds what one with a pool per table holds, keys, rows and columns.
+policies = {"a": {"eviction": tfs.StepsSinceSeenEviction(1, every=1)}, "b": {"admission": tfs.MinCountAdmission(2)}}
+(shared, shared_opt), (alone, alone_opt) = [pooled_collection(strategy, b, **policies) for b in (True, False)]
+assert shared.tables["a"].variables[0] is shared.tables["b"].variables[0]
+assert alone.tables["a"].variables[0] is not alone.tables["b"].variables[0]
+batches = [key_batches(np.random.default_rng(9 + s), 2, n=16) for s in range(4)]
+for layer_, optimizer_ in ((shared, shared_opt), (alone, alone_opt)):
+    train_replicas(strategy, layer_, optimizer_, batches)
+assert_same_tables(check, shared, alone, columns=("accumulator", "seen", "hits"), atol=1e-5)
+assert_rows_accounted(check, shared)
+assert int(shared.tables["b"].size()) < len({k for s in batches for b in s for k in b["b"].tolist()})
+print(f"worker {task} policies digest {'-'.join(digest(shared.tables[n]) for n in NAMES)}", flush=True)
 print("MWMS DYNAMIC OK", flush=True)
 """
 
@@ -114,7 +129,7 @@ class DynamicMultiWorkerTest(tf.test.TestCase):
         for rc, out, err in outputs:
             self.assertEqual(rc, 0, msg=out + err[-4000:])
             self.assertIn("MWMS DYNAMIC OK", out)
-        for part in ("custom", "strings", "fit", "pooled"):
+        for part in ("custom", "strings", "fit", "pooled", "policies"):
             digests = {re.search(rf"{part} digest (\w+)", out).group(1) for _, out, _ in outputs}
             self.assertEqual(len(digests), 1, msg=f"{part}: the workers' copies differ: {digests}")
         # Worker 0's checkpoint restores into 3 local shards under the default strategy.

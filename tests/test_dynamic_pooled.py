@@ -92,6 +92,25 @@ def train_replicas(strategy, layer, optimizer, steps) -> PooledReference:
     return reference
 
 
+def assert_same_tables(test, layer, other, columns=("accumulator",), atol=1e-6) -> None:
+    """`layer`'s tables hold `other`'s keys, rows and `columns`, table by table."""
+    for name in NAMES:
+        for column in (None, *columns):
+            expected = by_key(other.tables[name], column)
+            got = by_key(layer.tables[name], column)
+            test.assertEqual(set(got), set(expected), f"table {name}, column {column}")
+            for key, value in got.items():
+                test.assertAllClose(value, expected[key], atol=atol, msg=f"table {name} key {key} {column}")
+
+
+def assert_rows_accounted(test, layer) -> None:
+    """In every pool, the rows handed out and not freed are exactly its members' live keys."""
+    tables = list(layer.tables.values())
+    for pool in {id(s.pool): s.pool for t in tables for s in t.shards}.values():
+        live = sum(int(s.size()) for s in pool.members)
+        test.assertEqual(int(pool.count.numpy()) - int(pool.free_count.numpy()), live)
+
+
 def assert_like_reference(test, tables, reference, accumulator_rtol: float = 1e-6) -> None:
     """Each table holds its `PooledReference`'s keys, rows and Adagrad accumulators."""
     for name in NAMES:
@@ -134,20 +153,10 @@ class PooledDynamicTablesTest(tf.test.TestCase):
         self.coordinator.join()
 
     def assert_same_tables(self, layer, other, columns=("accumulator",), atol=1e-6) -> None:
-        for name in NAMES:
-            for column in (None, *columns):
-                expected = by_key(other.tables[name], column)
-                got = by_key(layer.tables[name], column)
-                self.assertEqual(set(got), set(expected), f"table {name}, column {column}")
-                for key, value in got.items():
-                    self.assertAllClose(value, expected[key], atol=atol, msg=f"table {name} key {key} {column}")
+        assert_same_tables(self, layer, other, columns, atol)
 
     def assert_rows_accounted(self, layer) -> None:
-        """In every pool, the rows handed out and not freed are exactly its members' live keys."""
-        tables = list(layer.tables.values())
-        for pool in {id(s.pool): s.pool for t in tables for s in t.shards}.values():
-            live = sum(int(s.size()) for s in pool.members)
-            self.assertEqual(int(pool.count.numpy()) - int(pool.free_count.numpy()), live)
+        assert_rows_accounted(self, layer)
 
     def test_tables_share_a_pool_per_ps_and_each_trains_like_its_own_reference(self):
         layer, optimizer = self.collection()
