@@ -45,8 +45,8 @@ def resolve(requests: Sequence[Request]) -> List[tf.Tensor]:
 
 def resolve_by_device(requests: Sequence[Request]) -> List[Tuple[List[int], tf.Tensor, tf.Tensor]]:
     """`resolve`, as it comes back: per device (and key dtype), `(positions of its requests, their values
-    concatenated in that order, each request's number of keys)`. Requests whose shards share a row pool
-    insert in one body."""
+    concatenated in that order, each request's number of values)` (a request's `wanted` keys, where it names
+    them). Requests whose shards share a row pool insert in one body."""
     by_device: Dict[tuple, List[int]] = {}  # keys of one dtype travel together (a collection mixes them)
     for i, request in enumerate(requests):
         by_device.setdefault((request.device, request.keys.dtype), []).append(i)
