@@ -57,13 +57,6 @@ class StrategyFamily:
         -> tables of one dtype and row shape stored together (table-batched
         storage, `tf_sharded.table.batched`); None: each table has its own
         variables.
-      pools_dynamic_tables: a collection's dynamic tables of one row width,
-        shard count and key dtype share one row pool per device
-        (`tf_sharded.table.dynamic_group`): one insert section per device
-        and step for all of them. Where one copy of each table serves every
-        replica (parameter servers, one device, one worker's host), or one
-        copy per worker kept equal by inserting every replica's keys
-        (MultiWorkerMirroredStrategy).
     """
 
     name: str
@@ -75,7 +68,6 @@ class StrategyFamily:
     dataset_function: bool = False
     dynamic_devices: Optional[Callable[[Any, Optional[int]], list]] = None
     create_group: Optional[Callable[..., list]] = None
-    pools_dynamic_tables: bool = False
 
 
 _FAMILIES: Dict[type, StrategyFamily] = {}

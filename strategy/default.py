@@ -28,7 +28,7 @@ def dynamic_devices(strategy, num_shards):
 
 
 FAMILY = register(
-    StrategyFamily(name="default", create=create, dynamic_devices=dynamic_devices, pools_dynamic_tables=True),
+    StrategyFamily(name="default", create=create, dynamic_devices=dynamic_devices),
     _compat.default_strategy_type(),
     tf.distribute.OneDeviceStrategy,
 )

@@ -141,7 +141,6 @@ MIRRORED = register(
         transport=transport,
         fit_loop=_mirrored_fit_loop,
         dynamic_devices=dynamic_devices,
-        pools_dynamic_tables=True,
     ),
     tf.distribute.MirroredStrategy,
 )
@@ -173,7 +172,6 @@ MULTI_WORKER = register(
         transport=transport,
         fit_loop=lambda strategy, steps_per_execution: FitLoop.REPLICAS,
         dynamic_devices=multi_worker_dynamic_devices,
-        pools_dynamic_tables=True,
     ),
     tf.distribute.MultiWorkerMirroredStrategy,
 )

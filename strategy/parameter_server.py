@@ -102,7 +102,6 @@ FAMILY = register(
         dataset_function=True,
         dynamic_devices=dynamic_devices,
         create_group=create_group,
-        pools_dynamic_tables=True,
     ),
     tf.distribute.experimental.ParameterServerStrategy,
 )

@@ -209,16 +209,15 @@ def create_dynamic_in(strategy, name, dim, key_dtype, initializer, partitions, s
 
 
 def create_dynamic_group(strategy, name: str, tables, dtype, trainable: bool):
-    """Dynamic tables sharing one row pool per device where the strategy pools them (parameter servers, the
-    default, Mirrored and MultiWorkerMirrored strategies: `tf_sharded.table.dynamic_group`); None under any
-    other strategy.
+    """Dynamic tables sharing one row pool per device (`tf_sharded.table.dynamic_group`), under every strategy
+    that has dynamic tables; None under any other.
 
     `tables`: per table, `create_dynamic_table`'s arguments (`name`, `dim`,
     `key_dtype`, `initializer`, `partitions`, `seed`, `admission`,
     `eviction`); all of one `dim` and `partitions`, none bounded.
     """
     family = family_of(strategy)
-    if not family.pools_dynamic_tables or family.dynamic_devices is None:
+    if family.dynamic_devices is None:
         return None
     partitions = tables[0]["partitions"]
     devices = family.dynamic_devices(strategy, None if partitions is None else positive_int("partitions", partitions))

@@ -110,11 +110,10 @@ def create_layer_dynamic_table(layer: keras.layers.Layer, name: str, dim: int, p
 
 
 def create_layer_dynamic_group(layer: keras.layers.Layer, tables, name: str, prefix: str):
-    """Dynamic tables sharing one row pool per device where the strategy pools them (parameter servers, the
-    default strategy, MirroredStrategy: `tf_sharded.table.dynamic_group`), the pools as `layer`'s Keras
-    weights (once for all the tables).
+    """Dynamic tables sharing one row pool per device (`tf_sharded.table.dynamic_group`), the pools as
+    `layer`'s Keras weights (once for all the tables).
 
-    `tables`: per table, `create_dynamic_table`'s arguments. None if the strategy does not pool them.
+    `tables`: per table, `create_dynamic_table`'s arguments. None if the strategy has no dynamic tables.
     """
     from tf_sharded.creation import create_dynamic_group
     from tf_sharded.table.dynamic_group import group_of

@@ -70,7 +70,7 @@ class PooledTables:
         self.dim, self.dtype, self.strategy = first.dim, first.dtype, first.strategy
         self.trainable = first.trainable
         # The pools' gradient is exchanged as each member's would be: not at all with one copy per ps or
-        # device, all-gathered among the replicas that share a host copy (MirroredStrategy).
+        # device, all-gathered among the replicas of the Mirrored strategies (host copies).
         self.exchange, self.placement = first.exchange, first.placement
         for member in self._members:
             _GROUP[member] = self
