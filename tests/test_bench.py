@@ -85,8 +85,8 @@ class BenchmarkSuiteTest(tf.test.TestCase):
         bench = ["-m", "tf_sharded", "bench", "--quick", "--out", out]
         runs = run_python_together(
             [
-                bench + ["e2e", "quantize", "mwprofile", "plan"],
-                bench + ["ps", "exchange", "fused", "memory", "dynamic"],
+                bench + ["e2e", "quantize", "mwprofile"],
+                bench + ["ps", "exchange", "fused", "memory", "dynamic", "plan"],
             ],
             900,
         )
@@ -99,7 +99,9 @@ class BenchmarkSuiteTest(tf.test.TestCase):
         self.check_exchange(out)
         with open(os.path.join(out, "ps.json")) as f:
             ps = json.load(f)
-        self.assertEqual((ps["benchmark"], ps["mode"], ps["batch"], ps["dim"]), ("ps", "inprocess", 512, 16))
+        self.assertEqual(
+            (ps["benchmark"], ps["mode"], ps["features"], ps["batch"], ps["dim"]), ("ps", "inprocess", 6, 512, 16)
+        )
         peers = not ps["tfra"].startswith("skipped")
         for row in ps["results"]:
             self.assertEqual(set(row), PS_KEYS | (TFRA_KEYS if peers else set()))

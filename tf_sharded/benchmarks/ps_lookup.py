@@ -74,6 +74,9 @@ and `sync / stale` (`overlap_*_speedup`). The agreement check runs the
 looped forms too (`agreement_multi`: the 3 steps in one scheduled function)
 and the probe's loops (`agreement_overlap`).
 
+`--quick` (for tests: it checks the report, not speed) keeps the first
+`QUICK_FEATURES` tables, capped at 20,000 rows, one round of 4 steps.
+
     python -m tf_sharded bench ps [--quick] [--mode inprocess|process]
 """
 
@@ -98,6 +101,7 @@ SCALE = 1e-3
 CHECK_ROWS = 500  # rows per table in the agreement check
 CONCURRENT_STEPS = 16
 TOLERANCE = 1e-4  # float32 rounding of ~1,000 duplicate updates of one row in a batch, in either order
+QUICK_FEATURES = 6  # tables with --quick: tracing every variant over 26 tables is most of a quick run's time
 PER_EXECUTION = 8  # steps per scheduled function of the `*_multi` variants (as e2e's `ours_multi`)
 MULTI = ("ours", "tf_native", "tfra_per_feature", "tfra_one_table", "dispatch")  # variants also timed looped
 
@@ -358,7 +362,13 @@ def _start_rows(keys, seed: int):
     return rng, [rng.uniform(-1.0, 1.0, [CHECK_ROWS, DIM]).astype(np.float32) for _ in keys]
 
 
-def concurrency(mode: str = "inprocess") -> Dict:
+def _keys(quick: bool) -> List[str]:
+    from tf_sharded.app import data
+
+    return data.CATEGORICAL_KEYS[:QUICK_FEATURES] if quick else data.CATEGORICAL_KEYS
+
+
+def concurrency(mode: str = "inprocess", quick: bool = False) -> Dict:
     """Every variant stepped by two workers at once against the same steps run one after another.
 
     Per variant: the largest difference from the serial reference, the share of rows off by more than the
@@ -369,9 +379,8 @@ def concurrency(mode: str = "inprocess") -> Dict:
     import tensorflow as tf
 
     import tf_sharded as tfs
-    from tf_sharded.app import data
 
-    keys = data.CATEGORICAL_KEYS
+    keys = _keys(quick)
     cluster, strategy, coordinator, peer, _ = _cluster(mode, workers=2)
     try:
         rng, initial = _start_rows(keys, 11)
@@ -403,11 +412,12 @@ def concurrency(mode: str = "inprocess") -> Dict:
         cluster.stop()
 
 
-def concurrency_in_child(mode: str) -> Dict:
-    """`concurrency(mode)` in a new process (a second local cluster in this one is not supported)."""
+def concurrency_in_child(mode: str, quick: bool = False) -> Dict:
+    """`concurrency(mode, quick)` in a new process (a second local cluster in this one is not supported)."""
     from tf_sharded.benchmarks.children import child_env
 
     command = [sys.executable, "-m", "tf_sharded.benchmarks.ps_lookup", "--concurrency", mode]
+    command += ["--quick"] if quick else []
     done = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
@@ -423,7 +433,8 @@ def run(quick: bool = False, mode: str = "inprocess", rounds: int = None) -> Dic
     from tf_sharded.app import data
 
     max_vocab = 20_000 if quick else 1_000_000
-    vocab = data.vocab_sizes(max_vocab)
+    keys = _keys(quick)
+    vocab = data.vocab_sizes(max_vocab)[: len(keys)]
     steps = 4 if quick else 20
     per_execution = 2 if quick else PER_EXECUTION
     rounds = rounds or (1 if quick else 3)
@@ -431,7 +442,6 @@ def run(quick: bool = False, mode: str = "inprocess", rounds: int = None) -> Dic
     cluster, strategy, coordinator, peer, skipped = _cluster(mode, workers=1)
     clock, cores = CpuClock(cluster), len(os.sched_getaffinity(0))
     try:
-        keys = data.CATEGORICAL_KEYS
         check = agreement(tf, tfs, keras, strategy, coordinator, keys, peer)
         check_multi = agreement(tf, tfs, keras, strategy, coordinator, keys, peer, multi=True)
         scheduled, _, ours = _variants(tf, tfs, keras, strategy, keys, vocab, "", peer)
@@ -514,6 +524,7 @@ def run(quick: bool = False, mode: str = "inprocess", rounds: int = None) -> Dic
             "mode": mode,
             "quick": quick,
             "max_vocab": max_vocab,
+            "features": len(keys),
             "table_rows": int(sum(vocab)),
             "dim": DIM,
             "batch": BATCH,
@@ -530,7 +541,7 @@ def run(quick: bool = False, mode: str = "inprocess", rounds: int = None) -> Dic
         }
     finally:
         cluster.stop()
-    report["concurrency"] = concurrency_in_child(mode)
+    report["concurrency"] = concurrency_in_child(mode, quick)
     return report
 
 
@@ -617,6 +628,6 @@ def _cpu_text(row: Dict, name: str) -> str:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["--concurrency"] or len(sys.argv) != 3:
-        sys.exit("usage: python -m tf_sharded.benchmarks.ps_lookup --concurrency inprocess|process")
-    print(json.dumps(concurrency(sys.argv[2])))
+    if sys.argv[1:2] != ["--concurrency"] or len(sys.argv) < 3 or sys.argv[3:] not in ([], ["--quick"]):
+        sys.exit("usage: python -m tf_sharded.benchmarks.ps_lookup --concurrency inprocess|process [--quick]")
+    print(json.dumps(concurrency(sys.argv[2], quick=sys.argv[3:] == ["--quick"])))
