@@ -120,14 +120,15 @@ class ApplicationTest(tf.test.TestCase):
         ckpt = os.path.join(out, "ckpt")
         # The default strategy (parameter servers, a local cluster): each worker opens the file itself.
         first, strict = run_python_together(
-            [train_args("--data", tsv, "--checkpoint_dir", ckpt), train_args("--strategy", "default", "--data", tsv,
-                                                                             "--strict")]
+            [train_args("--data", tsv, "--checkpoint_dir", ckpt, "--steps", "5"),
+             train_args("--strategy", "default", "--data", tsv, "--strict")]
         )  # fmt: skip
         self.assertEqual(first.returncode, 0, first.stderr[-3000:])
         self.assertIn("under parameter_server", first.stdout)
-        self.assertIn("4 steps (4 this run)", summary(first))
+        # --steps is the total: 5 is 2 epochs of 2 steps and one step of a third.
+        self.assertIn("5 steps (5 this run)", summary(first))
         self.assertIn(f"skipped 1 malformed record(s); first: {name}:150: Expect 40 fields but have 4", first.stdout)
-        self.assertIn(f"checkpoint: {ckpt}/ckpt-4", first.stdout)
+        self.assertIn(f"checkpoint: {ckpt}/ckpt-5", first.stdout)
         self.assertEqual(strict.returncode, 1)
         self.assertEqual(
             strict.stderr.strip().splitlines()[-1],
@@ -137,11 +138,13 @@ class ApplicationTest(tf.test.TestCase):
 
         # Parquet under parameter servers with a process per task: each worker process reads its own share.
         again, from_parquet = run_python_together(
-            [train_args("--strategy", "mirrored", "--data", tsv, "--checkpoint_dir", ckpt, "--steps", "6"),
+            [train_args("--strategy", "mirrored", "--data", tsv, "--checkpoint_dir", ckpt, "--steps", "7"),
              train_args("--local_cluster", "process", "--data", pq)]
         )  # fmt: skip
         self.assertEqual(again.returncode, 0, again.stderr[-3000:])
-        self.assertIn("6 steps (2 this run)", summary(again))
+        # Resumed inside an epoch, under another strategy (Keras's model.fit): steps 6 and 7.
+        self.assertIn("7 steps (2 this run)", summary(again))
+        self.assertIn(f"checkpoint: {ckpt}/ckpt-7", again.stdout)
         self.assertEqual(from_parquet.returncode, 0, from_parquet.stderr[-3000:])
         # Its functions are released while the tasks still run: nothing on stderr about unreachable tasks at exit.
         self.assertNotIn("Failed to remove function remotely", from_parquet.stderr)

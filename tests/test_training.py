@@ -54,6 +54,10 @@ def table_of(model):
     return next(w for w in model.weights if "embedding" in w.path).numpy()
 
 
+def ours_table(model):
+    return model.get_layer(index=1).embeddings.numpy()
+
+
 class FitTest(tf.test.TestCase):
     def test_fit_is_keras_fit_step_for_step(self):
         ours, twin = model_and_twin()
@@ -97,6 +101,54 @@ class FitTest(tf.test.TestCase):
         twin.fit(data(), epochs=3, verbose=0, shuffle=False)
         self.assertAllClose(again.get_layer(index=1).embeddings.numpy(), table_of(twin), atol=1e-6)
         self.assertEqual(tfs.training.steps_done(again), 18)
+
+    def test_max_steps_ends_inside_an_epoch_and_a_rerun_continues_to_it(self):
+        # Keras's model.fit (one step per function), 3 epochs of 4 steps cut at step 10; the rerun (a fresh
+        # model restored from step 10, the stream positioned by its caller) goes on to 14 in epoch 3.
+        directory = os.path.join(self.get_temp_dir(), "max_steps")
+        stream = data().repeat()
+        ours, twin = model_and_twin()
+        history = tfs.fit(ours, stream, epochs=3, steps_per_epoch=4, max_steps=10, checkpoint_dir=directory,
+                          verbose=0)  # fmt: skip
+        self.assertEqual((tfs.training.steps_done(ours), history.initial_step), (10, 0))
+        self.assertLen(history.history["loss"], 3)  # the third epoch cut short after 2 steps
+        self.assertEqual(tf.train.latest_checkpoint(directory), os.path.join(directory, "ckpt-10"))
+        twin.fit(stream, epochs=1, steps_per_epoch=10, verbose=0, shuffle=False)
+        self.assertAllClose(ours_table(ours), table_of(twin), atol=1e-6)
+
+        again, _ = model_and_twin()
+        history = tfs.fit(again, stream.skip(10), epochs=4, steps_per_epoch=4, max_steps=14,
+                          checkpoint_dir=directory, verbose=0)  # fmt: skip
+        self.assertEqual((tfs.training.steps_done(again), history.initial_step), (14, 10))
+        twin.fit(stream.skip(10), epochs=1, steps_per_epoch=4, verbose=0, shuffle=False)
+        self.assertAllClose(ours_table(again), table_of(twin), atol=1e-6)
+
+        # Already there: nothing runs, nothing is written.
+        done, _ = model_and_twin()
+        history = tfs.fit(done, stream, epochs=4, steps_per_epoch=4, max_steps=12, checkpoint_dir=directory, verbose=0)
+        self.assertEqual((tfs.training.steps_done(done), history.initial_step, history.history), (14, 14, {}))
+        self.assertEqual(tf.train.latest_checkpoint(directory), os.path.join(directory, "ckpt-14"))
+
+    def test_max_steps_with_steps_per_execution_runs_exactly_that_many(self):
+        # Keras would run whole groups of 4 (8 steps); tfs.fit's replica loop runs 4 + 2.
+        ours, twin = model_and_twin()
+        ours.compile(optimizer=tfs.optimizers.SGD(0.2), loss="mse", steps_per_execution=4)
+        tfs.fit(ours, data().repeat(), epochs=2, steps_per_epoch=4, max_steps=6, verbose=0)
+        self.assertEqual(tfs.training.steps_done(ours), 6)
+        twin.fit(data().repeat(), epochs=1, steps_per_epoch=6, verbose=0, shuffle=False)
+        self.assertAllClose(ours_table(ours), table_of(twin), atol=1e-6)
+
+    def test_replica_loop_epochs_read_on_through_the_dataset(self):
+        # tfs.fit's replica loop (steps_per_execution > 1 with max_steps), as Keras's model.fit with
+        # steps_per_epoch: an endless stream goes on from epoch to epoch, and a finite Dataset starts over
+        # when what is left of it cannot fill an epoch (6 batches, epochs of 4: batches 0-3, 0-3, 0-3).
+        for source, reference in ((data().repeat(), data().repeat().take(12)), (data(), data().take(4).repeat(3))):
+            ours, twin = model_and_twin()
+            ours.compile(optimizer=tfs.optimizers.SGD(0.2), loss="mse", steps_per_execution=2)
+            tfs.fit(ours, source, epochs=3, steps_per_epoch=4, max_steps=100, verbose=0)
+            self.assertEqual(tfs.training.steps_done(ours), 12)
+            twin.fit(reference, epochs=1, verbose=0, shuffle=False)
+            self.assertAllClose(ours_table(ours), table_of(twin), atol=1e-6)
 
     def test_layout_file_is_replaced_whole_or_not_at_all(self):
         directory = self.get_temp_dir()
@@ -148,4 +200,6 @@ class FitTest(tf.test.TestCase):
             tfs.fit(ours, data(), checkpoint_secs=0)
         with self.assertRaisesRegex(ValueError, "Argument `max_restarts` must be an int >= 0. Received: -1"):
             tfs.fit(ours, data(), max_restarts=-1)
+        with self.assertRaisesRegex(ValueError, "Argument `max_steps` must be a positive int"):
+            tfs.fit(ours, data(), max_steps=0)
         self.assertEqual(tfs.training.steps_done(ours), 0)  # nothing ran

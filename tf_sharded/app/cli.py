@@ -67,7 +67,9 @@ def define_flags(values: flags.FlagValues) -> None:
         "The local cluster's servers: threads of this process, or one process per task.",
         flag_values=values,
     )
-    flags.DEFINE_integer("steps", 200, "Training steps.", lower_bound=1, flag_values=values)
+    flags.DEFINE_integer(
+        "steps", 200, "Training steps in all: a resumed run trains up to this count.", lower_bound=1, flag_values=values
+    )
     flags.DEFINE_integer(
         "steps_per_epoch", 100, "Steps between checkpoints / progress lines.", lower_bound=1, flag_values=values
     )
@@ -267,9 +269,10 @@ def _train(args, strategy, description, workers) -> int:
         checkpoint_dir=args.checkpoint_dir,
         verbose=args.verbose,
         log_every=10,
+        max_steps=args.steps,
     )
     elapsed = time.perf_counter() - start
-    trained = len(history.history.get("loss", [])) * steps_per_epoch
+    trained = tfs.training.steps_done(model) - history.initial_step
     rate = history.history.get("samples_per_second", [float("nan")])[-1] if ps else trained * args.batch_size / elapsed
     metrics, evaluated = _evaluate(model, plan.held_out, binary)
     checkpoint = tf.train.latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None

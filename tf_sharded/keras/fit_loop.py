@@ -33,6 +33,15 @@ def _with_skip(fn: Callable, skip: int) -> Callable:
     return lambda context: fn(context).skip(skip)
 
 
+def pass_offset(epoch: int, per_epoch: int, size: int) -> int:
+    """Where `epoch` starts in a Dataset of `size` batches: after the epochs before it, unless too few batches
+    are left for `per_epoch` steps, in which case the Dataset starts over."""
+    offset = 0
+    for _ in range(epoch):
+        offset = (0 if offset + per_epoch > size else offset) + per_epoch
+    return 0 if offset + per_epoch > size else offset
+
+
 class Runner:
     """How one step is launched and its results collected, per strategy.
 
@@ -43,7 +52,7 @@ class Runner:
     def __init__(self, strategy, dataset, step_fn, position: int = 0):
         self.strategy = strategy
         self.ps = family_of(strategy).fit_loop(strategy, 1) == FitLoop.COORDINATOR
-        self._dataset, self._epoch_skip, self._finite = dataset, 0, False
+        self._dataset, self._size, self._consumed = dataset, 0, 0
         if self.ps:
             self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
             workers = _compat.ps_num_workers(strategy)
@@ -58,9 +67,9 @@ class Runner:
             self.per_epoch = isinstance(dataset, tf.data.Dataset)
             if self.per_epoch:
                 self.distributed = strategy.experimental_distribute_dataset(dataset)
-                # A finite Dataset resumes mid-epoch; an endless one is a stream its caller positions.
-                self._finite = int(dataset.cardinality()) > 0
-                self._epoch_skip = position if self._finite else 0
+                # A finite Dataset resumes where its epoch stopped (`new_epoch`); an endless one (or one of
+                # unknown length) is a stream its caller positions.
+                self._size = max(int(dataset.cardinality()), 0)
             else:
                 self.distributed = strategy.distribute_datasets_from_function(_with_skip(dataset, position))
 
@@ -92,19 +101,27 @@ class Runner:
         self._scheduled = scheduled
         self.iterator = iter(self.distributed)
 
-    def new_epoch(self, step_in_epoch: int = 0):
-        """A finite Dataset starts over, from batch `step_in_epoch` (a run resumed mid-epoch)."""
-        if not self.per_epoch:
+    def new_epoch(self, epoch: int, step_in_epoch: int, per_epoch: int):
+        """Positions a Dataset's iterator for `epoch` from its step `step_in_epoch` (not 0 in a resumed run).
+
+        As in Keras's `model.fit` with `steps_per_epoch`, an epoch goes on
+        where the last one stopped: an endless stream (or one of unknown
+        length) is never restarted, and a finite Dataset starts over only
+        when what is left of it cannot fill the epoch (`pass_offset`).
+        """
+        if not self.per_epoch or not self._size:
             return
-        skip = (step_in_epoch or self._epoch_skip) if self._finite else 0
-        self._epoch_skip = 0
-        source = self.strategy.experimental_distribute_dataset(self._dataset.skip(skip)) if skip else self.distributed
-        self.iterator = iter(source)
+        wanted = pass_offset(epoch, per_epoch, self._size) + step_in_epoch
+        if wanted != self._consumed:
+            skipped = self._dataset.skip(wanted) if wanted else self._dataset
+            self.iterator = iter(self.strategy.experimental_distribute_dataset(skipped))
+            self._consumed = wanted
 
     def launch(self, count: int = 1):
         """Starts `count` steps (one scheduled function, traced once per distinct count)."""
         if self.ps:
             return self.coordinator.schedule(self._scheduled, args=(self.iterator, count))
+        self._consumed += count
         return self._scheduled(self.iterator, count)
 
     def results(self, launched: list) -> list:
@@ -157,13 +174,21 @@ class Loop:
     def position(self) -> int:
         return self.global_step - self.first_step
 
+    def _more(self) -> bool:
+        """Whether steps remain: the epochs not all done, and `max_steps` (the model's own count) not reached."""
+        max_steps = self.s["max_steps"]
+        done = self.position() >= self.s["epochs"] * self.s["steps_per_epoch"]
+        return not done and (max_steps is None or self.global_step < max_steps)
+
     def run(self, callbacks, history) -> None:
         epochs, per_epoch = self.s["epochs"], self.s["steps_per_epoch"]
         callbacks.on_train_begin()
         logs = {}
-        if self.position() >= epochs * per_epoch and self.s["verbose"]:
-            print(f"checkpoint at step {self.global_step} already covers {epochs} epoch(s) of {per_epoch} steps")
-        while self.position() < epochs * per_epoch:
+        if not self._more() and self.s["verbose"]:
+            epochs_done = self.position() >= epochs * per_epoch
+            covered = f"{epochs} epoch(s) of {per_epoch} steps" if epochs_done else f"max_steps={self.s['max_steps']}"
+            print(f"checkpoint at step {self.global_step} already covers {covered}")
+        while self._more():
             epoch = self.position() // per_epoch
             try:
                 logs = self._epoch(epoch, callbacks)
@@ -179,15 +204,18 @@ class Loop:
         per_epoch, verbose = self.s["steps_per_epoch"], self.s["verbose"]
         self.model.reset_metrics()
         step = self.position() - epoch * per_epoch
-        self.runner.new_epoch(step)
+        # The epoch's last step: its end, or earlier where `max_steps` comes first.
+        max_steps = self.s["max_steps"]
+        end = per_epoch if max_steps is None else min(per_epoch, step + max_steps - self.global_step)
+        self.runner.new_epoch(epoch, step, per_epoch)
         callbacks.on_epoch_begin(epoch)
-        bar = keras.utils.Progbar(per_epoch, verbose=verbose) if verbose else None
+        bar = keras.utils.Progbar(end, verbose=verbose) if verbose else None
         launched, samples, start = [], 0, time.perf_counter()
-        while step < per_epoch:
-            count = min(self.s["per_execution"], per_epoch - step)
+        while step < end:
+            count = min(self.s["per_execution"], end - step)
             callbacks.on_train_batch_begin(step)
             step += count
-            last = step == per_epoch
+            last = step == end
             try:
                 launched.append((self.runner.launch(count), count))
                 due = self._checkpoint_due(self.global_step + sum(n for _, n in launched), count)
@@ -216,7 +244,7 @@ class Loop:
             logs.update({f"val_{name}": value for name, value in self.s["validation"]().items()})
         if bar is not None:
             shown = [(k, v) for k, v in logs.items() if k != "samples_per_second"]
-            bar.update(per_epoch, shown + [("samples/s", logs["samples_per_second"])], finalize=True)
+            bar.update(end, shown + [("samples/s", logs["samples_per_second"])], finalize=True)
         self.save()
         callbacks.on_epoch_end(epoch, logs)
         return logs

@@ -55,6 +55,7 @@ def fit(
     validation_steps: Optional[int] = None,
     checkpoint_secs: Optional[float] = None,
     max_restarts: int = 2,
+    max_steps: Optional[int] = None,
 ) -> keras.callbacks.History:
     """Trains a compiled Keras 3 model under the current strategy.
 
@@ -95,6 +96,14 @@ def fit(
         `checkpoint_dir` (required), prints one line (`ps:1 failed at step
         137; restored ckpt-120; resuming`) and continues.
 
+      max_steps: optional: stop once the model has trained this many steps
+        in all, the steps of a restored checkpoint included (as
+        `tf.estimator`'s `max_steps`), even inside an epoch: a run whose
+        epochs do not divide it ends exactly there, and a rerun with a larger
+        value continues from the checkpoint to it. With Keras's `model.fit`
+        and `steps_per_execution > 1`, whose last group of steps could pass
+        it, `tfs.fit` runs its own replica loop instead.
+
     Steps are counted exactly: a step counts once, when it completes (also
     when the coordinator runs it again after a worker failure), and a step
     that fails counts nowhere, `optimizer.iterations` included. In its own
@@ -105,8 +114,10 @@ def fit(
     its first batches are dropped; a finite Dataset resumes mid-epoch.
 
     Returns:
-      The `keras.callbacks.History` of the run; in `tfs.fit`'s own loop its
-      `recoveries` lists each parameter-server recovery (`tasks`, `failed_at`
+      The `keras.callbacks.History` of the run. Its `initial_step` is the
+      step count the run started from (a restored checkpoint's; so
+      `tfs.training.steps_done(model) - history.initial_step` steps ran in
+      this call). In `tfs.fit`'s own loop its `recoveries` lists each parameter-server recovery (`tasks`, `failed_at`
       and `restored` steps, and `first_step_time`, the wall-clock time the
       first step after it completed).
 
@@ -147,14 +158,19 @@ def fit(
         raise ValueError(f"Argument `checkpoint_secs` must be a positive number. Received: {checkpoint_secs!r}")
     if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
         raise ValueError(f"Argument `max_restarts` must be an int >= 0. Received: {max_restarts!r}")
+    if max_steps is not None:
+        max_steps = positive_int("max_steps", max_steps)
     strategy = evaluation.strategy_of(model)
     validation = evaluation.validation(model, strategy, validation_data, validation_steps)
-    loop = family_of(strategy).fit_loop(strategy, getattr(model, "steps_per_execution", 1) or 1)
+    per_execution = getattr(model, "steps_per_execution", 1) or 1
+    loop = family_of(strategy).fit_loop(strategy, per_execution)
     data = evaluation.as_dataset(dataset) if loop == FitLoop.KERAS else None
     if loop == FitLoop.KERAS and family_of(strategy).mirrors_tables and evaluation.has_ragged(data):
         # Keras 3's model.fit fails on ragged inputs under MirroredStrategy ("'RaggedTensor' object has no
         # attribute 'device'"): the replica loop runs them.
         loop = FitLoop.REPLICAS
+    if loop == FitLoop.KERAS and max_steps is not None and per_execution > 1:
+        loop = FitLoop.REPLICAS  # Keras runs whole groups of steps_per_execution steps: it could pass max_steps
     if loop != FitLoop.KERAS:
         if steps_per_epoch is None and isinstance(dataset, tf.data.Dataset) and loop == FitLoop.REPLICAS:
             steps_per_epoch = int(dataset.cardinality()) if int(dataset.cardinality()) > 0 else None
@@ -175,21 +191,58 @@ def fit(
             validation=validation,
             max_restarts=max_restarts,
             restart_timeout=RESTART_TIMEOUT,
+            max_steps=max_steps,
         )
         return _fit_loop(model, strategy, dataset, callbacks, settings)
+    return _keras_fit(model, data, epochs, steps_per_epoch, callbacks, checkpoint_dir, checkpoint_every,
+                      checkpoint_secs, verbose, validation_data, validation_steps, max_steps)  # fmt: skip
+
+
+class _StopAt(keras.callbacks.Callback):
+    """Stops `model.fit` once the model's step count reaches `limit` (counted from `start`, the count when
+    training began, with the steps each batch callback reports: no read of the step variable per batch)."""
+
+    def __init__(self, start: int, limit: int):
+        super().__init__()
+        self.done, self.limit, self._last = start, limit, -1
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._last = -1
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.done += batch - self._last  # `batch`: the index of the last step of the group that ran
+        self._last = batch
+        if self.done >= self.limit:
+            self.model.stop_training = True
+
+
+def _keras_fit(model, data, epochs, steps_per_epoch, callbacks, checkpoint_dir, checkpoint_every, checkpoint_secs,
+               verbose, validation_data, validation_steps, max_steps) -> keras.callbacks.History:  # fmt: skip
+    """`model.fit` with tfs.fit's checkpoints, resume and `max_steps`."""
     checkpoints = Checkpoints(model, checkpoint_dir) if checkpoint_dir else None
     callbacks = list(callbacks or [])
-    initial_epoch = 0
+    start = int(model.optimizer.iterations.numpy())
+    initial_epoch, limit = 0, max_steps
     if checkpoints is not None:
         callbacks.append(PeriodicCheckpoint(checkpoints, checkpoint_every, checkpoint_secs))
         if steps_per_epoch:
-            initial_epoch = int(model.optimizer.iterations.numpy()) // steps_per_epoch
+            initial_epoch = min(start // steps_per_epoch, epochs)
+            # As tfs.fit's own loop: a run resumed inside an epoch ends where the uninterrupted run ends.
+            limit = min(limit or epochs * steps_per_epoch, epochs * steps_per_epoch)
+    if limit is not None:
+        if start >= limit:
+            if verbose:
+                print(f"checkpoint at step {start} already covers the {limit} steps asked for")
+            history = keras.callbacks.History()
+            history.history, history.initial_step = {}, start
+            return history
+        callbacks.append(_StopAt(start, limit))
     if validation_data is not None:
         validation_data = evaluation.as_dataset(validation_data)
-    return model.fit(
+    history = model.fit(
         data,
         epochs=epochs,
-        initial_epoch=min(initial_epoch, epochs),
+        initial_epoch=initial_epoch,
         steps_per_epoch=steps_per_epoch,
         callbacks=callbacks,
         verbose=verbose,
@@ -197,6 +250,8 @@ def fit(
         validation_steps=validation_steps,
         shuffle=False,  # `data` is a Dataset, which Keras never shuffles: its default, True, only warns
     )
+    history.initial_step = start
+    return history
 
 
 # Per model, where workers apply steps asynchronously (parameter servers): the step count, kept on a ps so
@@ -251,6 +306,7 @@ def _fit_loop(model, strategy, dataset, callbacks, settings: dict):
     settings["per_execution"] = positive_int("steps_per_execution", getattr(model, "steps_per_execution", 1) or 1)
     loop = Loop(model, strategy, dataset, settings, checkpoints, counter, lambda: train_function(model, strategy))
     history = keras.callbacks.History()
+    history.initial_step = loop.global_step
     callback_list = keras.callbacks.CallbackList(
         list(callbacks or []) + [history],
         add_history=False,
