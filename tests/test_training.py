@@ -129,6 +129,19 @@ class FitTest(tf.test.TestCase):
         self.assertEqual((tfs.training.steps_done(done), history.initial_step, history.history), (14, 14, {}))
         self.assertEqual(tf.train.latest_checkpoint(directory), os.path.join(directory, "ckpt-14"))
 
+    def test_a_run_resumed_inside_an_epoch_ends_where_the_whole_run_ends(self):
+        # Stopped at step 4 of an epoch of 6 (as a killed run would be), then rerun for 2 epochs: Keras runs
+        # the resumed epoch whole from its start, tfs.fit stops it at step 12, as an uninterrupted run.
+        directory = os.path.join(self.get_temp_dir(), "inside")
+        stream = data().repeat()
+        first, twin = model_and_twin()
+        tfs.fit(first, stream, epochs=1, steps_per_epoch=6, max_steps=4, checkpoint_dir=directory, verbose=0)
+        again, _ = model_and_twin()
+        history = tfs.fit(again, stream.skip(4), epochs=2, steps_per_epoch=6, checkpoint_dir=directory, verbose=0)
+        self.assertEqual((tfs.training.steps_done(again), history.initial_step), (12, 4))
+        twin.fit(stream, epochs=1, steps_per_epoch=12, verbose=0, shuffle=False)
+        self.assertAllClose(ours_table(again), table_of(twin), atol=1e-6)
+
     def test_max_steps_with_steps_per_execution_runs_exactly_that_many(self):
         # Keras would run whole groups of 4 (8 steps); tfs.fit's replica loop runs 4 + 2.
         ours, twin = model_and_twin()

@@ -117,9 +117,10 @@ def fit(
       The `keras.callbacks.History` of the run. Its `initial_step` is the
       step count the run started from (a restored checkpoint's; so
       `tfs.training.steps_done(model) - history.initial_step` steps ran in
-      this call). In `tfs.fit`'s own loop its `recoveries` lists each parameter-server recovery (`tasks`, `failed_at`
-      and `restored` steps, and `first_step_time`, the wall-clock time the
-      first step after it completed).
+      this call). In `tfs.fit`'s own loop its `recoveries` lists each
+      parameter-server recovery (`tasks`, `failed_at` and `restored` steps,
+      and `first_step_time`, the wall-clock time the first step after it
+      completed).
 
     Raises:
       ValueError: the model is not compiled, or a required argument is missing
@@ -227,8 +228,10 @@ def _keras_fit(model, data, epochs, steps_per_epoch, callbacks, checkpoint_dir, 
         callbacks.append(PeriodicCheckpoint(checkpoints, checkpoint_every, checkpoint_secs))
         if steps_per_epoch:
             initial_epoch = min(start // steps_per_epoch, epochs)
-            # As tfs.fit's own loop: a run resumed inside an epoch ends where the uninterrupted run ends.
-            limit = min(limit or epochs * steps_per_epoch, epochs * steps_per_epoch)
+            if start % steps_per_epoch:
+                # Resumed inside an epoch, which Keras runs whole: as in tfs.fit's own loop, the run ends where
+                # the uninterrupted one does.
+                limit = min(limit or epochs * steps_per_epoch, epochs * steps_per_epoch)
     if limit is not None:
         if start >= limit:
             if verbose:
