@@ -74,8 +74,10 @@ class Runner:
                 self.distributed = strategy.distribute_datasets_from_function(_with_skip(dataset, position))
 
         # Unrolled copies must each trace their own collectives: the undecorated step, not one function
-        # called several times (its collectives would share their instance keys).
+        # called several times (its collectives would share their instance keys). Only the mirrored
+        # families have replicas that meet in a step; elsewhere the steps run in a loop, traced once.
         inline_step = getattr(step_fn, "python_function", step_fn)
+        unrolled = not self.ps and family_of(strategy).mirrors_tables
 
         def one_step(iterator, inline=False):
             # The first replica's logs (its batch size stands for every replica's): plain tensors.
@@ -85,15 +87,15 @@ class Runner:
         @tf.function
         def scheduled(iterator, count):
             # `count` consecutive steps in one function (Keras's `steps_per_execution`): one dispatch
-            # for all of them. The logs are the last step's, the batch sizes summed. On parameter
-            # servers a loop; with collectives unrolled, so that every step's collectives have their
-            # own instance (in a loop, replicas one iteration apart would meet in one instance).
-            logs = one_step(iterator, inline=not self.ps)
+            # for all of them. The logs are the last step's, the batch sizes summed. A loop, unrolled
+            # where replicas meet in the step, so that every step's collectives have their own instance
+            # (in a loop, replicas one iteration apart would meet in one instance).
+            logs = one_step(iterator, inline=unrolled)
             if count == 1:
                 return logs
             samples = logs["_samples"]
-            for _ in tf.range(count - 1) if self.ps else range(count - 1):
-                logs = one_step(iterator, inline=not self.ps)
+            for _ in range(count - 1) if unrolled else tf.range(count - 1):
+                logs = one_step(iterator, inline=unrolled)
                 samples += logs["_samples"]
             logs["_samples"] = samples
             return logs
