@@ -191,7 +191,11 @@ class ApplicationTest(tf.test.TestCase):
             ["-m", "tf_sharded", "inspect", "/nonexistent"],
         ])  # fmt: skip
         self.assertEqual(bad.returncode, 2)
-        self.assertIn("flag --model=xgboost", bad.stderr)
+        self.assertEqual(
+            bad.stderr.strip().splitlines()[-1],
+            "error: flag --model=xgboost: value should be one of <dlrm|deepfm|mlp> (python -m tf_sharded train "
+            "--help lists the flags)",
+        )
         for proc in shown:
             self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
             self.assertIn("--schema: Feature schema", proc.stdout)
@@ -205,6 +209,12 @@ class ApplicationTest(tf.test.TestCase):
         self.assertEqual(unwritable.returncode, 1)
         self.assertIn("error: --checkpoint_dir /proc/no_such_dir/ckpt: cannot write there", unwritable.stderr)
         self.assertEqual(unknown.returncode, 1)
+        self.assertNotIn("Traceback", unknown.stderr)
+        self.assertEqual(
+            unknown.stderr.strip().splitlines()[-1],
+            "error: inspect: no checkpoint at '/nonexistent': expected a checkpoint directory or a checkpoint's "
+            "prefix, such as ckpt/ckpt-200",
+        )
         too_small, lacking = run_python_together(
             [
                 train_args("--strategy", "default", "--data", small),

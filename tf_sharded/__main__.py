@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         try:
             return cli.inspect_checkpoint(argv[1])
         except (FileNotFoundError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: inspect: {e}", file=sys.stderr)
             return 1
     if argv[0] == "demo":
         from tf_sharded.app import demo

@@ -317,11 +317,17 @@ def inspect_checkpoint(path: str) -> int:
     if os.path.isdir(path):
         latest = tf.train.latest_checkpoint(path)
         if latest is None:
-            raise FileNotFoundError(f"No checkpoint in directory {path!r}")
+            raise FileNotFoundError(f"no checkpoint in directory {path!r}")
         directory, path = path, latest
     else:
         directory = os.path.dirname(path)
-    reader = tf.train.load_checkpoint(path)
+    try:
+        reader = tf.train.load_checkpoint(path)
+    except (tf.errors.NotFoundError, tf.errors.DataLossError, tf.errors.InvalidArgumentError):
+        raise FileNotFoundError(
+            f"no checkpoint at {path!r}: expected a checkpoint directory or a checkpoint's prefix, such as "
+            "ckpt/ckpt-200"
+        ) from None
     shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
     from tf_sharded.keras.checkpoints import LAYOUT_FILE
 
@@ -382,7 +388,7 @@ def main(argv: List[str]) -> int:
     try:
         values(["train"] + list(argv))
     except flags.Error as e:
-        print(f"error: {e}\n\nflags:\n{values.main_module_help() or values}", file=sys.stderr)
+        print(f"error: {e} (python -m tf_sharded train --help lists the flags)", file=sys.stderr)
         return 2
     from tf_sharded.app.readers import InputError
     from tf_sharded.app.schema import SchemaError
