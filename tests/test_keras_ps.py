@@ -24,6 +24,7 @@ from tests.harness.models import (
 from tests.harness.serving import serve_elsewhere
 from tests.harness.strategies import ps_strategy
 from tests.harness.subprocs import run_python
+from tf_sharded.keras import checkpoints
 
 pytestmark = pytest.mark.ps_cluster
 
@@ -112,6 +113,30 @@ class KerasParameterServerTest(tf.test.TestCase):
         self.assertEqual(again.history, {})
         self.assertEqual(int(model.optimizer.iterations.numpy()), steps)
 
+    def test_fit_resumes_checkpoints_written_under_the_default_strategy(self):
+        # tfs.fit's checkpoints under the default strategy (step copied from Keras's count), and one written
+        # without the step entry (plain tf.train.Checkpoint): parameter servers resume both, 3 steps on to 6.
+        for with_step in (True, False):
+            ckpt_dir = os.path.join(self.get_temp_dir(), f"from_default_{with_step}")
+            local = make_model(partitions=1)
+            table0 = local.get_layer("emb").embeddings.numpy()
+            if with_step:
+                tfs.fit(local, dataset_fn(), epochs=1, steps_per_epoch=3, checkpoint_dir=ckpt_dir, verbose=0)
+                written = tf.train.load_checkpoint(tf.train.latest_checkpoint(ckpt_dir))
+                self.assertEqual(written.get_tensor("step/.ATTRIBUTES/VARIABLE_VALUE"), 3)
+            else:
+                tfs.fit(local, dataset_fn(), epochs=1, steps_per_epoch=3, verbose=0)
+                tf.train.Checkpoint(model=local, optimizer=local.optimizer).save(os.path.join(ckpt_dir, "ckpt"))
+            with self.strategy.scope():
+                model = make_model()
+            # log_every=1: each step is waited for, so no two overlap on the two workers.
+            history = tfs.fit(model, dataset_fn, epochs=2, steps_per_epoch=3, checkpoint_dir=ckpt_dir, verbose=0,
+                              log_every=1)  # fmt: skip
+            self.assertEqual((history.initial_step, tfs.training.steps_done(model)), (3, 6))
+            ref_table, _ = single_device_reference(table0, 6)
+            embeddings = model.get_layer("emb").embeddings.numpy()
+            self.assertAllClose(embeddings, ref_table, atol=1e-5, msg=f"with_step={with_step}")
+
     def test_lora_trains_its_factors_on_the_shards_and_matches_keras_lora(self):
         with self.strategy.scope():
             model, table0, a0, b0 = make_lora_model()
@@ -150,11 +175,19 @@ class KerasParameterServerTest(tf.test.TestCase):
             model = make_model()
         ckpt_dir = os.path.join(self.get_temp_dir(), "saves")
         logger = tf.get_logger()
-        with self.assertLogs(logger, level="WARNING") as logged:
+        traced = []
+        write = checkpoints._write
+
+        def counted(checkpoint, prefix):  # runs when a writer is traced
+            traced.append(prefix)
+            return write(checkpoint, prefix)
+
+        with self.assertLogs(logger, level="WARNING") as logged, mock.patch.object(checkpoints, "_write", counted):
             tfs.fit(model, dataset_fn, epochs=1, steps_per_epoch=7, checkpoint_dir=ckpt_dir, checkpoint_every=1,
                     verbose=0, log_every=1)  # fmt: skip
             logger.warning("end of fit")  # assertLogs needs one record
         self.assertEqual([r.getMessage() for r in logged.records if "retracing" in r.getMessage()], [])
+        self.assertLen(traced, 1)  # 8 saves (steps 0 to 7), one trace
         state = tf.train.get_checkpoint_state(ckpt_dir)
         self.assertEqual(state.all_model_checkpoint_paths, [os.path.join(ckpt_dir, f"ckpt-{n}") for n in (5, 6, 7)])
         self.assertEqual(sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".index")),

@@ -7,6 +7,7 @@ tf_sharded inspect` reads; TensorFlow's checkpoint itself is layout-free.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -18,6 +19,8 @@ from google.protobuf import text_format
 
 from tf_sharded import _compat
 from tf_sharded.table.protocol import is_table
+
+STEP_KEY = "step/.ATTRIBUTES/VARIABLE_VALUE"
 
 
 class Checkpoints:
@@ -35,28 +38,46 @@ class Checkpoints:
         self.manager = None
         if directory is None:
             return
-        extra = {"step": step} if step is not None else {}
-        self.checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, **extra)
+        # Every checkpoint holds the step count as `step`, whatever the strategy, so that a run resumes under
+        # another one: `step` (the exact count tfs.fit keeps under parameter servers), or else a copy of
+        # Keras's `optimizer.iterations` written at each save.
+        self._copy = step is None
+        if self._copy:
+            step = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfs_fit_step_copy")
+        self.checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, step=step)
         self.directory = directory
         self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=max_to_keep)
         self._max_to_keep = max_to_keep
         self._writers = {} if several_tasks else None
         self._model, self._step = model, step
         if self.manager.latest_checkpoint:
-            self.checkpoint.restore(self.manager.latest_checkpoint).assert_existing_objects_matched()
+            self._restore(self.manager.latest_checkpoint)
+
+    def _restore(self, path: str) -> None:
+        if tf.train.load_checkpoint(path).has_tensor(STEP_KEY):
+            self.checkpoint.restore(path).assert_existing_objects_matched()
+            return
+        # Written without the step entry (by an earlier version, under a strategy without tfs.fit's counter):
+        # the count is Keras's.
+        tf.train.Checkpoint(model=self._model, optimizer=self._model.optimizer).restore(
+            path
+        ).assert_existing_objects_matched()
+        self._step.assign(self._model.optimizer.iterations)
 
     def restore_latest(self) -> Tuple[str, int]:
         """Restores the latest checkpoint again (after a parameter server came back empty): its path and step."""
         if self._writers is not None:
             self._writers.clear()  # traced writers hold the resources that were renewed
         path = tf.train.latest_checkpoint(self.directory)
-        self.checkpoint.restore(path).assert_existing_objects_matched()
-        step = self._step if self._step is not None else self._model.optimizer.iterations
+        self._restore(path)
+        step = self._model.optimizer.iterations if self._copy else self._step
         return path, int(step.numpy())
 
     def save(self, step: int) -> Optional[str]:
         if self.manager is None:
             return None
+        if self._copy:
+            self._step.assign(step)
         if self._writers is None:
             path = self.manager.save(checkpoint_number=step)
         else:
@@ -70,7 +91,9 @@ class Checkpoints:
         # its own trace, so the functions are keyed by the number of saved objects.
         objects = len(tf.train.TrackableView(self.checkpoint).descendants())
         if objects not in self._writers:
-            self._writers[objects] = tf.function(lambda prefix: self.checkpoint.write(prefix))
+            # A partial, not a lambda: TensorFlow counts retracing per code object, which would lump the
+            # writers of every Checkpoints in the process together (and warn after five tfs.fit calls).
+            self._writers[objects] = tf.function(functools.partial(_write, self.checkpoint))
         prefix = os.path.join(self.directory, f"ckpt-{step}")
         tf.io.gfile.makedirs(self.directory)
         self._writers[objects](tf.constant(prefix))
@@ -82,6 +105,10 @@ class Checkpoints:
         kept = kept[-self._max_to_keep :]
         _record_state(self.directory, prefix, kept)
         return prefix
+
+
+def _write(checkpoint, prefix):
+    return checkpoint.write(prefix)
 
 
 def _record_state(directory: str, latest: str, kept: list) -> None:
