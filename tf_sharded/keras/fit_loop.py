@@ -45,8 +45,10 @@ def pass_offset(epoch: int, per_epoch: int, size: int) -> int:
 class Runner:
     """How one step is launched and its results collected, per strategy.
 
-    `position`: steps of this run already done, whose input is skipped (per
-    worker under parameter servers: `position / workers`, exact with one).
+    `position`: steps of this run already done, whose input a dataset
+    function skips (per worker under parameter servers: `position /
+    workers`, exact with one). A Dataset is positioned at each epoch's start
+    instead (`new_epoch`).
     """
 
     def __init__(self, strategy, dataset, step_fn, position: int = 0):
