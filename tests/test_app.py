@@ -179,7 +179,7 @@ class ApplicationTest(tf.test.TestCase):
         small = os.path.join(self.get_temp_dir(), "small")
         ratings = os.path.join(self.get_temp_dir(), "ratings")
         # Independent commands together (each is mostly TensorFlow's start-up), then those that read their data.
-        (bad, *shown, missing, made_small, made_ratings, unwritable, unknown) = run_python_together([
+        (bad, *shown, missing, made_small, made_ratings, unwritable, unknown, stray) = run_python_together([
             train_args("--model", "xgboost"),
             ["-m", "tf_sharded", "train", "--help"],
             ["-m", "tf_sharded", "train", "--helpfull"],
@@ -189,7 +189,16 @@ class ApplicationTest(tf.test.TestCase):
              "--out", ratings],
             train_args("--strategy", "default", "--checkpoint_dir", "/proc/no_such_dir/ckpt"),
             ["-m", "tf_sharded", "inspect", "/nonexistent"],
+            train_args("--strategy", "mirrored", "--local_cluster", "process", "--num_ps", "3"),
         ])  # fmt: skip
+        # The local cluster's flags where no local cluster starts: refused, not ignored.
+        self.assertEqual(stray.returncode, 2)
+        self.assertEqual(
+            stray.stderr.strip().splitlines()[-1],
+            "error: --num_ps, --local_cluster: the local cluster's flags apply to --strategy parameter_server "
+            "without TF_CONFIG; received --strategy mirrored (python -m tf_sharded train --help lists the flags)",
+        )
+        self.assertNotIn("training dlrm", stray.stdout)
         self.assertEqual(bad.returncode, 2)
         self.assertEqual(
             bad.stderr.strip().splitlines()[-1],

@@ -377,6 +377,27 @@ def _dynamic_tables(shapes: dict, dtypes: dict) -> dict:
     return tables
 
 
+LOCAL_CLUSTER_FLAGS = ("num_workers", "num_ps", "local_cluster")
+
+
+def _stray_cluster_flags(values) -> str:
+    """Why the local cluster's flags given on the command line cannot apply ("" when they can): they shape the
+    cluster that `--strategy parameter_server` starts without TF_CONFIG, and would otherwise be ignored."""
+    given = [f"--{name}" for name in LOCAL_CLUSTER_FLAGS if values[name].present]
+    if not given:
+        return ""
+    if values.strategy != "parameter_server":
+        received = f"--strategy {values.strategy}"
+    elif os.environ.get("TF_CONFIG"):
+        received = "TF_CONFIG set (its cluster spec names the tasks)"
+    else:
+        return ""
+    return (
+        f"{', '.join(given)}: the local cluster's flags apply to --strategy parameter_server without TF_CONFIG; "
+        f"received {received}"
+    )
+
+
 def main(argv: List[str]) -> int:
     """Entry point for `train`; returns the exit code."""
     values = flags.FlagValues()
@@ -389,6 +410,10 @@ def main(argv: List[str]) -> int:
         values(["train"] + list(argv))
     except flags.Error as e:
         print(f"error: {e} (python -m tf_sharded train --help lists the flags)", file=sys.stderr)
+        return 2
+    stray = _stray_cluster_flags(values)
+    if stray:
+        print(f"error: {stray} (python -m tf_sharded train --help lists the flags)", file=sys.stderr)
         return 2
     from tf_sharded.app.readers import InputError
     from tf_sharded.app.schema import SchemaError
