@@ -60,6 +60,9 @@ TFRA_VARIANTS = {"tfra_per_feature", "tfra_one_table"}
 TFRA_KEYS = {f"{v}{m}_{k}" for v in TFRA_VARIANTS for m in ("", "_multi") for k in ("s", "samples_per_s")} | {
     "tfra_vs_ours",
     "tfra_vs_ours_multi",
+    "tfra_vs_dispatch",
+    "tfra_vs_dispatch_multi",
+    "tfra_vs_lean_loop_multi",
 }
 
 E2E_KEYS = {
@@ -106,6 +109,11 @@ class BenchmarkSuiteTest(tf.test.TestCase):
         for row in ps["results"]:
             self.assertEqual(set(row), PS_KEYS | (TFRA_KEYS if peers else set()))
             self.assertGreater(row["ours_s"], 0)
+            if peers:  # the targets' reach, from the same run's floors
+                tfra, tfra_multi = (min(row[f"{v}{m}_s"] for v in TFRA_VARIANTS) for m in ("", "_multi"))
+                self.assertAlmostEqual(row["tfra_vs_dispatch"], tfra / row["dispatch_s"])
+                self.assertAlmostEqual(row["tfra_vs_dispatch_multi"], tfra_multi / row["dispatch_multi_s"])
+                self.assertAlmostEqual(row["tfra_vs_lean_loop_multi"], tfra_multi / row["overlap_sync_multi_s"])
             # CPU by process for every timed variant (in-process: one process holds the cluster), and the share
             # of the cores it kept busy, which CPU time measured against wall time cannot push past 1.
             timed = {k[: -len("_s")] for k in row if k.endswith("_s") and not k.endswith("_per_s")}
@@ -201,6 +209,10 @@ class BenchmarkSuiteTest(tf.test.TestCase):
             self.assertLess(row["tfra_max_row_difference"], 1e-6)
             ours = min(row["dynamic_s"], row["dynamic_collection_s"])
             self.assertAlmostEqual(row["ours_vs_tfra"], min(row["tfra_per_feature_s"], row["tfra_one_table_s"]) / ours)
+            self.assertAlmostEqual(
+                row["tfra_vs_static_collection"],
+                min(row["tfra_per_feature_s"], row["tfra_one_table_s"]) / row["static_collection_s"],
+            )
             self.assertEqual(row["tfra_live_keys"]["tfra_per_feature"], row["live_keys"])
         self.check_quantize(out)
         self.check_multi_worker_profile(out)
