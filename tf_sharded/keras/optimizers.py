@@ -207,10 +207,11 @@ class _TableSlots(_compat.KerasOptimizerHooks):
             trainable_variables = self._tfs_variables
         # Keras increments `iterations` with nothing tying it to the step: in a traced step whose lookup or
         # gradient fails, the increment still runs and a step that applied nothing is counted. Every op of
-        # the update, the increment included, waits for every gradient here.
+        # the update, the increment included, waits for every gradient here. The increment is one op where
+        # `iterations` lives (under parameter servers Keras's read, add and assign cross to its ps and back).
         _compat.set_untracked(self, "_tfs_rates", {})
         try:
-            with tf.control_dependencies(_gradient_tensors(grads)):
+            with tf.control_dependencies(_gradient_tensors(grads)), _compat.increment_in_place(self._iterations):
                 return super().apply(grads, trainable_variables)
         finally:
             _compat.set_untracked(self, "_tfs_rates", None)
