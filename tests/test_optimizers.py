@@ -7,7 +7,7 @@ from absl.testing import parameterized
 
 import tf_sharded as tfs
 from tests.harness.references import table_values
-from tests.harness.strategies import uid
+from tests.harness.strategies import mirrored, uid
 
 ROWS, DIM = 23, 3
 SCALE = 0.1  # loss = SCALE * sum(lookup(ids) ** 2)
@@ -160,6 +160,43 @@ class SparseUpdateTest(tf.test.TestCase, parameterized.TestCase):
             "Adagrad", dict(learning_rate=0.3), values.astype(np.float64), initial_slots("Adagrad", {}), rows, g, 1
         )
         self.assertAllClose(table.numpy(), want, rtol=2e-5, atol=1e-6)
+
+
+class StepCountTest(tf.test.TestCase):
+    def test_a_traced_step_counts_with_one_op(self):
+        table = tfs.create_sharded_variable(uid("counted"), [ROWS, DIM], initializer="ones", partitions=2)
+        optimizer = tfs.optimizers.SGD(0.3)
+        grads = [tf.IndexedSlices(tf.ones([1, DIM]), tf.constant([0], tf.int64), tf.constant([ROWS, DIM]))] * 2
+        optimizer.apply(grads, list(table.variables))  # eagerly: Keras's own increment
+        step = tf.function(lambda: optimizer.apply(grads, list(table.variables)))
+        graph = step.get_concrete_function().graph
+        # Keras counts as a read, an add and an assign (three crossings to a ps holding the counter); traced,
+        # tfs.optimizers count with one op where the counter lives.
+        counter = id(optimizer.iterations.value.handle)
+        handles = {internal.ref() for external, internal in graph.captures if id(external) == counter}
+        self.assertLen(handles, 1)
+        self.assertEqual([op.type for op in graph.get_operations() for t in op.inputs if t.ref() in handles],
+                         ["AssignAddVariableOp"])  # fmt: skip
+        step()
+        step()
+        self.assertEqual(int(optimizer.iterations.numpy()), 3)
+        self.assertNotIn("assign_add", vars(optimizer.iterations))  # the counter is as it was after the step
+
+    def test_mirrored_copies_of_the_counter_keep_keras_increment(self):
+        strategy = mirrored()
+        with strategy.scope():
+            weight = keras.Variable(np.ones([2], np.float32))
+            optimizer = tfs.optimizers.SGD(0.3)
+            optimizer.build([weight])
+
+        @tf.function
+        def step():
+            strategy.run(lambda: optimizer.apply([tf.ones([2])], [weight]))
+
+        step()
+        step()
+        self.assertEqual(int(optimizer.iterations.numpy()), 2)
+        self.assertAllClose(weight.numpy(), [1 - 2 * 0.3 * strategy.num_replicas_in_sync] * 2)  # summed, twice
 
 
 class SlotCheckpointTest(tf.test.TestCase):

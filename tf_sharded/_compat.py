@@ -322,36 +322,6 @@ def in_multi_worker_mode(strategy) -> bool:
 
 
 @contextlib.contextmanager
-def increment_in_place(variable):
-    """Inside the block, `variable.assign_add(n)` (a Keras 3 variable: an optimizer's `iterations`) is one
-    `AssignAddVariableOp` where the variable lives.
-
-    Keras adds as `assign(self + n)`: a read where the variable lives, an add on the current device and an
-    assign back. Under parameter servers, where an optimizer applies a step on the worker and its `iterations`
-    lives on a ps, that is three crossings between them after the step's gradients, the last work of every
-    step. Left to Keras when tracing is not under way, inside Keras's StatelessScope (which records
-    assignments), and for a distributed variable (mirrored copies).
-    """
-    from keras.src.backend.common.stateless_scope import in_stateless_scope
-
-    held = getattr(variable, "_value", None)
-    if tf.executing_eagerly() or held is None or isinstance(held, tf.distribute.DistributedValues):
-        yield
-        return
-
-    def assign_add(value):
-        if in_stateless_scope():
-            return type(variable).assign_add(variable, value)
-        return held.assign_add(tf.cast(value, held.dtype))
-
-    variable.assign_add = assign_add  # this instance only, for the block
-    try:
-        yield
-    finally:
-        del variable.assign_add
-
-
-@contextlib.contextmanager
 def outside_keras_stateless_scope():
     """Leaves Keras 3's StatelessScope for the duration of the block.
 
