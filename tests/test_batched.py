@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
-from tests.harness.graphs import ROW_OPS, nodes
+from tests.harness.graphs import ROW_OPS, handle_uses, nodes
 from tests.harness.serving import serve_elsewhere
 from tests.harness.strategies import ps_strategy
 
@@ -114,12 +114,10 @@ class BatchedStorageTest(tf.test.TestCase):
             for segment in optimizer.table_slot(layer.tables[k], "accumulator").variables
             if hasattr(segment, "storage")
         }
-        watched = {id(v.handle) for v in storage + list(slot_storage.values())}
-        graph = step.get_concrete_function(spec).graph
-        handles = {internal.ref() for external, internal in graph.captures if id(external) in watched}
-        self.assertLen(handles, len(watched))
+        watched = storage + list(slot_storage.values())
+        captured, uses = handle_uses(step.get_concrete_function(spec).graph, watched)
+        self.assertEqual(captured, len({id(v.handle) for v in watched}))
         self.assertLen(slot_storage, 4)  # two storages on two ps each
-        uses = [f"{op.type} {op.name}" for op in graph.get_operations() for t in op.inputs if t.ref() in handles]
         self.assertIn("ResourceScatterSub", {m.split()[0] for m in uses})
         self.assertEqual([m for m in uses if m.split()[0] not in ROW_OPS], [])
 

@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
-from tests.harness.graphs import ROW_OPS
+from tests.harness.graphs import ROW_OPS, handle_uses
 from tests.harness.models import (
     IDS,
     LABELS,
@@ -49,10 +49,6 @@ with tfs.cluster.LocalCluster(num_workers=1, num_ps=3, mode="process") as cluste
 def dataset_fn(input_context=None):
     # One fixed batch: whichever worker runs a step, the sequence of updates is the same.
     return tf.data.Dataset.from_tensors((IDS, LABELS)).repeat()
-
-
-def handles_of(variables):
-    return {id(v.handle) for v in variables}
 
 
 class KerasParameterServerTest(tf.test.TestCase):
@@ -265,18 +261,9 @@ class KerasParameterServerTest(tf.test.TestCase):
         concrete = step.get_concrete_function(
             (tf.TensorSpec([None, 3], tf.int64), tf.TensorSpec([None, 1], tf.float32))
         )
-        graph = concrete.graph
-        handles = {internal.ref() for external, internal in graph.captures if id(external) in handles_of(watched)}
-        self.assertLen(handles, len(watched))
-        problems = []
-        pending = [graph]
-        while pending:
-            g = pending.pop()
-            for op in g.get_operations():
-                for t in op.inputs:
-                    if t.ref() in handles and op.type not in ROW_OPS:
-                        problems.append(f"{op.type} {op.name}")
-        self.assertEqual(problems, [])
+        captured, uses = handle_uses(concrete.graph, watched)
+        self.assertEqual(captured, len(watched))
+        self.assertEqual([use for use in uses if use.split()[0] not in ROW_OPS], [])
 
     def test_step_counts_with_one_op_on_the_ps(self):
         # Keras counts a step as a read of `iterations`, an add and an assign: under parameter servers, three
@@ -288,11 +275,9 @@ class KerasParameterServerTest(tf.test.TestCase):
         graph = step.get_concrete_function(
             (tf.TensorSpec([None, 3], tf.int64), tf.TensorSpec([None, 1], tf.float32))
         ).graph
-        counter = handles_of([model.optimizer.iterations.value])
-        handles = {internal.ref() for external, internal in graph.captures if id(external) in counter}
-        self.assertLen(handles, 1)
-        users = [op.type for op in graph.get_operations() for t in op.inputs if t.ref() in handles]
-        self.assertEqual(users, ["AssignAddVariableOp"])
+        captured, uses = handle_uses(graph, [model.optimizer.iterations.value])
+        self.assertEqual(captured, 1)
+        self.assertEqual([use.split()[0] for use in uses], ["AssignAddVariableOp"])
 
     def test_fit_argument_errors(self):
         with self.strategy.scope():

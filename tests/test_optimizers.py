@@ -6,6 +6,7 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 import tf_sharded as tfs
+from tests.harness.graphs import handle_uses
 from tests.harness.references import table_values
 from tests.harness.strategies import mirrored, uid
 
@@ -172,11 +173,9 @@ class StepCountTest(tf.test.TestCase):
         graph = step.get_concrete_function().graph
         # Keras counts as a read, an add and an assign (three crossings to a ps holding the counter); traced,
         # tfs.optimizers count with one op where the counter lives.
-        counter = id(optimizer.iterations.value.handle)
-        handles = {internal.ref() for external, internal in graph.captures if id(external) == counter}
-        self.assertLen(handles, 1)
-        self.assertEqual([op.type for op in graph.get_operations() for t in op.inputs if t.ref() in handles],
-                         ["AssignAddVariableOp"])  # fmt: skip
+        captured, uses = handle_uses(graph, [optimizer.iterations.value])
+        self.assertEqual(captured, 1)
+        self.assertEqual([use.split()[0] for use in uses], ["AssignAddVariableOp"])
         step()
         step()
         self.assertEqual(int(optimizer.iterations.numpy()), 3)

@@ -33,6 +33,15 @@ def op_types(concrete_fn) -> set:
     return {node.op for node in nodes(concrete_fn)}
 
 
+def handle_uses(graph, variables) -> tuple:
+    """`(captured, uses)`: how many of `variables`' handles `graph` captures, and `"<op type> <op name>"` for
+    each input of an op of `graph` that is one of those handles."""
+    watched = {id(v.handle) for v in variables}
+    handles = {internal.ref() for external, internal in graph.captures if id(external) in watched}
+    uses = [f"{op.type} {op.name}" for op in graph.get_operations() for t in op.inputs if t.ref() in handles]
+    return len(handles), uses
+
+
 def whole_table_reads(concrete_fn, rows):
     """Ops that touch a shard handle other than by rows, or produce >= `rows` rows."""
     problems = []
