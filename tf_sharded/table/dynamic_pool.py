@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import tensorflow as tf
 
 from tf_sharded import _compat
@@ -279,7 +280,8 @@ class RowPool:
         part_of = tf.gather_nd(tf.repeat(tf.range(m), sizes), positions)
         new_rows, ready = self.allocate_caught_up(tf.size(new_keys, out_type=tf.int64))
         with tf.control_dependencies(ready):
-            seeds = tf.constant([p.initializer.stream_key() for p in parts], tf.uint64)
+            # From a uint64 array: in a graph, TF on NumPy 2 converts a list of ints beyond int64 through float64.
+            seeds = tf.constant(np.array([p.initializer.stream_key() for p in parts], np.uint64))
             counters = key_fingerprints(new_keys)
             values = parts[0].initializer.rows(counters, (1, self.dim), self.dtype, keys=tf.gather(seeds, part_of))
             writes = self.write_new(new_rows, values)
