@@ -10,9 +10,13 @@ this repository.
   adapted assertions are those that count a layer's weights (a table's
   shards count as one);
 * `keras/src/optimizers/{sgd,adagrad,adam,ftrl}_test.py` with
-  `tfs.optimizers.*` (dense variables: Keras's own behaviour).
+  `tfs.optimizers.*` (dense variables: Keras's own behaviour);
+* every `keras/src/optimizers/*_test.py` with Keras's own optimizers, once
+  alone and once in a process that imported tf_sharded and created a
+  mirrored table (which installs the optimizer routing): the same tests pass.
 """
 
+import glob
 import os
 import subprocess
 import sys
@@ -30,6 +34,7 @@ pytestmark = pytest.mark.timeout(600)
 KERAS_SRC = os.path.join(os.path.dirname(keras.__file__), "src")
 KERAS_TESTS = os.path.join(KERAS_SRC, "layers", "core", "embedding_test.py")
 OPTIMIZER_TESTS = [os.path.join(KERAS_SRC, "optimizers", f"{n}_test.py") for n in ("sgd", "adagrad", "adam", "ftrl")]
+ALL_OPTIMIZER_TESTS = sorted(glob.glob(os.path.join(KERAS_SRC, "optimizers", "*_test.py")))
 
 # Refused on purpose (README): a constraint projects the whole table after every step (both tests build a
 # layer with `embeddings_constraint`); negative ids are an error, where Keras's `take` wraps them (-1 reads the
@@ -98,6 +103,22 @@ def pytest_collection_modifyitems(items):
 """
 
 
+# A process that uses tf_sharded's types beside Keras's own optimizers: importing changes nothing, the first
+# table (mirrored) installs the routing, and every Keras optimizer test must still pass.
+ROUTED_CONFTEST = """
+import tensorflow as tf
+
+import tf_sharded as tfs
+from tf_sharded import _compat
+
+assert not _compat.keras_routing_installed(), "importing tf_sharded installed the Keras routing"
+STRATEGY = tf.distribute.MirroredStrategy(["/cpu:0"])
+with STRATEGY.scope():
+    TABLE = tfs.create_sharded_variable("routing_probe", shape=(64, 4), partitions=2)
+assert _compat.keras_routing_installed(), "a mirrored table did not install the Keras routing"
+"""
+
+
 def _run_keras_tests(test, files, conftest: str) -> dict:
     """Runs Keras test `files` beside `conftest` (the substitution); `{test name: (passed?, message)}`."""
     directory = tempfile.mkdtemp(dir=test.get_temp_dir())
@@ -155,6 +176,18 @@ class KerasOptimizerSuiteTest(tf.test.TestCase):
         for kind in ("SGD", "Adagrad", "Adam", "Ftrl"):
             self.assertTrue(any(kind.lower() in name.lower() for name in results), kind)
         self.assertEqual({name: message for name, (ok, message) in results.items() if not ok}, {})
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not ALL_OPTIMIZER_TESTS, reason=f"Keras's optimizer tests are not installed in {KERAS_SRC}")
+class KerasOptimizersBesideTablesTest(tf.test.TestCase):
+    def test_every_keras_optimizer_test_passes_beside_a_mirrored_table(self):
+        alone = _run_keras_tests(self, ALL_OPTIMIZER_TESTS, "")
+        routed = _run_keras_tests(self, ALL_OPTIMIZER_TESTS, ROUTED_CONFTEST)
+        passed = lambda results: sorted(name for name, (ok, _) in results.items() if ok)  # noqa: E731
+        self.assertGreaterEqual(len(passed(alone)), 200)  # 257 on TF 2.16.2 / Keras 3.15.1
+        self.assertEqual(sorted(routed), sorted(alone))
+        self.assertEqual(passed(routed), passed(alone))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Everything imported from `tensorflow.python...` or `keras.src...`, and every
 private attribute of a TensorFlow or Keras object that tf_sharded reads,
 writes or overrides, is behind a named function or class here.
-`tests/test_compat.py` exercises each one against the pinned versions and
+`tests/test_compat.py` exercises each one on both tested stacks (constraints/) and
 fails loudly when an upgrade moves it; `tests/test_layout.py` fails when any
 other module reaches for an internal.
 """
@@ -307,6 +307,11 @@ def route_keras_gradient_reduction(reduce_fn: Callable, update_fn: Callable) -> 
     cls._all_reduce_sum_gradients = _all_reduce_sum_gradients
     cls._distributed_tf_update_step = _distributed_tf_update_step
     _KERAS_ROUTED.append((original_reduce, original_update))
+
+
+def keras_routing_installed() -> bool:
+    """Whether `route_keras_gradient_reduction` has replaced Keras's two `TFOptimizer` methods in this process."""
+    return bool(_KERAS_ROUTED)
 
 
 def single_device(device: str) -> Any:

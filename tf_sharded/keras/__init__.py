@@ -4,9 +4,11 @@ Modules: `embedding` (`Embedding`), `collection` (`EmbeddingCollection`),
 `conversion` (`shard_embeddings`, `sharded_embeddings`), `layers` (the
 `tfs.layers` namespace of those), `optimizers`, `routing` (Keras optimizers
 through the mirrored exchange), `training` (`tfs.fit`), `checkpoints`,
-`serving` (`tfs.export`). Importing the package installs the routing.
+`serving` (`tfs.export`). The routing is installed when the process creates its first table, so a
+process that never does runs Keras's optimizers as Keras ships them.
 """
 
 from tf_sharded.keras import routing
+from tf_sharded.table.protocol import on_first_table
 
-routing.install()
+on_first_table(routing.install)

@@ -106,6 +106,21 @@ _SHARDS: Dict[int, Tuple[weakref.ref, weakref.ref, int]] = {}
 _LOCK = threading.Lock()
 
 
+# Integrations that change how another library behaves for every caller (Keras's optimizer routing) wait
+# for the process's first table: a process that never creates one runs that library untouched.
+_ON_FIRST_TABLE: list = []
+_HAS_TABLE = []
+
+
+def on_first_table(install: Callable[[], None]) -> None:
+    """Runs `install()` once this process has a table: now if it has one, else when the first registers."""
+    with _LOCK:
+        if not _HAS_TABLE:
+            _ON_FIRST_TABLE.append(install)
+            return
+    install()
+
+
 def register_shards(table: Any, variables: Sequence[Any]) -> None:
     """Records that `variables[i]` is shard `i` of `table` (read back by `owner_of`)."""
     with _LOCK:
@@ -113,6 +128,12 @@ def register_shards(table: Any, variables: Sequence[Any]) -> None:
             key = id(variable)
             _SHARDS[key] = (weakref.ref(variable), weakref.ref(table), index)
             weakref.finalize(variable, _forget, key, _SHARDS[key][0])
+        first = []
+        if not _HAS_TABLE:
+            _HAS_TABLE.append(True)
+            first, _ON_FIRST_TABLE[:] = list(_ON_FIRST_TABLE), []
+    for install in first:
+        install()
 
 
 def _forget(key: int, ref: weakref.ref) -> None:
