@@ -1,6 +1,10 @@
 import os
+import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Parquet conversions (tf_sharded.app.parquet) go to a directory of the run, not the user's cache; the
+# processes the tests start inherit it.
+os.environ.setdefault("TF_SHARDED_CACHE", tempfile.mkdtemp(prefix="tfs_test_cache_"))
 
 import tensorflow as tf  # noqa: E402
 

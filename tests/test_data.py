@@ -3,12 +3,15 @@
 import gzip
 import json
 import os
+import subprocess
+import sys
+from unittest import mock
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_sharded.app import data, readers, scan, schema
+from tf_sharded.app import data, parquet, readers, scan, schema
 
 
 def collect(dataset):
@@ -202,7 +205,7 @@ class SchemaReadersTest(tf.test.TestCase):
         source = readers.open_source(os.path.join(out, "numbered"), s)
 
         def labels(share, files):
-            return [int(y) for _, y in readers.records(source, s, files, share).as_numpy_iterator()]
+            return [int(y.item()) for _, y in readers.records(source, s, files, share).as_numpy_iterator()]
 
         self.assertEqual(labels(None, names), list(range(30)))
         self.assertEqual(labels((2, 1), names), list(range(10, 20)))  # files[1::2]
@@ -283,7 +286,7 @@ class SharesTest(tf.test.TestCase):
             seen = []
             for _ in range(2):  # two pipelines, as two workers start theirs
                 pipeline = shares.dataset(lambda share: readers.records(source, s, names, share))
-                seen.append([int(y) for _, y in pipeline.as_numpy_iterator()])
+                seen.append([int(y.item()) for _, y in pipeline.as_numpy_iterator()])
             self.assertEqual(sorted(seen[0] + seen[1]), list(range(30)), msg=files)
             self.assertNotEqual(seen[0], [], msg=files)
             self.assertNotEqual(seen[1], [], msg=files)
@@ -301,7 +304,7 @@ class SharesTest(tf.test.TestCase):
         iterator = iter(per_worker)
         step = tf.function(lambda it: next(it)[1])
         launched = [coordinator.schedule(step, args=(iterator,)) for _ in range(6)]
-        labels = [int(r.fetch()[0]) for r in launched]
+        labels = [int(r.fetch()[0].item()) for r in launched]
         self.assertLen(set(labels), 6, labels)
 
 
@@ -324,7 +327,7 @@ class ResumedInputTest(tf.test.TestCase):
         for path in (clean, broken, parts):
             args = argparse.Namespace(
                 data=path, schema=os.path.join(out, "numbered.schema.json"), format="auto", checkpoint_dir=None,
-                batch_size=4, eval_steps=1, max_vocab=None, strict=False, seed=0,
+                batch_size=4, eval_steps=1, max_vocab=None, strict=False, seed=0, cache_dir=None,
             )  # fmt: skip
             plan = inputs.plan(args, workers=1)
             # Labels number the records; with the held-out batch and malformed ones left out, the train
@@ -346,11 +349,126 @@ class ParquetListTest(tf.test.TestCase):
         pq.write_table(pa.table({"rating": [1.0, 2.0], "user": ["a", "b"], "genres": [["x", "y"], ["z"]]}), name)
         s = schema.parse({**SCHEMA, "features": [f for f in SCHEMA["features"] if f["name"] == "genres"]})
         expected = (
-            r"--data .*lists.parquet: Parquet list column\(s\) \['genres'\], which tensorflow-io cannot read; "
+            r"--data .*lists.parquet: Parquet list column\(s\) \['genres'\], which the Parquet readers cannot read; "
             r"write a multi-hot column as '\|'-separated"
         )
         with self.assertRaisesRegex(readers.InputError, expected):
             readers.open_source(name, s)
+
+
+NULLS_CSV = [
+    "rating,user_id,age,gender,genres,movie_id",
+    "4.0,12,25,M,Action|Comedy,1193",
+    "3.5,,31,F,Drama,661",
+    "5,15,,,,3408",
+    "2,16,40,M,Comedy|Drama|Horror,",
+]
+
+
+def write_nulls_parquet(name):
+    """`NULLS_CSV`'s records as Parquet, each empty field a null (integer, float and text columns)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [line.split(",") for line in NULLS_CSV[1:]]
+    value = lambda text, kind: None if text == "" else kind(text)  # noqa: E731
+    kinds = {"rating": float, "user_id": int, "age": float, "gender": str, "genres": str, "movie_id": int}
+    columns = NULLS_CSV[0].split(",")
+    table = pa.table({c: [value(r[i], kinds[c]) for r in rows] for i, c in enumerate(columns)})
+    pq.write_table(table, name, row_group_size=2)
+    return table
+
+
+class ParquetCacheTest(tf.test.TestCase):
+    def read(self, source, s):
+        stats = scan.scan(source, s, source.files).statistics
+        return collect(readers.batched(readers.records(source, s.with_statistics(stats), source.files), 2))
+
+    def test_nulls_read_as_missing_values_as_empty_fields_of_csv_do(self):
+        # tensorflow-io drops nulls and shifts the rest of a column up, so a file with nulls in a column read
+        # takes the cache on every stack.
+        out = self.get_temp_dir()
+        with open(os.path.join(out, "nulls.csv"), "w") as f:
+            f.write("\n".join(NULLS_CSV) + "\n")
+        table = write_nulls_parquet(os.path.join(out, "nulls.parquet"))
+        self.assertEqual(table.column("user_id").null_count, 1)
+        s = schema.parse(SCHEMA)
+        cache = os.path.join(out, "cache")
+        from_parquet = readers.open_source(os.path.join(out, "nulls.parquet"), s, cache_dir=cache)
+        self.assertLen(from_parquet.cache, 1)
+        self.assertTrue(from_parquet.cache[0].startswith(cache))
+        self.assertEqual(from_parquet.kinds["user_id"], "string")  # an integer column with nulls, kept as text
+        features, labels = self.read(from_parquet, s)
+        want, want_labels = self.read(readers.open_source(os.path.join(out, "nulls.csv"), s), s)
+        self.assertAllEqual(labels, want_labels)
+        self.assertEqual(features["genres"], want["genres"])
+        for key in ("dense", "user_id", "gender", "movie_id"):
+            self.assertAllClose(features[key], want[key], msg=key)
+        self.assertEqual(list(features["user_id"]), [expected_id("12", 100), 0, expected_id("15", 100),
+                                                     expected_id("16", 100)])  # fmt: skip
+
+    def test_the_cache_gives_what_tensorflow_io_gives_and_is_written_once(self):
+        out = self.get_temp_dir()
+        write_example_files(out)
+        s = schema.parse(SCHEMA)
+        name = os.path.join(out, "movies.parquet.snappy")
+        cache = os.path.join(out, "cache")
+        with mock.patch.object(parquet, "tensorflow_io_loads", return_value=False):
+            cached = readers.open_source(name, s, cache_dir=cache)
+        (entry,) = os.listdir(cache)
+        self.assertEqual(os.path.dirname(cached.cache[0]), os.path.join(cache, entry))
+        if parquet.tensorflow_io_loads():
+            direct = readers.open_source(name, s, cache_dir=cache)
+            self.assertEqual(direct.cache, ())
+            self.assertEqual(direct.kinds, {**direct.kinds, **cached.kinds})
+            (features, labels), (want, want_labels) = self.read(cached, s), self.read(direct, s)
+            self.assertAllEqual(labels, want_labels)
+            self.assertEqual(features["genres"], want["genres"])
+            for key in ("dense", "user_id", "gender", "movie_id"):
+                self.assertAllClose(features[key], want[key], msg=key)
+        # Written once: opening again reads the same directory; a changed file gets a new one.
+        stamp = os.path.getmtime(os.path.join(cached.cache[0]))
+        with mock.patch.object(parquet, "tensorflow_io_loads", return_value=False):
+            self.assertEqual(readers.open_source(name, s, cache_dir=cache).cache, cached.cache)
+            self.assertEqual(os.path.getmtime(cached.cache[0]), stamp)
+            os.utime(name, ns=(1, 1))
+            changed = readers.open_source(name, s, cache_dir=cache)
+        self.assertNotEqual(changed.cache, cached.cache)
+        self.assertLen(os.listdir(cache), 2)
+
+    def test_a_conversion_killed_midway_leaves_no_entry_and_the_next_run_converts_again(self):
+        out = self.get_temp_dir()
+        write_example_files(out)
+        s = schema.parse(SCHEMA)
+        name, cache = os.path.join(out, "movies.parquet.snappy"), os.path.join(out, "cache")
+
+        def killed(*args):
+            raise KeyboardInterrupt  # the process is stopped while the file is being converted
+
+        with mock.patch.object(parquet, "tensorflow_io_loads", return_value=False):
+            with mock.patch.object(parquet, "_convert", side_effect=killed), self.assertRaises(KeyboardInterrupt):
+                readers.open_source(name, s, cache_dir=cache)
+            self.assertEqual(os.listdir(cache), [])
+            # A kill -9 leaves its staging directory behind; it is not an entry and is not read.
+            os.makedirs(os.path.join(cache, "0123456789abcdef0123.partial-99999", "part-00000"))
+            source = readers.open_source(name, s, cache_dir=cache)
+        features, labels = self.read(source, s)
+        self.assertAllEqual(labels[:, 0], [4.0, 3.5, 5.0, 2.0])
+
+    def test_load_ops_never_imports_a_tensorflow_io_whose_ops_do_not_load(self):
+        # A user's process sees no tensorflow-io warning: it is imported only where its library loaded.
+        code = (
+            "import sys; from tf_sharded.app import readers, parquet; readers.load_ops(); "
+            "print(parquet.tensorflow_io_loads(), 'tensorflow_io' in sys.modules)"
+        )
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+        loads, imported = done.stdout.split()
+        self.assertEqual(imported, "False")
+        self.assertNotIn("tensorflow_io", done.stderr)
+        self.assertNotIn("tensorflow-io", done.stderr)
+        self.assertEqual(loads, str(parquet.tensorflow_io_loads()))
 
 
 class RatingsDataTest(tf.test.TestCase):

@@ -43,6 +43,14 @@ def define_flags(values: flags.FlagValues) -> None:
     flags.DEFINE_enum(
         "format", "auto", ["auto", "tsv", "csv", "tfrecord", "parquet"], "Input format.", flag_values=values
     )
+    flags.DEFINE_string(
+        "cache_dir",
+        None,
+        "Where Parquet is converted once for reading where tensorflow-io cannot read it (its ops do not load "
+        "into this TensorFlow, or a column has nulls); every worker must be able to read it. "
+        "Default: $TF_SHARDED_CACHE/parquet, else ~/.cache/tf_sharded/parquet.",
+        flag_values=values,
+    )
     flags.DEFINE_enum(
         "strategy",
         "parameter_server",

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
-from tf_sharded.app import data, readers, scan
+from tf_sharded.app import data, parquet, readers, scan
 from tf_sharded.app import schema as schemas
 from tf_sharded.app.readers import InputError
 
@@ -126,11 +126,20 @@ def _files_plan(args, shares: Shares, skip: int, dynamic: bool = False) -> Plan:
         # A resumed run standardizes with the statistics it started with.
         schema = schema.with_statistics({f.name: (f.mean, f.std) for f in saved.numeric if f.mean is not None})
     try:
-        source = readers.open_source(args.data, schema, None if args.format == "auto" else args.format)
+        source = readers.open_source(
+            args.data, schema, None if args.format == "auto" else args.format, cache_dir=args.cache_dir
+        )
     except readers.MissingColumns as e:
         if args.schema:
             raise
         raise readers.MissingColumns(f"{e} (without --schema the columns are Criteo's; see `schema infer`)") from None
+    if source.cache:
+        why = (
+            "a column it reads has nulls, which tensorflow-io misreads"
+            if parquet.tensorflow_io_loads()
+            else f"tensorflow-io's Parquet ops do not load into TensorFlow {tf.__version__}"
+        )
+        print(f"Parquet: reading a copy in {os.path.dirname(source.cache[0])} (--cache_dir), as {why}", flush=True)
     files = list(source.files)
     held_records = 0
     if len(files) > 1:

@@ -2,10 +2,12 @@
 
 Formats: Criteo-style TSV (no header; columns in schema order, or a header
 line naming them), CSV with a header, TFRecord of `tf.train.Example`, and
-Parquet (tensorflow-io). Text formats and TFRecord may be gzip-compressed.
+Parquet. Text formats and TFRecord may be gzip-compressed.
 The format is found from the file's content (Parquet's magic bytes, gzip's,
 a text first line, else TFRecord), so `x.parquet.snappy` or `day_0` need no
-particular suffix; `format=` overrides it.
+particular suffix; `format=` overrides it. Parquet is read by tensorflow-io
+where its ops load into this TensorFlow, else from a cache that pyarrow
+writes once (`tf_sharded.app.parquet`).
 
 Every reader is made of TensorFlow ops only, so a parameter-server worker
 builds and runs it in its own process inside its dataset function. A record
@@ -27,21 +29,17 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
+from tf_sharded.app import parquet
 from tf_sharded.app.schema import Feature, FeatureType, LabelType, Schema, SchemaError, Transform
 
 FORMATS = ("tsv", "csv", "tfrecord", "parquet")
 
 
 def load_ops() -> None:
-    """Registers the custom ops the readers use (Parquet: tensorflow-io's, which it loads lazily) in this
-    process, when installed. A parameter-server worker runs the dataset function in its own process and
-    looks the ops up there, so a worker task calls this before it serves."""
-    import importlib.util
-
-    if importlib.util.find_spec("tensorflow_io") is not None:
-        from tensorflow_io.python.ops import core_ops
-
-        dir(core_ops)  # loads libtensorflow_io.so
+    """Registers the custom ops the readers use (Parquet: tensorflow-io's) in this process, where they load.
+    A parameter-server worker runs the dataset function in its own process and looks the ops up there, so a
+    worker task calls this before it serves."""
+    parquet.tensorflow_io_loads()
 
 
 LOAD_OPS = "tf_sharded.app.readers:load_ops"
@@ -119,10 +117,19 @@ class Source:
     header: Tuple[str, ...]  # text formats: the file's column names, in file order
     has_header_line: bool
     kinds: Dict[str, str]  # tfrecord / parquet: column -> TensorFlow dtype name
+    # Parquet read from the cache (`tf_sharded.app.parquet`): its directories, one per file of `files`.
+    cache: Tuple[str, ...] = ()
 
 
-def open_source(path: str, schema: Schema, fmt: Optional[str] = None, flag: str = "--data") -> Source:
-    """Lists and checks the files at `path`: one format, and every column of `schema` present."""
+def open_source(
+    path: str, schema: Schema, fmt: Optional[str] = None, flag: str = "--data", cache_dir: Optional[str] = None
+) -> Source:
+    """Lists and checks the files at `path`: one format, and every column of `schema` present.
+
+    Parquet that tensorflow-io cannot read here (its ops do not load, or a column read has nulls) is
+    converted once into `cache_dir` (default `tf_sharded.app.parquet.default_cache_dir()`); the returned
+    source's `cache` names the result.
+    """
     files = list_files(path)
     found = {}
     for name in files:
@@ -145,12 +152,26 @@ def open_source(path: str, schema: Schema, fmt: Optional[str] = None, flag: str 
     lists = [c for c in missing if f"{c}.list.element" in header or f"{c}.list.item" in header]
     if lists:
         raise InputError(
-            f"{flag} {first}: Parquet list column(s) {lists}, which tensorflow-io cannot read; write a multi-hot "
-            "column as '|'-separated text in Parquet, or use TFRecord (lists) or CSV"
+            f"{flag} {first}: Parquet list column(s) {lists}, which the Parquet readers cannot read; write a "
+            "multi-hot column as '|'-separated text in Parquet, or use TFRecord (lists) or CSV"
         )
     if missing:
         raise MissingColumns(f"{flag} {first} lacks columns {missing}; it has {list(header)}")
-    return Source(tuple(files), fmt, gz, tuple(header), has_header, kinds)
+    unsupported = {c: kinds[c].split(":", 1)[1] for c in schema.columns if kinds.get(c, "").startswith("unsupported:")}
+    if unsupported:
+        raise InputError(f"{flag} {first}: Parquet column(s) of types the readers do not read: {unsupported}")
+    source = Source(tuple(files), fmt, gz, tuple(header), has_header, kinds)
+    return _parquet_cache(source, schema, cache_dir) if fmt == "parquet" else source
+
+
+def _parquet_cache(source: Source, schema: Schema, cache_dir: Optional[str]) -> Source:
+    """`source` as tensorflow-io reads it, or with the schema's columns in the cache where it cannot."""
+    nulls = parquet.null_counts(source.files, schema.columns)
+    if parquet.tensorflow_io_loads() and not any(nulls.values()):
+        return source
+    kinds = parquet.with_nulls({c: source.kinds[c] for c in schema.columns}, nulls)
+    parts, _ = parquet.cached(source.files, kinds, cache_dir)
+    return dataclasses.replace(source, kinds=kinds, cache=tuple(parts))
 
 
 def _text_header(name: str, gz: bool, fmt: str, schema: Schema, flag: str) -> Tuple[Tuple[str, ...], bool]:
@@ -188,17 +209,12 @@ def _tfrecord_kinds(name: str, gz: bool) -> Dict[str, str]:
 
 
 def _parquet_kinds(name: str) -> Dict[str, str]:
-    import tensorflow_io as tfio
+    import pyarrow as pa
 
     try:
-        spec = tfio.IODataset.from_parquet(name).element_spec
-    except Exception as e:  # noqa: BLE001  (tensorflow-io raises several types for unreadable files)
+        return parquet.column_kinds(name)
+    except (pa.ArrowException, OSError) as e:
         raise InputError(f"{name}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
-    kinds = {}
-    for key, s in spec.items():
-        key = key.decode() if isinstance(key, bytes) else key
-        kinds[key] = s.dtype.name
-    return kinds
 
 
 # ------------------------------------------------------------------------------------------ parsing --
@@ -209,9 +225,10 @@ def _text_of(value: tf.Tensor) -> tf.Tensor:
     if value.dtype == tf.string:
         return tf.strings.strip(value)
     if value.dtype.is_floating:
-        # 3.0 from a float column hashes like "3" from a text one.
+        # 3.0 from a float column hashes like "3" from a text one; NaN (a null) is missing.
         whole = tf.equal(value, tf.round(value))
-        return tf.where(whole, tf.strings.as_string(tf.cast(value, tf.int64)), tf.strings.as_string(value))
+        text = tf.where(whole, tf.strings.as_string(tf.cast(value, tf.int64)), tf.strings.as_string(value))
+        return tf.where(tf.math.is_nan(value), "", text)
     return tf.strings.as_string(value)
 
 
@@ -284,7 +301,9 @@ def _first(values: tf.Tensor, missing) -> tf.Tensor:
     return tf.cond(tf.size(values) > 0, lambda: values[0], lambda: tf.constant(missing, values.dtype))
 
 
-def _typed_number(values: tf.Tensor) -> tf.Tensor:
+def _typed_number(values: tf.Tensor, what: str) -> tf.Tensor:
+    if values.dtype == tf.string:  # a Parquet integer column with nulls, kept as text in the cache
+        return _number(_first(values, ""), what)
     return _first(tf.cast(values, tf.float32), float("nan"))
 
 
@@ -302,13 +321,15 @@ def parse_record(
     columns = raw_columns(source, schema, record)
     text = source.format in ("tsv", "csv")
     label = columns[schema.label.name]
-    y = _number(label, f"label '{schema.label.name}'") if text else _typed_number(label)
+    what = f"label '{schema.label.name}'"
+    y = _number(label, what) if text else _typed_number(label, what)
     features: Dict[str, tf.Tensor] = {}
     dense = []
     for f in schema.features:
         value = columns[f.name]
         if f.type == FeatureType.NUMERIC:
-            x = _number(value, f"column '{f.name}'") if text else _typed_number(value)
+            what = f"column '{f.name}'"
+            x = _number(value, what) if text else _typed_number(value, what)
             dense.append(_transform(f, x, raw_numeric))
         elif f.type == FeatureType.CATEGORICAL:
             features[f.name] = _keys(_text_of(value) if text else _typed_text(value), f)
@@ -333,6 +354,10 @@ def raw_records(source: Source, files: Sequence[str], share: Optional[Tuple[int,
     """
     compression = "GZIP" if source.gzip else ""
     by_file = share is not None and share[0] > 1 and len(files) >= share[0] and source.format != "parquet"
+    if source.format == "parquet" and source.cache:
+        # The cache directories of `files` (which may be a subset of the source's, e.g. the held-out file).
+        rows = parquet.load([source.cache[source.files.index(f)] for f in files], source.kinds)
+        return rows.shard(*share) if share is not None and share[0] > 1 else rows
     names = tf.data.Dataset.from_tensor_slices(list(files))
     if by_file:
         names = names.shard(*share)
@@ -348,7 +373,9 @@ def raw_records(source: Source, files: Sequence[str], share: Optional[Tuple[int,
         import tensorflow_io as tfio
 
         # Column types given up front: a worker's dataset function is traced, where tensorflow-io cannot look.
-        columns = {c: tf.TensorSpec([], tf.as_dtype(source.kinds[c])) for c in source.header}
+        columns = {
+            c: tf.TensorSpec([], tf.as_dtype(k)) for c, k in source.kinds.items() if ":" not in k and k != "list"
+        }
         parts = [tfio.IODataset.from_parquet(f, columns=columns) for f in files]
         rows = parts[0]
         for part in parts[1:]:
