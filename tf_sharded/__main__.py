@@ -23,11 +23,17 @@ commands:
           and restore it into another layout
   bench [ps|exchange|fused|memory|e2e ...] [--quick] [--out DIR] [--mode inprocess|process|both]
           the benchmark suite (default: all): tables, ratios, JSON and PNG in bench_results/
+
+--verbose (with any command) shows TensorFlow's own C++ log, which is hidden otherwise
+(as it is whenever TF_CPP_MIN_LOG_LEVEL is set: then that level applies).
 """
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    from tf_sharded._console import VERBOSE
+
+    # Read when the package loaded TensorFlow (`tf_sharded._console`); no command takes it as a flag.
+    argv = [a for a in (sys.argv[1:] if argv is None else argv) if a != VERBOSE]
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
