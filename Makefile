@@ -1,26 +1,50 @@
-# Each target is self-sufficient on a fresh machine with Python 3.11:
-# it creates .venv, installs the pinned dependencies, then runs.
+# Each target is self-sufficient on a fresh machine with Python 3.11: it creates its venv, installs the
+# versions of its tested stack (constraints/*.txt), then runs.
+#   .venv         the newest stack (TF 2.21, NumPy 2): demo, test, bench, lint
+#   .venv-oldest  the oldest stack (TF 2.16.2, NumPy 1.26, the oldest supported Keras): test-oldest, bench-peers
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+OLDEST_VENV := .venv-oldest
+OLDEST_PY := $(OLDEST_VENV)/bin/python
+OLDEST_STAMP := $(OLDEST_VENV)/.installed
+PEERS_STAMP := $(OLDEST_VENV)/.peers
+PYTEST := -m pytest -q --durations=15
+# The library's tests (tables, exchange, Keras, strategies, checkpoints, serving, faults, the readers);
+# the application, benchmark and notebook tiers run on the newest stack only.
+NEWEST_ONLY := tests/test_app.py tests/test_app_dynamic.py tests/test_bench.py tests/test_notebooks.py tests/test_demo.py
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test test-oldest lint format bench bench-peers clean
 
-$(STAMP): setup.py pyproject.toml
+$(STAMP): setup.py pyproject.toml constraints/newest.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[app,bench,test]"
+	$(PY) -m pip install --quiet -c constraints/newest.txt -e ".[app,bench,io,test]"
 	touch $(STAMP)
+
+$(OLDEST_STAMP): setup.py pyproject.toml constraints/oldest.txt
+	test -x $(OLDEST_PY) || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_PY) -m pip install --quiet --upgrade pip
+	$(OLDEST_PY) -m pip install --quiet -c constraints/oldest.txt -e ".[app,io,test]"
+	touch $(OLDEST_STAMP)
 
 # The main job on its embedded default: DLRM on synthetic Criteo-shaped data, a local cluster of
 # 2 parameter servers + 2 workers started by the library; checkpoints go to a fresh temporary directory.
 demo: $(STAMP)
-	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m tf_sharded train --checkpoint_dir "$$(mktemp -d)/ckpt"
+	$(PY) -m tf_sharded train --checkpoint_dir "$$(mktemp -d)/ckpt"
 
 # The benchmark suite (about 30 minutes; run it with nothing else on the CPU).
 bench: $(STAMP)
-	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m tf_sharded bench --mode both
+	$(PY) -m tf_sharded bench --mode both
+
+# B1 and B7 with TFRA beside ours: TFRA 0.8.1 needs TensorFlow <= 2.16.2, so they run on the oldest stack.
+$(PEERS_STAMP): $(OLDEST_STAMP)
+	$(OLDEST_PY) -m pip install --quiet -c constraints/oldest.txt -e ".[app,bench,io,test,peers]"
+	touch $(PEERS_STAMP)
+
+bench-peers: $(PEERS_STAMP)
+	$(OLDEST_PY) -m tf_sharded bench ps dynamic --mode both --out bench_results/peers
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tf_sharded strategy tests setup.py
@@ -31,7 +55,10 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format tf_sharded strategy tests setup.py
 
 test: $(STAMP) lint
-	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q --durations=15 tests
+	$(PY) $(PYTEST) tests
+
+test-oldest: $(OLDEST_STAMP)
+	$(OLDEST_PY) $(PYTEST) tests $(addprefix --ignore=,$(NEWEST_ONLY))
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(OLDEST_VENV) build *.egg-info

@@ -30,11 +30,52 @@ def exercises(*names):
     return mark
 
 
-class PinnedVersionsTest(tf.test.TestCase):
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def locked_versions(path: pathlib.Path) -> dict:
+    """`{package: version}` of a constraints file's `name==version` lines."""
+    pins = {}
+    for line in path.read_text().splitlines():
+        name, sep, version = line.split("#")[0].strip().partition("==")
+        if sep:
+            pins[name.strip().lower().replace("_", "-")] = version.strip()
+    return pins
+
+
+class TestedStackTest(tf.test.TestCase):
     @exercises()
-    def test_tensorflow_and_keras_versions_are_the_pinned_ones(self):
-        self.assertEqual(tf.__version__, "2.16.2")
-        self.assertEqual(keras.__version__, "3.15.1")
+    def test_the_installed_releases_are_supported_and_a_tested_stack_is_installed_whole(self):
+        from tf_sharded import versions
+
+        self.assertTrue(versions.supported(tf.__version__, versions.TENSORFLOW), tf.__version__)
+        self.assertTrue(versions.supported(keras.__version__, versions.KERAS), keras.__version__)
+        stacks = {p.stem: locked_versions(p) for p in sorted((ROOT / "constraints").glob("*.txt"))}
+        self.assertEqual(sorted(stacks), ["newest", "oldest"])
+        # Each stack's TensorFlow and Keras are the ends of the supported ranges.
+        self.assertEqual(stacks["oldest"]["tensorflow"], versions.TENSORFLOW[0])
+        self.assertEqual(stacks["oldest"]["keras"], versions.KERAS[0])
+        self.assertTrue(versions.supported(stacks["newest"]["tensorflow"], versions.TENSORFLOW))
+        mine = [name for name, pins in stacks.items() if pins["tensorflow"] == tf.__version__]
+        if not mine:
+            self.skipTest(f"TensorFlow {tf.__version__} is supported but no tested stack's ({sorted(stacks)})")
+        pins = stacks[mine[0]]
+        installed = {"keras": keras.__version__, "numpy": np.__version__}
+        self.assertEqual(installed, {k: pins[k] for k in installed}, f"constraints/{mine[0]}.txt")
+
+    def test_an_unsupported_release_is_refused_at_import_with_the_range(self):
+        from tf_sharded import versions
+
+        with self.assertRaisesRegex(
+            ImportError, r"supports TensorFlow >=2\.16\.2,<2\.22\. Received: TensorFlow 2\.15\.1\."
+        ):
+            versions.check("2.15.1", "3.15.1")
+        with self.assertRaisesRegex(ImportError, r"supports Keras >=3\.14\.1,<4\. Received: Keras 3\.12\.4\."):
+            versions.check("2.21.0", "3.12.4")
+        with self.assertRaisesRegex(ImportError, r"Received: TensorFlow 2\.22\.0-dev20261101\."):
+            versions.check("2.22.0-dev20261101", "3.15.1")
+        versions.check("2.16.2", "3.14.1")
+        versions.check("2.21.0", "3.15.1")
 
 
 class CheckpointInternalsTest(tf.test.TestCase):
@@ -318,12 +359,14 @@ class KerasInternalsTest(tf.test.TestCase):
         module = _compat.tf_keras_layers_module()
         self.assertIs(module.Embedding, tf.keras.layers.Embedding)
 
-    @exercises("route_keras_gradient_reduction", "_KERAS_ROUTED")
+    @exercises("route_keras_gradient_reduction", "_KERAS_ROUTED", "keras_routing_installed")
     def test_keras_optimizer_steps_are_routed_once(self):
         from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
 
         cls = keras_tf_optimizer.TFOptimizer
-        self.assertLen(_compat._KERAS_ROUTED, 1)  # `import tf_sharded` installed it
+        tfs.create_sharded_variable("routed_probe", shape=(4, 2))  # a table installs the routing, if none yet has
+        self.assertTrue(_compat.keras_routing_installed())
+        self.assertLen(_compat._KERAS_ROUTED, 1)
         original_reduce, original_update = _compat._KERAS_ROUTED[0]
         self.assertEqual(list(inspect.signature(original_reduce).parameters), ["self", "grads_and_vars"])
         self.assertEqual(

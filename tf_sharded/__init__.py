@@ -1,12 +1,22 @@
 """tf_sharded: sharded embedding tables for TensorFlow 2 distribution strategies.
 
 Importing the package registers the strategy families (`tf_sharded.strategy`),
-installs `create_sharded_variable` on every `tf.distribute.Strategy`, routes
-`tf.nn.embedding_lookup` on tables to `tfs.embedding_lookup`, and routes Keras
-3 optimizers' gradient reduction through the mirrored exchange
-(`tf_sharded.keras.routing`). The training application (`tfs.data`,
+installs `create_sharded_variable` on every `tf.distribute.Strategy`, and
+routes `tf.nn.embedding_lookup` on tables to `tfs.embedding_lookup`. The
+process's first table routes Keras 3 optimizers' gradient reduction through
+the mirrored exchange (`tf_sharded.keras.routing`); until then Keras runs as
+it ships. It refuses a TensorFlow or Keras release outside the supported
+ranges (`tf_sharded.versions`). The training application (`tfs.data`,
 `tfs.models`) is the `[app]` extra and is imported on first use.
 """
+
+from tf_sharded import _console, versions
+
+with _console.quiet_import():
+    import keras as _keras
+    import tensorflow as _tf
+
+versions.check(_tf.__version__, _keras.__version__)
 
 from tf_sharded import cluster, exchange, partitioners, policies, strategy
 from tf_sharded.config import Combiner, Exchange, FeatureConfig, Placement, Scheme, TableConfig

@@ -20,10 +20,20 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 INITIAL_ACCUMULATOR, EPSILON = 0.1, 1e-7  # tfs.optimizers.Adagrad's defaults
+TFRA_TENSORFLOW = "2.16.2"  # the newest TensorFlow TFRA 0.8.1 (its newest release) declares
 
 
 def load() -> Tuple[Optional[object], str]:
     """`(tensorflow_recommenders_addons.dynamic_embedding, "")`, or `(None, why it was skipped)`."""
+    import tensorflow as tf
+
+    from tf_sharded import versions
+
+    if versions.parse(tf.__version__) > versions.parse(TFRA_TENSORFLOW):
+        return None, (
+            f"skipped: TFRA declares tensorflow<={TFRA_TENSORFLOW} and this is TensorFlow {tf.__version__}; "
+            "`make bench-peers` measures it beside ours on the oldest tested stack"
+        )
     try:
         import tensorflow_recommenders_addons.dynamic_embedding as de
     except Exception as e:  # missing, or built for another TensorFlow: either way the peer is skipped
