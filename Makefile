@@ -26,7 +26,7 @@ $(STAMP): setup.py pyproject.toml constraints/newest.txt
 $(OLDEST_STAMP): setup.py pyproject.toml constraints/oldest.txt
 	test -x $(OLDEST_PY) || $(PYTHON) -m venv $(OLDEST_VENV)
 	$(OLDEST_PY) -m pip install --quiet --upgrade pip
-	$(OLDEST_PY) -m pip install --quiet -c constraints/oldest.txt -e ".[app,io,test]"
+	$(OLDEST_PY) -m pip install --quiet -c constraints/oldest.txt -e ".[app,bench,io,test]"
 	touch $(OLDEST_STAMP)
 
 # The main job on its embedded default: DLRM on synthetic Criteo-shaped data, a local cluster of
