@@ -27,12 +27,14 @@ setup(
     extras_require={
         # the training application (python -m tf_sharded train / data / inspect)
         # pyarrow writes Parquet (`data synthesize`) and reads it where tensorflow-io's ops do not load.
-        "app": ["pyarrow>=16.1.0"],
+        # pyarrow 26 needs NumPy 2 at import without declaring it, so on TF 2.16-2.17 (NumPy 1.26) it would
+        # install and then fail: below 26 a pyarrow works with either NumPy.
+        "app": ["pyarrow>=16.1.0,<26"],
         # tensorflow-io's Parquet reader, used where its compiled ops load (TF 2.16 only, as of 0.37.1).
         "io": ["tensorflow-io>=0.37.1"],
         # the benchmark suite (python -m tf_sharded bench)
         "bench": [
-            "pyarrow>=16.1.0",
+            "pyarrow>=16.1.0,<26",
             "matplotlib>=3.8",  # plots
             "psutil>=5.9",  # process memory (B3)
         ],
