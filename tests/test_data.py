@@ -455,6 +455,17 @@ class ParquetCacheTest(tf.test.TestCase):
         features, labels = self.read(source, s)
         self.assertAllEqual(labels[:, 0], [4.0, 3.5, 5.0, 2.0])
 
+    def test_the_reason_given_for_the_cache_is_this_process_s(self):
+        with mock.patch.object(parquet, "tensorflow_io_loads", return_value=True):
+            self.assertEqual(parquet.why_cached(), "a column it reads has nulls, which tensorflow-io misreads")
+        with mock.patch.object(parquet, "tensorflow_io_loads", return_value=False):
+            with mock.patch.object(parquet.importlib.util, "find_spec", return_value=None):
+                self.assertIn("tensorflow-io is not installed", parquet.why_cached())
+            with mock.patch.object(parquet.importlib.util, "find_spec", return_value=object()):
+                self.assertEqual(
+                    parquet.why_cached(), f"tensorflow-io's Parquet ops do not load into TensorFlow {tf.__version__}"
+                )
+
     def test_load_ops_never_imports_a_tensorflow_io_whose_ops_do_not_load(self):
         # A user's process sees no tensorflow-io warning: it is imported only where its library loaded.
         code = (

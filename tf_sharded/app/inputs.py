@@ -134,12 +134,8 @@ def _files_plan(args, shares: Shares, skip: int, dynamic: bool = False) -> Plan:
             raise
         raise readers.MissingColumns(f"{e} (without --schema the columns are Criteo's; see `schema infer`)") from None
     if source.cache:
-        why = (
-            "a column it reads has nulls, which tensorflow-io misreads"
-            if parquet.tensorflow_io_loads()
-            else f"tensorflow-io's Parquet ops do not load into TensorFlow {tf.__version__}"
-        )
-        print(f"Parquet: reading a copy in {os.path.dirname(source.cache[0])} (--cache_dir), as {why}", flush=True)
+        where = os.path.dirname(source.cache[0])
+        print(f"Parquet: reading a copy in {where} (--cache_dir), as {parquet.why_cached()}", flush=True)
     files = list(source.files)
     held_records = 0
     if len(files) > 1:

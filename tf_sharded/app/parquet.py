@@ -58,6 +58,15 @@ def tensorflow_io_loads() -> bool:
     return True
 
 
+def why_cached() -> str:
+    """Why the readers take the cache here: for the one line the command prints."""
+    if tensorflow_io_loads():
+        return "a column it reads has nulls, which tensorflow-io misreads"
+    if importlib.util.find_spec("tensorflow_io") is None:
+        return "tensorflow-io is not installed (tf_sharded[io], where its ops load: TF 2.16)"
+    return f"tensorflow-io's Parquet ops do not load into TensorFlow {tf.__version__}"
+
+
 def default_cache_dir() -> str:
     """`$TF_SHARDED_CACHE/parquet`, else `$XDG_CACHE_HOME/tf_sharded/parquet` (`~/.cache/...`)."""
     root = os.environ.get(CACHE_ENV)
