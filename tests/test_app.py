@@ -16,6 +16,7 @@ import portpicker
 import tensorflow as tf
 
 from tests.harness.subprocs import ROOT, run_python, run_python_together
+from tf_sharded.app import parquet
 
 TINY = [
     "--steps",
@@ -150,6 +151,10 @@ class ApplicationTest(tf.test.TestCase):
         self.assertNotIn("Failed to remove function remotely", from_parquet.stderr)
         where = "(local cluster, a process per task: 2 ps, 2 workers)"
         self.assertIn(f"{where} | 4 steps (4 this run)", summary(from_parquet))
+        # Read through tensorflow-io where its ops load, else through the cache, which one line names.
+        cached = [line for line in from_parquet.stdout.splitlines() if line.startswith("Parquet: reading a copy in ")]
+        self.assertEqual(len(cached), 0 if parquet.tensorflow_io_loads() else 1, from_parquet.stdout[:2000])
+        self.assertTrue(all(parquet.why_cached() in line for line in cached), cached)
 
         shown = run_python(["-m", "tf_sharded", "inspect", ckpt])
         self.assertEqual(shown.returncode, 0, shown.stderr[-2000:])
