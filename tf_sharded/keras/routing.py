@@ -2,8 +2,9 @@
 
 Keras sums replica gradients itself and applies them with
 `extended.update`, which takes only distributed variables. Installed when
-`tf_sharded.keras` is imported (`import tf_sharded` does), this routes both
-steps (see `_compat.route_keras_gradient_reduction`): the reduction through
+the process creates its first table (`tf_sharded.keras` registers it with
+`table.protocol.on_first_table`), this routes both steps (see
+`_compat.route_keras_gradient_reduction`): the reduction through
 `tfs.exchange.all_reduce_gradients`, and the update of host-placed shards
 (one plain variable per worker) through `apply_updates`, where the writes to
 dynamic tables wait and run in one critical section per device. Everything
