@@ -33,7 +33,7 @@ import importlib.util
 import json
 import os
 import shutil
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
@@ -169,14 +169,14 @@ def element_spec(kinds: Dict[str, str]) -> Dict[str, tf.TensorSpec]:
     return {c: tf.TensorSpec([], tf.as_dtype(k)) for c, k in kinds.items()}
 
 
-def cached(files: Sequence[str], kinds: Dict[str, str], cache_dir: Optional[str] = None) -> Tuple[List[str], bool]:
+def cached(files: Sequence[str], kinds: Dict[str, str], cache_dir: Optional[str] = None) -> List[str]:
     """The cache directories holding the `kinds` columns of Parquet `files` (one per file, in order), written
-    now if absent; and whether they were written now."""
+    now if absent."""
     root = os.path.abspath(cache_dir or default_cache_dir())
     final = os.path.join(root, _cache_key(files, kinds))
     parts = [os.path.join(final, f"part-{i:05d}") for i in range(len(files))]
     if os.path.exists(os.path.join(final, "manifest.json")):
-        return parts, False
+        return parts
     os.makedirs(root, exist_ok=True)
     staging = f"{final}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
@@ -192,7 +192,7 @@ def cached(files: Sequence[str], kinds: Dict[str, str], cache_dir: Optional[str]
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return parts, True
+    return parts
 
 
 def _convert(name: str, kinds: Dict[str, str], out: str) -> None:

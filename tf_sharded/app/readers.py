@@ -170,7 +170,7 @@ def _parquet_cache(source: Source, schema: Schema, cache_dir: Optional[str]) -> 
     if parquet.tensorflow_io_loads() and not any(nulls.values()):
         return source
     kinds = parquet.with_nulls({c: source.kinds[c] for c in schema.columns}, nulls)
-    parts, _ = parquet.cached(source.files, kinds, cache_dir)
+    parts = parquet.cached(source.files, kinds, cache_dir)
     return dataclasses.replace(source, kinds=kinds, cache=tuple(parts))
 
 
