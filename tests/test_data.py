@@ -407,6 +407,20 @@ class ParquetCacheTest(tf.test.TestCase):
         self.assertEqual(list(features["user_id"]), [expected_id("12", 100), 0, expected_id("15", 100),
                                                      expected_id("16", 100)])  # fmt: skip
 
+    def test_nulls_are_counted_per_column_whatever_comes_before_it_and_with_or_without_statistics(self):
+        # Statistics are per leaf column: a struct column (two leaves) before the ones read shifts their positions.
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        out = self.get_temp_dir()
+        point = [{"x": 1, "y": None}, {"x": None, "y": 2}, {"x": None, "y": None}]
+        table = pa.table({"point": point, "a": [1, None, 3], "b": ["x", "y", None], "c": [1.0, 2.0, 3.0]})
+        pq.write_table(table, os.path.join(out, "stats.parquet"), row_group_size=2)
+        pq.write_table(table, os.path.join(out, "nostats.parquet"), write_statistics=False)
+        names = [os.path.join(out, n) for n in ("stats.parquet", "nostats.parquet")]
+        self.assertEqual(parquet.null_counts(names, ["a", "b", "c"]), {"a": 2, "b": 2, "c": 0})
+        self.assertEqual(parquet.null_counts(names[:1], ["c"]), {"c": 0})
+
     def test_the_cache_gives_what_tensorflow_io_gives_and_is_written_once(self):
         out = self.get_temp_dir()
         write_example_files(out)

@@ -106,22 +106,23 @@ def column_kinds(name: str) -> Dict[str, str]:
 
 
 def null_counts(files: Sequence[str], columns: Sequence[str]) -> Dict[str, int]:
-    """Nulls per column over `files`, from the row groups' statistics where written, else by reading."""
+    """Nulls per column over `files`, from the row groups' statistics where every group has them, else by
+    reading the column."""
     import pyarrow.parquet as pq
 
     counts = dict.fromkeys(columns, 0)
     for name in files:
         parquet = pq.ParquetFile(name)
-        index = {parquet.schema_arrow.field(i).name: i for i in range(len(parquet.schema_arrow))}
+        # Statistics are per leaf column: a flat column's leaf has its own name as path (a list's does not).
+        leaf = {parquet.schema.column(j).path: j for j in range(parquet.metadata.num_columns)}
         unknown = set()
-        for g in range(parquet.num_row_groups):
-            group = parquet.metadata.row_group(g)
-            for c in columns:
-                stats = group.column(index[c]).statistics if index.get(c) is not None else None
-                if stats is None or not stats.has_null_count:
-                    unknown.add(c)
-                else:
-                    counts[c] += stats.null_count
+        for c in columns:
+            stats = [parquet.metadata.row_group(g).column(leaf[c]).statistics if c in leaf else None
+                     for g in range(parquet.num_row_groups)]  # fmt: skip
+            if all(s is not None and s.has_null_count for s in stats):
+                counts[c] += sum(s.null_count for s in stats)
+            else:
+                unknown.add(c)
         if unknown:
             table = parquet.read(columns=sorted(unknown))
             for c in unknown:
