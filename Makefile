@@ -1,8 +1,11 @@
-# Each target is self-sufficient on a fresh machine with Python 3.11: it creates its venv, installs the
-# versions of its tested stack (constraints/*.txt), then runs.
-#   .venv         the newest stack (TF 2.21, NumPy 2): demo, test, bench, lint
-#   .venv-oldest  the oldest stack (TF 2.16.2, NumPy 1.26, the oldest supported Keras): test-oldest, bench-peers
+# Each target is self-sufficient on a fresh machine with Python 3.11 (and 3.10 for the oldest stack): it
+# creates its venv, installs the versions of its tested stack (constraints/*.txt), then runs.
+#   .venv         the newest stack (Python 3.11, TF 2.21, NumPy 2): demo, test, bench, lint
+#   .venv-oldest  the oldest stack (Python 3.10, TF 2.16.2, NumPy 1.26, Keras 3.12.0): test-oldest, bench-peers
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
+# Python 3.10: python3.10 if it runs (a pyenv shim may not), else pyenv's.
+OLDEST_PYTHON ?= $(shell for p in python3.10 $$(pyenv root 2>/dev/null || echo $${PYENV_ROOT:-$$HOME/.pyenv})/versions/3.10*/bin/python3.10; do \
+	$$p -c "" 2>/dev/null && { command -v $$p; break; }; done)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -24,7 +27,10 @@ $(STAMP): setup.py pyproject.toml constraints/newest.txt
 	touch $(STAMP)
 
 $(OLDEST_STAMP): setup.py pyproject.toml constraints/oldest.txt
-	test -x $(OLDEST_PY) || $(PYTHON) -m venv $(OLDEST_VENV)
+	@test -n "$(OLDEST_PYTHON)" || { echo "The oldest stack needs Python 3.10: put python3.10 on PATH" \
+		"(or pyenv install 3.10), or name one: make test-oldest OLDEST_PYTHON=/path/to/python3.10"; exit 1; }
+	$(OLDEST_PY) -c 'import sys; assert sys.version_info[:2] == (3, 10)' 2>/dev/null || \
+		{ rm -rf $(OLDEST_VENV) && $(OLDEST_PYTHON) -m venv $(OLDEST_VENV); }
 	$(OLDEST_PY) -m pip install --quiet --upgrade pip
 	$(OLDEST_PY) -m pip install --quiet -c constraints/oldest.txt -e ".[app,bench,io,test]"
 	touch $(OLDEST_STAMP)

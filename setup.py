@@ -4,7 +4,7 @@ setup(
     name="tf_sharded",
     version="0.1.0",
     description="Sharded embedding tables for TensorFlow 2 distribution strategies",
-    python_requires=">=3.11,<3.13",  # Keras >= 3.13 needs Python 3.11
+    python_requires=">=3.10,<3.13",
     packages=[
         "tf_sharded",
         "tf_sharded.app",
@@ -19,7 +19,7 @@ setup(
     install_requires=[
         # Ranges, not pins: the versions a checkout is tested with are in constraints/*.txt.
         "tensorflow>=2.16.2,<2.22",
-        "keras>=3.14.1,<4",  # 3.14: grouped int4 quantization (tfs.layers.Embedding, tfs.export)
+        "keras>=3.12.0,<4",  # the newest Keras on Python 3.10 is 3.12; grouped int4 needs 3.14
         "numpy>=1.26.4",  # within what the installed TensorFlow allows (NumPy 2 from TF 2.18)
         "absl-py>=1.0.0",
         "portpicker>=1.6.0",  # tfs.cluster's local clusters

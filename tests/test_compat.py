@@ -70,11 +70,11 @@ class TestedStackTest(tf.test.TestCase):
             ImportError, r"supports TensorFlow >=2\.16\.2,<2\.22\. Received: TensorFlow 2\.15\.1\."
         ):
             versions.check("2.15.1", "3.15.1")
-        with self.assertRaisesRegex(ImportError, r"supports Keras >=3\.14\.1,<4\. Received: Keras 3\.12\.4\."):
-            versions.check("2.21.0", "3.12.4")
+        with self.assertRaisesRegex(ImportError, r"supports Keras >=3\.12\.0,<4\. Received: Keras 3\.11\.3\."):
+            versions.check("2.21.0", "3.11.3")
         with self.assertRaisesRegex(ImportError, r"Received: TensorFlow 2\.22\.0-dev20261101\."):
             versions.check("2.22.0-dev20261101", "3.15.1")
-        versions.check("2.16.2", "3.14.1")
+        versions.check("2.16.2", "3.12.0")
         versions.check("2.21.0", "3.15.1")
 
 

@@ -11,6 +11,7 @@ import tensorflow as tf
 import tf_sharded as tfs
 from tests.harness.strategies import mirrored
 from tf_sharded.exchange import reduce
+from tf_sharded.keras import quantized
 
 pytestmark = pytest.mark.mirrored
 
@@ -219,10 +220,13 @@ class DefaultStrategyLayerTest(tf.test.TestCase):
 
     def test_quantization_matches_keras_quantized_layer(self):
         ids = np.random.RandomState(2).randint(0, ROWS, (16, 3))
-        int4 = keras.quantizers.Int4QuantizationConfig
-        forms = [("int8", None, "int8_from_float32"), ("int4", None, "int4/128_from_float32"),  # Keras's defaults
-                 ("int4", int4(block_size=None), "int4/-1_from_float32"),
-                 ("int4", int4(block_size=3), "int4/3_from_float32")]  # fmt: skip
+        if quantized.keras_groups_int4():
+            int4 = keras.quantizers.Int4QuantizationConfig
+            forms = [("int8", None, "int8_from_float32"), ("int4", None, "int4/128_from_float32"),  # Keras's defaults
+                     ("int4", int4(block_size=None), "int4/-1_from_float32"),
+                     ("int4", int4(block_size=3), "int4/3_from_float32")]  # fmt: skip
+        else:  # Keras before 3.14: int4 per row only
+            forms = [("int8", None, "int8_from_float32"), ("int4", None, "int4_from_float32")]
         for mode, config, policy in forms:
             for partitions, combiner in ((1, None), (3, None), (3, "mean")):
                 ours = tfs.layers.Embedding(ROWS, DIM, partitions=partitions, scheme="mod", combiner=combiner, seed=4)
@@ -249,6 +253,19 @@ class DefaultStrategyLayerTest(tf.test.TestCase):
                 want = want.mean(axis=1) if combiner else want
                 self.assertAllClose(ours(ids), want, atol=1e-6, msg=where)
 
+    @pytest.mark.skipif(not hasattr(keras.quantizers, "abs_max_quantize_grouped_with_zero_point"),
+                        reason=f"Keras {keras.__version__} has no grouped int4 quantizer")  # fmt: skip
+    def test_grouped_int4_is_keras_grouped_quantizer_on_the_columns(self):
+        values = np.random.RandomState(5).normal(size=(9, 10)).astype(np.float32)
+        values[0] = np.abs(values[0])  # a row of one sign: the zero padding widens its last group's range
+        for block_size in (1, 3, 4, 10, 128):
+            want = keras.quantizers.abs_max_quantize_grouped_with_zero_point(
+                values.T, block_size=block_size, value_range=(-8, 7), dtype="int8", to_numpy=True
+            )
+            got = quantized.grouped_int4(values, block_size)
+            for name, mine, theirs in zip(("values", "scale", "zero"), got, want):
+                self.assertAllEqual(mine, np.asarray(theirs).T, msg=(name, block_size))
+
     def test_checkpoint_keys_are_the_keras_names_with_lora_and_quantization(self):
         layer = tfs.layers.Embedding(ROWS, DIM, partitions=2)
         layer.build()
@@ -261,9 +278,10 @@ class DefaultStrategyLayerTest(tf.test.TestCase):
         self.assertEqual(names, {"embeddings", "embeddings_scale", "lora_embeddings_a", "lora_embeddings_b"})
         grouped = tfs.layers.Embedding(ROWS, DIM, partitions=2)
         grouped.build()
-        grouped.quantize("int4")  # Keras's default: groups of 128 columns with zero points
+        grouped.quantize("int4")  # Keras's default: groups of 128 columns with zero points (per row before 3.14)
         names = {k.split("/")[1] for k in keys(grouped) if k.startswith("layer/")}
-        self.assertEqual(names, {"embeddings", "embeddings_scale", "embeddings_zero", "g_idx"})
+        extra = {"embeddings_zero", "g_idx"} if quantized.keras_groups_int4() else set()
+        self.assertEqual(names, {"embeddings", "embeddings_scale"} | extra)
 
     def test_mask_zero_single_hot(self):
         layer = tfs.layers.Embedding(ROWS, DIM, mask_zero=True)

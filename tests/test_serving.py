@@ -1,6 +1,7 @@
 """tfs.export (served where tf_sharded cannot be imported) and .keras / weights files across layouts."""
 
 import os
+import unittest
 
 import keras
 import numpy as np
@@ -8,6 +9,7 @@ import tensorflow as tf
 
 import tf_sharded as tfs
 from tests.harness.serving import serve_elsewhere
+from tf_sharded.keras import quantized
 
 ROWS, DIM = 40, 4
 
@@ -76,6 +78,7 @@ class ExportTest(tf.test.TestCase):
         with self.assertRaisesRegex(ValueError, "Argument `quantize` must be one of \\(None, 'int8', 'int4'\\)"):
             tfs.export(model, self.get_temp_dir(), quantize="float8")
 
+    @unittest.skipUnless(quantized.keras_groups_int4(), f"Keras {keras.__version__} has no Int4QuantizationConfig")
     def test_a_layer_quantized_to_int4_exports_its_own_rows(self):
         ids = keras.Input((3,), dtype="int64", name="ids")
         emb = tfs.layers.Embedding(ROWS, 8, combiner="mean", partitions=2, seed=1, name="emb")

@@ -15,7 +15,7 @@ from typing import Tuple
 
 # [oldest, first unsupported): the oldest is the oldest stack's release.
 TENSORFLOW = ("2.16.2", "2.22")
-KERAS = ("3.14.1", "4")
+KERAS = ("3.12.0", "4")
 SKIP = "TF_SHARDED_SKIP_VERSION_CHECK"
 
 

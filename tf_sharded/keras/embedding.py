@@ -294,9 +294,9 @@ class Embedding(keras.layers.Layer):
 
     def quantize(self, mode=None, type_check=True, config=None):
         """Keras's `quantize`, on the shards: `"int8"` replaces the table by int8 rows and a scale per row;
-        `"int4"` by int4 values packed two a byte and a scale per row, or (Keras's default, `block_size=128`
-        in an `Int4QuantizationConfig`) a scale and a zero point per group of columns. All of them sharded
-        as the table was (the float table is read once, whole).
+        `"int4"` by int4 values packed two a byte and a scale per row, or (Keras's default from Keras 3.14,
+        `block_size=128` in an `Int4QuantizationConfig`) a scale and a zero point per group of columns. All of
+        them sharded as the table was (the float table is read once, whole).
 
         Example:
 
@@ -306,8 +306,8 @@ class Embedding(keras.layers.Layer):
         >>> layer.quantize("int4")
         >>> [(w.path.split("/")[1], w.dtype, tuple(w.shape)) for w in layer.weights][:2]
         [('embeddings_part_0', 'int8', (50, 4)), ('embeddings_part_1', 'int8', (50, 4))]
-        >>> layer.dtype_policy.name
-        'int4/128_from_float32'
+        >>> layer.quantization_mode
+        'int4'
         """
         if type_check and type(self) is not Embedding:
             raise self._not_implemented_error(self.quantize)
@@ -316,8 +316,7 @@ class Embedding(keras.layers.Layer):
         form = self._new_form(mode, config)
         self._replace_table(form, quantized.quantize_rows(self._table.numpy(), form, config))
         if self.dtype_policy.quantization_mode is None:
-            name = mode if mode == "int8" else f"int4/{-1 if form.block_size is None else form.block_size}"
-            self.dtype_policy = keras.dtype_policies.get(f"{name}_from_{self.dtype_policy.name}")
+            self.dtype_policy = keras.dtype_policies.get(quantized.policy_name(form, self.dtype_policy.name))
 
     def quantized_build(self, input_shape, mode, config=None):
         """The quantized tables (rows zero, scales one) a quantized layer loads its weights into."""

@@ -7,16 +7,19 @@ rows keeps its scales beside it and a lookup reads all of them for the same
 ids. The forms are Keras's own:
 
 * `int8`: one int8 value per column and one scale per row (by default
-  `keras.quantizers.AbsMaxQuantizer(axis=-1)`: `127 / max|row|`);
+  `keras.quantizers.abs_max_quantize` on the last axis: `127 / max|row|`);
   `row = q / scale`.
 * `int4` per row (`block_size` None or -1): values in [-8, 7] packed two
   per byte along the row (`keras.quantizers.pack_int4`), one scale per
   row; `row = unpack(q) / scale`.
-* `int4` grouped (`block_size` > 0, Keras's default 128): the row's columns
-  in groups of `block_size`, each with a scale and an int8 zero point
-  (asymmetric, `keras.quantizers.abs_max_quantize_grouped_with_zero_point`);
+* `int4` grouped (`block_size` > 0, Keras's default 128 from Keras 3.14):
+  the row's columns in groups of `block_size`, each with a scale and an
+  int8 zero point (asymmetric: the group's range `[min, max]`, the last
+  group's padded with zeros, mapped onto [-8, 7]);
   `row[c] = (unpack(q)[c] - zero[g(c)]) * scale[g(c)]` with
-  `g(c) = c // block_size` (Keras's `g_idx`).
+  `g(c) = c // block_size` (Keras's `g_idx`). `grouped_int4` computes it
+  here, so an export can take this form whatever the Keras release; a
+  layer takes it only where Keras has it (`Int4QuantizationConfig`).
 
 Every form is row-local: a row's quantized values depend on that row only,
 so the layout of the table does not change them.
@@ -72,10 +75,23 @@ class Form:
         return (np.arange(self.dim) // self.block_size).astype(np.float32)
 
 
+def keras_groups_int4() -> bool:
+    """Whether the installed Keras quantizes int4 in groups (`Int4QuantizationConfig`, `int4/<block>_from_*`
+    dtype policies; Keras 3.14 on). Before, its int4 is per row and its policies are named `int4_from_*`."""
+    return hasattr(keras.quantizers, "Int4QuantizationConfig")
+
+
+def policy_name(form: Form, source: str) -> str:
+    """The dtype policy Keras names a layer quantized in `form` from the `source` policy."""
+    if form.mode == "int4" and keras_groups_int4():
+        return f"int4/{-1 if form.block_size is None else form.block_size}_from_{source}"
+    return f"{form.mode}_from_{source}"
+
+
 def int4_block_size(layer, config) -> Optional[int]:
     """Keras's rule for a layer's int4 block size: the config's, else the dtype policy's (`int4/128_from_...`),
-    else None (per row; what a legacy `int4_from_...` policy means)."""
-    if isinstance(config, keras.quantizers.Int4QuantizationConfig):
+    else None (per row; what a legacy `int4_from_...` policy and a Keras before 3.14 mean)."""
+    if keras_groups_int4() and isinstance(config, keras.quantizers.Int4QuantizationConfig):
         return config.block_size
     policy = layer.dtype_policy
     if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
@@ -97,22 +113,39 @@ def quantize_rows(values: np.ndarray, form: Form, config=None) -> Quantized:
     """`values` (`[rows, dim]`) quantized in `form`, by `config`'s weight quantizer where it has one (Keras's
     default otherwise)."""
     custom = getattr(config, "weight_quantizer", None)
-    if form.mode == "int8":
-        quantizer = custom or keras.quantizers.AbsMaxQuantizer(axis=-1)
-        rows, scale = quantizer(values, to_numpy=True)
-        return Quantized(np.asarray(rows, np.int8), np.asarray(scale).reshape(len(values)))
     if form.grouped:
-        # Keras groups along axis 0 of a kernel: a table's columns are that axis of its transpose.
-        rows_t, scale_t, zero_t = keras.quantizers.abs_max_quantize_grouped_with_zero_point(
-            np.transpose(values), block_size=form.block_size, value_range=INT4_RANGE, dtype="int8", to_numpy=True
-        )
-        rows, scale, zero = np.asarray(rows_t).T, np.asarray(scale_t).T, np.asarray(zero_t, np.int8).T
+        rows, scale, zero = grouped_int4(values, form.block_size)
     else:
-        quantizer = custom or keras.quantizers.AbsMaxQuantizer(axis=-1, value_range=INT4_RANGE, output_dtype="int8")
-        rows, scale = quantizer(values, to_numpy=True)
-        scale, zero = np.asarray(scale).reshape(len(values)), None
-    packed, _, _ = keras.quantizers.pack_int4(np.asarray(rows, np.int8), axis=-1)
+        value_range = INT4_RANGE if form.mode == "int4" else (-127, 127)
+        if custom is not None:
+            rows, scale = custom(values, to_numpy=True)
+        else:
+            rows, scale = keras.quantizers.abs_max_quantize(values, axis=-1, value_range=value_range, to_numpy=True)
+        rows, scale, zero = np.asarray(rows, np.int8), np.asarray(scale).reshape(len(values)), None
+    if form.mode == "int8":
+        return Quantized(rows, scale)
+    packed, _, _ = keras.quantizers.pack_int4(rows, axis=-1)
     return Quantized(np.asarray(packed, np.int8), scale, zero)
+
+
+def grouped_int4(values: np.ndarray, block_size: int):
+    """Asymmetric int4 of `values` (`[rows, dim]`) in groups of `block_size` columns: each group's range
+    `[min, max]` (the last group's padded with zeros to `block_size`) mapped onto [-8, 7] by a scale and an
+    integer zero point, `q = round(x / scale) + zero`. Returns the int8 values `[rows, dim]` and the float
+    scales and int8 zero points `[rows, groups]`; the same numbers as Keras's grouped quantizer gives the
+    columns of a kernel."""
+    values = np.asarray(values)
+    rows, dim = values.shape
+    groups = math.ceil(dim / block_size)
+    padded = np.zeros((rows, groups * block_size), values.dtype)
+    padded[:, :dim] = values
+    blocks = padded.reshape(rows, groups, block_size)
+    low, high = INT4_RANGE
+    least, most = blocks.min(axis=-1, keepdims=True), blocks.max(axis=-1, keepdims=True)
+    scale = np.divide(np.subtract(most, least) + keras.config.epsilon(), high - low)
+    zero = np.clip(np.round(np.divide(-least, scale)) + low, low, high)
+    q = np.clip(np.round(np.divide(blocks, scale)) + zero, low, high).astype(np.int8)
+    return q.reshape(rows, -1)[:, :dim], scale[..., 0], zero[..., 0].astype(np.int8)
 
 
 def create_quantized_tables(layer, form: Form, partitions, scheme=None, arrays: Optional[Quantized] = None) -> list:
