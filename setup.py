@@ -13,6 +13,7 @@ setup(
         "tf_sharded.keras",
         "tf_sharded.strategy",
         "tf_sharded.table",
+        "tf_sharded.table.dynamic",
     ],
     # The hooks live in strategy/ but install inside the library's namespace.
     package_dir={"tf_sharded": "tf_sharded", "tf_sharded.strategy": "strategy"},

@@ -150,7 +150,7 @@ def multi_worker_dynamic_devices(strategy, num_shards):
     """Dynamic tables: one copy per worker, kept equal by inserting every replica's keys on every worker.
 
     The copies agree because each worker applies the same inserts in the same
-    order (`tf_sharded.table.dynamic_agree`); several replicas of one worker
+    order (`tf_sharded.table.dynamic.agree`); several replicas of one worker
     would insert the gathered keys once each, so one replica per worker only.
     """
     local = len(strategy.extended.worker_devices)

@@ -6,7 +6,8 @@ import tensorflow as tf
 import tf_sharded as tfs
 from tests.harness import graphs
 from tests.harness.strategies import uid
-from tf_sharded.table import dynamic, dynamic_index
+from tf_sharded.table.dynamic import index as dynamic_index
+from tf_sharded.table.dynamic import table as dynamic
 
 DIM = 4
 

@@ -17,9 +17,9 @@ from tf_sharded.errors import UnsupportedStrategyError, positive_int
 from tf_sharded.exchange.policy import ExchangePolicy
 from tf_sharded.strategy import family_of, registered_families
 from tf_sharded.table.builder import VariableFactory, draw_seed
-from tf_sharded.table.dynamic import DynamicTable
-from tf_sharded.table.dynamic_group import PooledTables
-from tf_sharded.table.dynamic_pool import GROWTH, RowPool
+from tf_sharded.table.dynamic.group import PooledTables
+from tf_sharded.table.dynamic.pool import GROWTH, RowPool
+from tf_sharded.table.dynamic.table import DynamicTable
 from tf_sharded.table.sharded_variable import ShardedVariable
 
 
@@ -209,7 +209,7 @@ def create_dynamic_in(strategy, name, dim, key_dtype, initializer, partitions, s
 
 
 def create_dynamic_group(strategy, name: str, tables, dtype, trainable: bool):
-    """Dynamic tables sharing one row pool per device (`tf_sharded.table.dynamic_group`), under every strategy
+    """Dynamic tables sharing one row pool per device (`tf_sharded.table.dynamic.group`), under every strategy
     that has dynamic tables; None under any other.
 
     `tables`: per table, `create_dynamic_table`'s arguments (`name`, `dim`,

@@ -24,7 +24,7 @@ from tf_sharded.partition import PartitionSpec
 from tf_sharded.planned import Plan
 from tf_sharded.policies import deserialize_policies, serialize_policies
 from tf_sharded.table.batched import storage_runs
-from tf_sharded.table.dynamic_slot import keys_from_file, keys_to_file
+from tf_sharded.table.dynamic.keys import keys_from_file, keys_to_file
 from tf_sharded.table.lookup import FeatureLookup, lookup_features
 
 

@@ -25,10 +25,9 @@ from tf_sharded.keras.layer_tables import (
     refuse_multi_hot,
 )
 from tf_sharded.policies import deserialize_policies, serialize_policies
-from tf_sharded.table.dynamic import DynamicTable
-from tf_sharded.table.dynamic_keys import parse_key_dtype
-from tf_sharded.table.dynamic_pool import GROWTH
-from tf_sharded.table.dynamic_slot import keys_from_file, keys_to_file
+from tf_sharded.table.dynamic.keys import keys_from_file, keys_to_file, parse_key_dtype
+from tf_sharded.table.dynamic.pool import GROWTH
+from tf_sharded.table.dynamic.table import DynamicTable
 from tf_sharded.table.lookup import FeatureLookup, lookup_features
 
 

@@ -110,13 +110,13 @@ def create_layer_dynamic_table(layer: keras.layers.Layer, name: str, dim: int, p
 
 
 def create_layer_dynamic_group(layer: keras.layers.Layer, tables, name: str, prefix: str):
-    """Dynamic tables sharing one row pool per device (`tf_sharded.table.dynamic_group`), the pools as
+    """Dynamic tables sharing one row pool per device (`tf_sharded.table.dynamic.group`), the pools as
     `layer`'s Keras weights (once for all the tables).
 
     `tables`: per table, `create_dynamic_table`'s arguments. None if the strategy has no dynamic tables.
     """
     from tf_sharded.creation import create_dynamic_group
-    from tf_sharded.table.dynamic_group import group_of
+    from tf_sharded.table.dynamic.group import group_of
 
     tables = [dict(t, initializer=keras_initializer(t["initializer"])) for t in tables]
     strategy = tf.distribute.get_strategy()

@@ -31,7 +31,7 @@ from typing import Set, Tuple
 import tensorflow as tf
 
 from tf_sharded import _compat
-from tf_sharded.table.dynamic import DynamicTable
+from tf_sharded.table.dynamic.table import DynamicTable
 
 _PS_TASK = re.compile(r"/job:ps/replica:0/task:(\d+)")
 

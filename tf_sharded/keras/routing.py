@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tf_sharded import _compat
 from tf_sharded.exchange.reduce import all_reduce_gradients, owner
-from tf_sharded.table.dynamic_lock import grouped_updates
+from tf_sharded.table.dynamic.lock import grouped_updates
 
 
 def apply_updates(optimizer, distribution, grads_and_vars, learning_rate, fallback) -> None:

@@ -19,8 +19,8 @@ import tensorflow as tf
 
 from tf_sharded.keras import quantized
 from tf_sharded.table.batched import logical_tables
-from tf_sharded.table.dynamic import DynamicTable
-from tf_sharded.table.dynamic_serving import ServedDynamicTable, write_delta
+from tf_sharded.table.dynamic.serving import ServedDynamicTable, write_delta
+from tf_sharded.table.dynamic.table import DynamicTable
 from tf_sharded.table.lookup import substituted
 from tf_sharded.table.protocol import Table, owner_of
 

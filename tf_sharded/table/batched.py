@@ -29,7 +29,7 @@ from tf_sharded import initializers
 from tf_sharded.config import DynamicTableConfig, TableConfig
 from tf_sharded.partition import PartitionSpec
 from tf_sharded.table.builder import ShardPlacement, build_sharded_variable, draw_seed
-from tf_sharded.table.dynamic_group import pool_key
+from tf_sharded.table.dynamic.group import pool_key
 from tf_sharded.table.segment import RowSegment
 from tf_sharded.table.sharded_variable import ShardedVariable
 
@@ -47,7 +47,7 @@ def members_of(table) -> Optional[tuple]:
 
 def logical_tables(table) -> list:
     """The tables a user sees for `table`: a storage table's members (or those of dynamic tables sharing row
-    pools, `dynamic_group.PooledTables`), else `table` itself."""
+    pools, `dynamic.group.PooledTables`), else `table` itself."""
     members = members_of(table) if isinstance(table, ShardedVariable) else getattr(table, "members", None)
     return [table] if members is None else list(members)
 
@@ -150,7 +150,7 @@ def batch_key(config) -> tuple:
 
 def storage_runs(configs: dict, batch: bool = True) -> list:
     """The names of `configs` ({name: table config}) in order, cut into runs of consecutive static tables of one
-    dtype and row shape, or dynamic tables that can share row pools (`dynamic_group.pool_key`): each run can
+    dtype and row shape, or dynamic tables that can share row pools (`dynamic.group.pool_key`): each run can
     share one storage. Only consecutive tables, so that an optimizer numbers
     their slots in table order, as it does unbatched. `batch=False`: every table alone."""
     runs, last = [], None

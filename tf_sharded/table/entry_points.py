@@ -19,7 +19,7 @@ from typing import List, Union
 import tensorflow as tf
 
 from tf_sharded import _compat
-from tf_sharded.table.dynamic import DynamicTable
+from tf_sharded.table.dynamic.table import DynamicTable
 from tf_sharded.table.lookup import embedding_lookup, embedding_lookup_sparse
 from tf_sharded.table.sharded_variable import ShardedVariable
 

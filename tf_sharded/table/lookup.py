@@ -19,8 +19,8 @@ import tensorflow as tf
 from tf_sharded import trace
 from tf_sharded.config import Combiner
 from tf_sharded.table.batched import storage_of
-from tf_sharded.table.dynamic import DynamicTable
-from tf_sharded.table.dynamic import lookup_many as dynamic_lookup_many
+from tf_sharded.table.dynamic.table import DynamicTable
+from tf_sharded.table.dynamic.table import lookup_many as dynamic_lookup_many
 from tf_sharded.table.protocol import is_table
 from tf_sharded.table.segment import physical
 from tf_sharded.table.sharded_variable import gather_rows

@@ -1,6 +1,6 @@
 """Dynamic tables that share one row pool per device: a collection's dynamic tables under every strategy
 that has dynamic tables (parameter servers, the default strategy, MirroredStrategy, and
-MultiWorkerMirroredStrategy, whose workers keep their copies equal as `dynamic_agree` says).
+MultiWorkerMirroredStrategy, whose workers keep their copies equal as `dynamic.agree` says).
 
 Each member stays a whole `DynamicTable`: its own key -> row index per
 shard, policies, table step, `size()`, `export()` and checkpoint entry (its
@@ -8,7 +8,7 @@ live keys, rows and optimizer columns, layout-free as ever). What it shares
 is where its rows live: shard `i` of every member draws rows from pool `i`
 (`RowPool`), so a training step allocates, writes new rows, marks rows seen,
 gathers and applies the optimizer once per device for all of them
-(`dynamic_packed`), the dynamic counterpart of `batched`'s storage tables.
+(`dynamic.packed`), the dynamic counterpart of `batched`'s storage tables.
 
 `PooledTables` is what Keras and the optimizer see for the group: the pools'
 rows are the layer's weights and the variables the optimizer trains (their
@@ -29,10 +29,10 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sharded import policies
-from tf_sharded.table.dynamic_agree import agreeing_context, gather_keys
-from tf_sharded.table.dynamic_keys import shard_of_keys
-from tf_sharded.table.dynamic_packed import Request, expand, resolve_by_device
-from tf_sharded.table.dynamic_slot import DynamicSlot
+from tf_sharded.table.dynamic.agree import agreeing_context, gather_keys
+from tf_sharded.table.dynamic.keys import shard_of_keys
+from tf_sharded.table.dynamic.packed import Request, expand, resolve_by_device
+from tf_sharded.table.dynamic.slots import DynamicSlot
 from tf_sharded.table.protocol import register_shards
 
 # member table -> the group holding its rows (kept while the member lives: the optimizer finds it by the pools)
@@ -174,7 +174,7 @@ def lookup_pooled(pairs) -> List[tf.Tensor]:
     worker executes in a step.
 
     Under MultiWorkerMirroredStrategy every worker inserts every replica's
-    pairs, in replica order, into its own copy (`dynamic_agree`), so that
+    pairs, in replica order, into its own copy (`dynamic.agree`), so that
     the copies agree, and reads the values of its own.
     """
     tables = [t for t, _ in pairs]

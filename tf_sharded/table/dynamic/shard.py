@@ -2,9 +2,9 @@
 
 Everything here is core TensorFlow, on the shard's device:
 
-* `index`: a `KeyIndex` (`dynamic_index`) from key (int64 or string, any
+* `index`: a `KeyIndex` (`dynamic.index`) from key (int64 or string, any
   value) to the key's row in the pool (-1 when absent);
-* `pool`: a `RowPool` (`dynamic_pool`): the trainable rows, the optimizer's
+* `pool`: a `RowPool` (`dynamic.pool`): the trainable rows, the optimizer's
   columns, each row's "last seen" step and hit count, capacity and free
   list. A shard usually has a pool of its own; the dynamic tables of an
   `EmbeddingCollection` under parameter servers share one per device.
@@ -20,7 +20,7 @@ Everything here is core TensorFlow, on the shard's device:
   another worker to be the eviction victim.)
 
 A training lookup inserts through the pool: one `RowPool.inserting` body per
-pool, with one `Insert` per shard (`dynamic_packed`); the shard answers for
+pool, with one `Insert` per shard (`dynamic.packed`); the shard answers for
 its index and policies (`absent`, `expire`).
 """
 
@@ -31,9 +31,9 @@ from typing import Callable, Dict, Optional, Tuple
 import tensorflow as tf
 
 from tf_sharded import _compat
-from tf_sharded.table.dynamic_index import KeyIndex
-from tf_sharded.table.dynamic_lock import settled
-from tf_sharded.table.dynamic_pool import GROWTH, Insert, RowPool
+from tf_sharded.table.dynamic.index import KeyIndex
+from tf_sharded.table.dynamic.lock import settled
+from tf_sharded.table.dynamic.pool import GROWTH, Insert, RowPool
 
 
 class DynamicShard:

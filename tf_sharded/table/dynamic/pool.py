@@ -11,7 +11,7 @@ new keys take first.
 Each `DynamicShard` keeps its own key -> row index, policies and step and
 draws its rows from a pool. A table's shards usually have a pool each; the
 dynamic tables of an `EmbeddingCollection` under parameter servers share one
-pool per device (`dynamic_group`), so a step allocates, writes new rows,
+pool per device (`dynamic.group`), so a step allocates, writes new rows,
 marks them seen, gathers and updates once per device for all of them, not
 once per table: with a pool per table, that per-table work on the
 parameter servers, not the index reads, is what a dynamic step costs
@@ -33,9 +33,9 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sharded import _compat
-from tf_sharded.table.dynamic_index import MAX_ROWS, find_many, insert_many, reserved_table
-from tf_sharded.table.dynamic_keys import key_fingerprints
-from tf_sharded.table.dynamic_lock import defer, device_lock, locked_on, settled
+from tf_sharded.table.dynamic.index import MAX_ROWS, find_many, insert_many, reserved_table
+from tf_sharded.table.dynamic.keys import key_fingerprints
+from tf_sharded.table.dynamic.lock import defer, device_lock, locked_on, settled
 
 MIN_GROWTH_ROWS = 64
 # A pool grows by a tenth: at most that share of its rows is spare (the bound of issue 14 leaves 30% for the
@@ -140,7 +140,7 @@ class RowPool:
         self._reserved = None
 
     def reserved_keys(self):
-        """The table of its int64 shards' reserved keys (`dynamic_index.reserved_table`), made with the first."""
+        """The table of its int64 shards' reserved keys (`dynamic.index.reserved_table`), made with the first."""
         if self._reserved is None:
             with tf.init_scope(), tf.device(self.device):
                 self._reserved = reserved_table(f"{self.name}_{self.shard}")

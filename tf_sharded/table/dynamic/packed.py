@@ -19,7 +19,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import tensorflow as tf
 
-from tf_sharded.table.dynamic_lock import locked_together
+from tf_sharded.table.dynamic.lock import locked_together
 
 
 class Request:

@@ -24,7 +24,7 @@ from typing import Sequence, Tuple
 import tensorflow as tf
 
 from tf_sharded import _compat
-from tf_sharded.table.dynamic_lock import settled
+from tf_sharded.table.dynamic.lock import settled
 
 EMPTY, DELETED = -(2**63), -(2**63) + 1  # the dense table's markers; keys <= DELETED go to `reserved`
 MAX_ROWS = 2**31 - 1

@@ -1,32 +1,9 @@
-"""Keys in Keras weight files, and a dynamic table's optimizer slots (columns saved with the table)."""
+"""A dynamic table's optimizer slots: columns of its shards' row pools, saved with the table."""
 
 from __future__ import annotations
 
-import numpy as np
-import tensorflow as tf
-
 from tf_sharded import _compat
-
-
-def keys_to_file(store, entry: str, keys) -> None:
-    """Writes keys to a Keras weight store (numeric arrays only): int64 as is, strings as UTF-8 bytes + lengths."""
-    keys = keys.numpy() if hasattr(keys, "numpy") else np.asarray(keys)
-    if keys.dtype != object:
-        store[entry] = keys
-        return
-    encoded = [k if isinstance(k, bytes) else str(k).encode() for k in keys]
-    store[entry] = np.frombuffer(b"".join(encoded), np.uint8) if encoded else np.zeros([0], np.uint8)
-    store[entry + "_lengths"] = np.array([len(k) for k in encoded], np.int64)
-
-
-def keys_from_file(store, entry: str, key_dtype: tf.DType) -> tf.Tensor:
-    """The keys `keys_to_file` wrote, as a tensor of `key_dtype`."""
-    stored = np.asarray(store[entry][...])
-    if key_dtype != tf.string:
-        return tf.constant(stored, key_dtype)
-    lengths = np.asarray(store[entry + "_lengths"][...])
-    ends, data = np.cumsum(lengths), stored.tobytes()
-    return tf.constant([data[e - n : e] for e, n in zip(ends, lengths)], tf.string)
+from tf_sharded.table.dynamic.keys import keys_from_file, keys_to_file
 
 
 class DynamicSlot(_compat.Trackable):

@@ -23,14 +23,14 @@ import tensorflow as tf
 
 from tf_sharded import _compat, initializers, policies
 from tf_sharded.errors import positive_int
-from tf_sharded.table.dynamic_agree import agreeing_context, gather_keys
-from tf_sharded.table.dynamic_group import lookup_groups
-from tf_sharded.table.dynamic_keys import key_fingerprints, parse_key_dtype, shard_of_keys
-from tf_sharded.table.dynamic_lock import locked_together
-from tf_sharded.table.dynamic_packed import Request, expand, resolve, single
-from tf_sharded.table.dynamic_pool import GROWTH, Insert
-from tf_sharded.table.dynamic_shard import DynamicShard
-from tf_sharded.table.dynamic_slot import DynamicSlot
+from tf_sharded.table.dynamic.agree import agreeing_context, gather_keys
+from tf_sharded.table.dynamic.group import lookup_groups
+from tf_sharded.table.dynamic.keys import key_fingerprints, parse_key_dtype, shard_of_keys
+from tf_sharded.table.dynamic.lock import locked_together
+from tf_sharded.table.dynamic.packed import Request, expand, resolve, single
+from tf_sharded.table.dynamic.pool import GROWTH, Insert
+from tf_sharded.table.dynamic.shard import DynamicShard
+from tf_sharded.table.dynamic.slots import DynamicSlot
 from tf_sharded.table.protocol import MAX_IDS_RANK, register_shards
 
 
@@ -420,7 +420,7 @@ class _Lookup:
 def lookup_many(pairs, training: bool = True) -> list:
     """Rows for several `(DynamicTable, rank-1 keys)` pairs; a training lookup's inserts into every table's
     shards on one device run in one critical section, its keys and rows travel as one tensor each way per
-    device (`dynamic_packed`), not one per table and shard."""
+    device (`dynamic.packed`), not one per table and shard."""
     out = lookup_groups(pairs, training)  # tables sharing row pools, a group at a time
     rest = [i for i, rows in enumerate(out) if rows is None]
     for i, rows in zip(rest, _lookup_each([pairs[i] for i in rest], training)):
