@@ -11,6 +11,8 @@ setup(
         "tf_sharded.benchmarks",
         "tf_sharded.exchange",
         "tf_sharded.keras",
+        "tf_sharded.keras.training",
+        "tf_sharded.planning",
         "tf_sharded.strategy",
         "tf_sharded.table",
         "tf_sharded.table.dynamic",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tf_sharded import _compat
-from tf_sharded.partition import resolve_spec
+from tf_sharded.layout import resolve_spec
 from tf_sharded.strategy import StrategyFamily, register
 from tf_sharded.strategy.common import refuse_mirrored_arguments
 from tf_sharded.table.builder import ShardPlacement, build_sharded_variable

@@ -30,7 +30,7 @@ import tensorflow as tf
 from tf_sharded import _compat
 from tf_sharded.config import Exchange
 from tf_sharded.exchange.policy import ExchangePolicy
-from tf_sharded.partition import resolve_spec
+from tf_sharded.layout import resolve_spec
 from tf_sharded.strategy import FitLoop, StrategyFamily, Transport, register
 from tf_sharded.table.builder import ShardPlacement, build_sharded_variable, colocate_scope
 

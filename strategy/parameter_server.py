@@ -13,7 +13,7 @@ import weakref
 import tensorflow as tf
 
 from tf_sharded import _compat
-from tf_sharded.partition import resolve_spec
+from tf_sharded.layout import resolve_spec
 from tf_sharded.strategy import FitLoop, StrategyFamily, register
 from tf_sharded.strategy.common import refuse_mirrored_arguments
 from tf_sharded.table.batched import build_batched

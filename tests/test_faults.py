@@ -140,7 +140,7 @@ SAVER = """
 import os, sys
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 import keras, tensorflow as tf, tf_sharded as tfs
-from tf_sharded.keras.checkpoints import Checkpoints
+from tf_sharded.keras.training.checkpoints import Checkpoints
 inp = keras.Input((2,), dtype="int64")
 model = keras.Model(inp, keras.layers.Dense(1)(tfs.layers.Embedding(2000, 64, partitions=3, combiner="sum")(inp)))
 model.compile(optimizer=tfs.optimizers.Adagrad(0.1), loss="mse")

@@ -7,7 +7,7 @@ import tensorflow as tf
 import tf_sharded as tfs
 from tests.harness.strategies import uid
 from tf_sharded import initializers
-from tf_sharded.partition import PartitionSpec
+from tf_sharded.layout import PartitionSpec
 
 
 def assemble(init, layout, shape, dtype, chunk_rows):

@@ -24,7 +24,8 @@ from tests.harness.models import (
 from tests.harness.serving import serve_elsewhere
 from tests.harness.strategies import ps_strategy
 from tests.harness.subprocs import run_python
-from tf_sharded.keras import checkpoints, quantized
+from tf_sharded.keras import quantized
+from tf_sharded.keras.training import checkpoints
 
 pytestmark = pytest.mark.ps_cluster
 

@@ -4,7 +4,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_sharded as tfs
-from tf_sharded.partition import PartitionSpec
+from tf_sharded.layout import PartitionSpec
 
 
 class PartitionSpecTest(tf.test.TestCase):

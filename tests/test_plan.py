@@ -11,10 +11,10 @@ import tensorflow as tf
 
 import tf_sharded as tfs
 from tests.harness.strategies import mirrored, ps_strategy
-from tf_sharded import planner
 from tf_sharded.benchmarks import plan as b11
 from tf_sharded.exchange import cost
-from tf_sharded.planned import Plan
+from tf_sharded.planning import planner
+from tf_sharded.planning.plans import Plan
 
 PS = {"kind": "parameter_server", "num_ps": 2}
 MIRRORED = {"kind": "mirrored", "replicas": 4}

@@ -1,4 +1,4 @@
-"""`tfs.fit` and `tf_sharded.keras.checkpoints` under the default strategy, against Keras's own `model.fit`.
+"""`tfs.fit` and `tf_sharded.keras.training.checkpoints` under the default strategy, against Keras's own `model.fit`.
 
 The other fit loops are tested where their strategies run: the coordinator
 loop in `test_keras_ps.py`, the replica loop in `test_layers.py` (Mirrored,
@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_sharded as tfs
-from tf_sharded.keras import checkpoints
+from tf_sharded.keras.training import checkpoints
 
 ROWS, DIM = 30, 4
 

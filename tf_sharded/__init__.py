@@ -24,12 +24,12 @@ from tf_sharded.creation import create_dynamic_table, create_sharded_variable
 from tf_sharded.creation import install as _install
 from tf_sharded.errors import LayoutMismatchError, ShardedError, UnsupportedStrategyError
 from tf_sharded.keras import layers, optimizers, training
-from tf_sharded.keras.evaluation import evaluate, predict
 from tf_sharded.keras.serving import export, export_delta
-from tf_sharded.keras.training import fit
-from tf_sharded.partition import Layout, PartitionSpec
-from tf_sharded.planned import Plan
-from tf_sharded.planner import plan
+from tf_sharded.keras.training.evaluation import evaluate, predict
+from tf_sharded.keras.training.trainer import fit
+from tf_sharded.layout import Layout, PartitionSpec
+from tf_sharded.planning.planner import plan
+from tf_sharded.planning.plans import Plan
 from tf_sharded.policies import CapacityEviction, MinCountAdmission, ProbabilityAdmission, StepsSinceSeenEviction
 from tf_sharded.strategy import default as _default  # noqa: F401  (registers the family)
 from tf_sharded.strategy import mirrored as _mirrored  # noqa: F401

@@ -367,7 +367,7 @@ def keras_adopt_variable(weight, variable) -> None:
 # ----------------------------------------------------------- cluster recovery --
 # After a parameter server restarts, this client still holds handles to resources of the task that died.
 # TensorFlow's coordinator recovers restarted *workers* by refreshing the eager context's view of the
-# cluster; it treats a restarted ps as unrecoverable. `tf_sharded.keras.recovery` does the same refresh,
+# cluster; it treats a restarted ps as unrecoverable. `tf_sharded.keras.training.recovery` does the same refresh,
 # then gives every variable, lookup table and critical section on the restarted task a new resource.
 
 

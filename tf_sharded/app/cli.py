@@ -304,7 +304,7 @@ def _planner(args, strategy, data):
     if args.plan != "auto":
         return None
     import tf_sharded as tfs
-    from tf_sharded.planner import ids_from_batches
+    from tf_sharded.planning.planner import ids_from_batches
 
     # Dynamic tables take text keys, not ids: nothing to sample for them.
     features = {f.name: f.table_name for f in data.schema.embedded if f.vocabulary != "dynamic"}
@@ -337,7 +337,7 @@ def inspect_checkpoint(path: str) -> int:
             "ckpt/ckpt-200"
         ) from None
     shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
-    from tf_sharded.keras.checkpoints import LAYOUT_FILE
+    from tf_sharded.keras.training.checkpoints import LAYOUT_FILE
 
     layout_file = os.path.join(directory, LAYOUT_FILE)
     layouts = {"tables": {}}

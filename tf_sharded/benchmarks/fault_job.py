@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_sharded as tfs  # noqa: E402
-from tf_sharded.keras import recovery  # noqa: E402
+from tf_sharded.keras.training import recovery  # noqa: E402
 
 STEPS_PER_EPOCH, EPOCHS, BATCH = 150, 2, 64
 

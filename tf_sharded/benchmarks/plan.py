@@ -254,8 +254,8 @@ def _mirrored_step(tf, tfs, strategy, table, optimizer):
 
 
 def run(quick: bool = False, mode: str = "inprocess") -> Dict:
-    from tf_sharded import planner
     from tf_sharded.benchmarks.children import child_env
+    from tf_sharded.planning import planner
 
     ps = _ps_points(quick, mode)
     command = [sys.executable, "-m", "tf_sharded.benchmarks.plan", "--mirrored"] + (["--quick"] if quick else [])

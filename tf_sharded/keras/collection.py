@@ -20,8 +20,8 @@ from tf_sharded.keras.layer_tables import (
     padded_to_ragged,
     refuse_multi_hot,
 )
-from tf_sharded.partition import PartitionSpec
-from tf_sharded.planned import Plan
+from tf_sharded.layout import PartitionSpec
+from tf_sharded.planning.plans import Plan
 from tf_sharded.policies import deserialize_policies, serialize_policies
 from tf_sharded.table.batched import storage_runs
 from tf_sharded.table.dynamic.keys import keys_from_file, keys_to_file

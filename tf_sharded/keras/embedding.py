@@ -27,7 +27,7 @@ from tf_sharded.keras.layer_tables import (
     options_from_config,
     padded_to_ragged,
 )
-from tf_sharded.partition import PartitionSpec
+from tf_sharded.layout import PartitionSpec
 from tf_sharded.table.lookup import FeatureLookup, combine, lookup_features, multi_hot_components
 from tf_sharded.table.sharded_variable import ShardedVariable
 

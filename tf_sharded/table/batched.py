@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from tf_sharded import initializers
 from tf_sharded.config import DynamicTableConfig, TableConfig
-from tf_sharded.partition import PartitionSpec
+from tf_sharded.layout import PartitionSpec
 from tf_sharded.table.builder import ShardPlacement, build_sharded_variable, draw_seed
 from tf_sharded.table.dynamic.group import pool_key
 from tf_sharded.table.segment import RowSegment

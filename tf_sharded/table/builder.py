@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from tf_sharded import initializers
 from tf_sharded.config import TableConfig
-from tf_sharded.partition import PartitionSpec
+from tf_sharded.layout import PartitionSpec
 from tf_sharded.table.sharded_variable import ShardedVariable
 
 # Shards above this many elements are initialised chunk by chunk. The random generator's temporaries are several

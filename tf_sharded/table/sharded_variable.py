@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sharded import _compat
-from tf_sharded.partition import Layout, PartitionSpec
+from tf_sharded.layout import Layout, PartitionSpec
 from tf_sharded.table import saveable
 from tf_sharded.table.ids import check_ids
 from tf_sharded.table.protocol import MAX_IDS_RANK, implements_table, register_shards

@@ -19,7 +19,7 @@ import keras
 import tensorflow as tf
 
 from tf_sharded import _compat
-from tf_sharded.keras import evaluation, recovery
+from tf_sharded.keras.training import evaluation, recovery
 from tf_sharded.strategy import FitLoop, family_of
 
 

@@ -21,10 +21,10 @@ import keras
 import tensorflow as tf
 
 from tf_sharded.errors import positive_int
-from tf_sharded.keras import evaluation
-from tf_sharded.keras.checkpoints import Checkpoints, PeriodicCheckpoint
-from tf_sharded.keras.fit_loop import Loop
 from tf_sharded.keras.optimizers import check_trains_tables
+from tf_sharded.keras.training import evaluation
+from tf_sharded.keras.training.checkpoints import Checkpoints, PeriodicCheckpoint
+from tf_sharded.keras.training.loop import Loop
 from tf_sharded.strategy import FitLoop, family_of
 
 # Seconds `tfs.fit` waits for a failed parameter server to come back before it gives up.

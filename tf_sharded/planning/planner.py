@@ -33,7 +33,7 @@ import tensorflow as tf
 
 from tf_sharded.config import DynamicTableConfig, TableConfig
 from tf_sharded.exchange.cost import choose, cost_bytes
-from tf_sharded.planned import MIRRORED, MULTI, PS, Plan, TablePlan, Topology
+from tf_sharded.planning.plans import MIRRORED, MULTI, PS, Plan, TablePlan, Topology
 from tf_sharded.table.batched import storage_runs
 
 # Fitted by B11 (`bench plan`, a cluster of 2 ps + 1 worker; RFC.md §11; they vary by ~30% between runs
