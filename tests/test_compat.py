@@ -456,3 +456,39 @@ def test_restoring_attributes_sees_the_checkpoint_being_restored():
     restored = seen[-1]
     assert sorted(restored) == ["a", "b"]
     assert restored["a"][1] == [2] and restored["b"][2] == tf.int64
+
+
+@exercises("increment_in_place")
+def test_increment_in_place_is_one_op_while_tracing():
+    counter = keras.Variable(0, dtype="int64", trainable=False, name="counter")
+
+    def op_types(fn):
+        return [op.type for op in tf.function(fn).get_concrete_function().graph.get_operations()]
+
+    # Keras's own increment reads, adds and assigns; inside the block, one AssignAddVariableOp.
+    keras_types = op_types(lambda: counter.assign_add(1))
+    assert "AssignVariableOp" in keras_types and "AssignAddVariableOp" not in keras_types
+
+    @tf.function
+    def bump():
+        with _compat.increment_in_place(counter):
+            counter.assign_add(1)
+
+    types = [op.type for op in bump.get_concrete_function().graph.get_operations()]
+    assert "AssignAddVariableOp" in types and "AssignVariableOp" not in types
+    bump()
+    bump()
+    assert int(counter.numpy()) == 2
+    assert "assign_add" not in vars(counter)  # the instance is as it was
+    with _compat.increment_in_place(counter):  # eagerly: Keras's own increment
+        counter.assign_add(1)
+    assert int(counter.numpy()) == 3
+
+    @tf.function
+    def recorded():  # inside Keras's StatelessScope the increment is recorded, not applied
+        with keras.StatelessScope() as scope, _compat.increment_in_place(counter):
+            counter.assign_add(5)
+        return scope.get_current_value(counter)
+
+    assert int(recorded().numpy()) == 8
+    assert int(counter.numpy()) == 3

@@ -364,6 +364,28 @@ def keras_adopt_variable(weight, variable) -> None:
     weight._value = variable
 
 
+@contextlib.contextmanager
+def increment_in_place(counter):
+    """Inside the block, while tracing, `counter.assign_add(n)` (an optimizer's `iterations`) is one
+    `AssignAddVariableOp` where the counter lives.
+
+    Keras adds as `assign(self + n)`: a read where the counter lives, an add on the current device and an
+    assign back. Under parameter servers, where the step runs on a worker and the counter lives on a ps, that
+    is three crossings between them after every step's gradients, the last work of the step. Keras's own
+    increment stays where the counter is not one variable: mirrored copies, or a value that Keras's
+    StatelessScope maps it to (`stateless_apply`).
+    """
+    held = counter.value
+    if tf.executing_eagerly() or not isinstance(held, tf.Variable) or isinstance(held, tf.distribute.DistributedValues):
+        yield
+        return
+    counter.assign_add = lambda n: held.assign_add(tf.cast(n, held.dtype))  # this instance, for the block
+    try:
+        yield
+    finally:
+        del counter.assign_add
+
+
 # ----------------------------------------------------------- cluster recovery --
 # After a parameter server restarts, this client still holds handles to resources of the task that died.
 # TensorFlow's coordinator recovers restarted *workers* by refreshing the eager context's view of the

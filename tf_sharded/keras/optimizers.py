@@ -20,7 +20,6 @@ refused for optimizers that see a sharded table.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Dict, List, Optional, Tuple
 
 import keras
@@ -81,28 +80,6 @@ def check_trains_tables(optimizer, variables) -> None:
                 f"{type(optimizer).__module__}.{type(optimizer).__name__}. Use tfs.optimizers."
                 f"{type(optimizer).__name__} with the same arguments."
             )
-
-
-@contextlib.contextmanager
-def _counted_in_place(counter):
-    """Inside the block, while tracing, `counter.assign_add(n)` (an optimizer's `iterations`) is one
-    `AssignAddVariableOp` where the counter lives.
-
-    Keras adds as `assign(self + n)`: a read where the counter lives, an add on the current device and an
-    assign back. Under parameter servers, where the step runs on a worker and the counter lives on a ps, that
-    is three crossings between them after every step's gradients, the last work of the step. Keras's own
-    increment stays where the counter is not one variable: mirrored copies, or a value that Keras's
-    StatelessScope maps it to (`stateless_apply`).
-    """
-    held = counter.value
-    if tf.executing_eagerly() or not isinstance(held, tf.Variable) or isinstance(held, tf.distribute.DistributedValues):
-        yield
-        return
-    counter.assign_add = lambda n: held.assign_add(tf.cast(n, held.dtype))  # this instance, for the block
-    try:
-        yield
-    finally:
-        del counter.assign_add
 
 
 def _gradient_tensors(grads) -> list:
@@ -234,7 +211,7 @@ class _TableSlots(_compat.KerasOptimizerHooks):
         # `iterations` lives (under parameter servers Keras's read, add and assign cross to its ps and back).
         _compat.set_untracked(self, "_tfs_rates", {})
         try:
-            with tf.control_dependencies(_gradient_tensors(grads)), _counted_in_place(self.iterations):
+            with tf.control_dependencies(_gradient_tensors(grads)), _compat.increment_in_place(self.iterations):
                 return super().apply(grads, trainable_variables)
         finally:
             _compat.set_untracked(self, "_tfs_rates", None)
