@@ -365,25 +365,33 @@ def keras_adopt_variable(weight, variable) -> None:
 
 
 @contextlib.contextmanager
-def increment_in_place(counter):
-    """Inside the block, while tracing, `counter.assign_add(n)` (an optimizer's `iterations`) is one
-    `AssignAddVariableOp` where the counter lives.
+def increment_in_place(variable):
+    """Inside the block, while tracing, `variable.assign_add(n)` (a Keras 3 variable: an optimizer's
+    `iterations`) is one `AssignAddVariableOp` where the variable lives.
 
-    Keras adds as `assign(self + n)`: a read where the counter lives, an add on the current device and an
+    Keras adds as `assign(self + n)`: a read where the variable lives, an add on the current device and an
     assign back. Under parameter servers, where the step runs on a worker and the counter lives on a ps, that
-    is three crossings between them after every step's gradients, the last work of the step. Keras's own
-    increment stays where the counter is not one variable: mirrored copies, or a value that Keras's
-    StatelessScope maps it to (`stateless_apply`).
+    is three crossings between them after every step's gradients, the last work of the step. Left to Keras
+    when not tracing, inside Keras's StatelessScope (which records assignments instead of applying them), and
+    for a distributed variable (mirrored copies).
     """
-    held = counter.value
-    if tf.executing_eagerly() or not isinstance(held, tf.Variable) or isinstance(held, tf.distribute.DistributedValues):
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+    held = getattr(variable, "_value", None)
+    if tf.executing_eagerly() or held is None or isinstance(held, tf.distribute.DistributedValues):
         yield
         return
-    counter.assign_add = lambda n: held.assign_add(tf.cast(n, held.dtype))  # this instance, for the block
+
+    def assign_add(value):
+        if in_stateless_scope():
+            return type(variable).assign_add(variable, value)
+        return held.assign_add(tf.cast(value, held.dtype))
+
+    variable.assign_add = assign_add  # this instance only, for the block
     try:
         yield
     finally:
-        del counter.assign_add
+        del variable.assign_add
 
 
 # ----------------------------------------------------------- cluster recovery --
