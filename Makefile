@@ -18,7 +18,7 @@ PYTEST := -m pytest -q --durations=15
 # the application, benchmark and notebook tiers run on the newest stack only.
 NEWEST_ONLY := tests/test_app.py tests/test_app_dynamic.py tests/test_bench.py tests/test_notebooks.py tests/test_demo.py
 
-.PHONY: demo test test-oldest lint format bench bench-peers clean
+.PHONY: demo test test-fast test-oldest lint format bench bench-peers clean
 
 $(STAMP): setup.py pyproject.toml constraints/newest.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,6 +62,10 @@ format: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) $(PYTEST) tests
+
+# Everything not marked slow (benchmarks, notebooks, the demo, process clusters, fault injection).
+test-fast: $(STAMP)
+	$(PY) $(PYTEST) -m "not slow" tests
 
 test-oldest: $(OLDEST_STAMP)
 	$(OLDEST_PY) $(PYTEST) tests $(addprefix --ignore=,$(NEWEST_ONLY))

@@ -46,6 +46,7 @@ setup(
         "peers": ["tensorflow-recommenders-addons>=0.8.1"],
         "test": [
             "pytest-timeout",
+            "pytest-random-order",  # opt-in: pytest --random-order-seed=N
             "psutil",  # the cluster tests check that tasks are cleaned up
             "pytest",
             "hypothesis",

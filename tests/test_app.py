@@ -13,10 +13,13 @@ import time
 import keras
 import numpy as np
 import portpicker
+import pytest
 import tensorflow as tf
 
 from tests.harness.subprocs import ROOT, run_python, run_python_together
 from tf_sharded.app import parquet
+
+pytestmark = pytest.mark.slow  # the application's commands on process clusters, killed and rerun
 
 TINY = [
     "--steps",

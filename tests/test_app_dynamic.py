@@ -7,10 +7,13 @@ import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import tensorflow as tf
 
 from tests.harness.subprocs import run_python, run_python_together
 from tests.test_app import RATINGS_SCHEMA, TINY, summary, write_ratings
+
+pytestmark = pytest.mark.slow  # the application's commands on process clusters
 
 
 def live_keys(inspected: str) -> dict:

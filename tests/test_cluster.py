@@ -10,7 +10,7 @@ import tensorflow as tf
 import tf_sharded as tfs
 from tests.harness.subprocs import run_python
 
-pytestmark = pytest.mark.ps_cluster
+pytestmark = [pytest.mark.ps_cluster, pytest.mark.slow]
 
 
 SCRIPT = textwrap.dedent(

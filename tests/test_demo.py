@@ -2,9 +2,12 @@
 
 import re
 
+import pytest
 import tensorflow as tf
 
 from tests.harness.subprocs import run_python
+
+pytestmark = pytest.mark.slow  # the demo and the main job, end to end
 
 
 class DemoTest(tf.test.TestCase):

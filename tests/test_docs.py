@@ -6,6 +6,7 @@ import inspect
 import pkgutil
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
@@ -35,6 +36,7 @@ def public_homes() -> set:
 
 
 class DocTest(tf.test.TestCase):
+    @pytest.mark.slow  # over 5 s here
     def test_examples_run(self):
         homes = public_homes()
         self.assertIn("tf_sharded.table.lookup", homes)

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.mirrored
 
 
 class DynamicMirroredTest(tf.test.TestCase):
+    @pytest.mark.slow  # over 5 s here
     def test_replicas_share_one_host_copy_and_match_a_dense_reference(self):
         strategy = mirrored()
         with strategy.scope():

@@ -10,10 +10,13 @@ import re
 import tempfile
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
 from tests.harness.strategies import run_multi_worker, uid
+
+pytestmark = pytest.mark.slow  # clusters of worker processes
 
 WORKER = """
 import hashlib, os, sys

@@ -4,6 +4,7 @@ import os
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
@@ -134,6 +135,7 @@ class DeltaAndServingTest(tf.test.TestCase):
         self.assertEqual(int(tf.size(table.export(since_step=2)[0])), 0)
         self.assertEqual(int(tf.size(table.export()[0])), 4)
 
+    @pytest.mark.slow  # over 5 s here
     def test_export_served_without_the_library_then_updated_by_a_delta(self):
         inp = keras.Input((None,), dtype="string", ragged=True, name="tags")
         out = tfs.layers.DynamicEmbedding(3, key_dtype="string", combiner="sum", partitions=2, seed=1, name="t")(inp)

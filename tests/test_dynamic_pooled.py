@@ -198,6 +198,7 @@ class PooledDynamicTablesTest(tf.test.TestCase):
         assert_like_reference(self, tables, reference)
         self.assert_rows_accounted(layer)
 
+    @pytest.mark.slow  # over 5 s here
     def test_checkpoint_restores_into_separate_tables_and_into_a_used_pool_with_slots(self):
         layer, optimizer = self.collection()
         batches = key_batches(np.random.default_rng(2), 3)
@@ -242,9 +243,11 @@ class PooledDynamicTablesTest(tf.test.TestCase):
         self.assert_rows_accounted(pooled)
         return pooled, alone, batches
 
+    @pytest.mark.slow  # over 5 s here
     def test_each_table_marks_its_rows_with_its_own_step(self):
         self.trained_pooled_and_alone(6)
 
+    @pytest.mark.slow  # over 5 s here
     def test_policies_apply_per_table_in_a_shared_pool(self):
         policies = {
             "a": {"eviction": tfs.StepsSinceSeenEviction(1, every=1)},
@@ -289,6 +292,7 @@ class PooledDynamicTablesTest(tf.test.TestCase):
             used = np.concatenate([t.shards[i].index.export()[1].numpy() for t in (a, b)])
             self.assertEqual(len(set(used.tolist())), len(used))
 
+    @pytest.mark.slow  # over 5 s here
     def test_export_and_delta_serve_each_table_of_the_pools_without_the_library(self):
         layer, optimizer = self.collection()
         model = self.model_of(layer)

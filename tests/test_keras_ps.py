@@ -58,6 +58,7 @@ class KerasParameterServerTest(tf.test.TestCase):
         super().setUpClass()
         cls.strategy = ps_strategy()
 
+    @pytest.mark.slow  # over 5 s here
     def test_fit_matches_single_device_keras_and_checkpoints_restore_elsewhere(self):
         with self.strategy.scope():
             model = make_model()

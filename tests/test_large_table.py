@@ -13,6 +13,7 @@ ROWS, DIM = 8_500_000, 64  # 2.18 GB of float32: over the 2 GB GraphDef/constant
 
 
 class LargeTableTest(tf.test.TestCase):
+    @pytest.mark.slow  # over 5 s here
     def test_table_over_2gb_initialises_per_shard_and_serves_rows(self):
         strategy = tfs.cluster.local_cluster(num_workers=2, num_ps=2).strategy()
         with strategy.scope():

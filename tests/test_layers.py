@@ -43,6 +43,7 @@ def reference_after_fit(table0, epochs=2):
 
 
 class MirroredFitTest(tf.test.TestCase):
+    @pytest.mark.slow  # over 5 s here
     def test_fit_matches_single_device_reference_for_each_exchange(self):
         strategy = mirrored()
         calls = []
@@ -85,6 +86,7 @@ class MirroredFitTest(tf.test.TestCase):
         self.assertAllClose(layer.embeddings.numpy(), want_table, atol=1e-5)
         self.assertAllClose(model.layers[-1].kernel.numpy(), want_kernel, atol=1e-5)
 
+    @pytest.mark.slow  # over 5 s here
     def test_sparse_optimizers_under_mirrored_match_one_device(self):
         strategy = mirrored()
         ids, y = data()
@@ -218,6 +220,7 @@ class DefaultStrategyLayerTest(tf.test.TestCase):
         self.assertAllEqual(ours(sparse), theirs(sparse))  # [2, 3, DIM]: absent entries read row 0
         self.assertAllEqual(ours(sparse)[0, 1], table[0])
 
+    @pytest.mark.slow  # over 5 s here
     def test_quantization_matches_keras_quantized_layer(self):
         ids = np.random.RandomState(2).randint(0, ROWS, (16, 3))
         if quantized.keras_groups_int4():

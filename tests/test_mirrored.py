@@ -52,6 +52,7 @@ class MirroredTrainingTest(tf.test.TestCase):
         [np.array([[11, 12, 13], [14, 15, 16]])] * 4,
     ]
 
+    @pytest.mark.slow  # over 5 s here
     def test_keras_optimizer_steps_match_single_device_reference(self):
         strategy = mirrored()
         values = table_values(self.rows, self.dim)
@@ -144,6 +145,7 @@ class MirroredGraphTest(tf.test.TestCase):
 
 
 class MirroredCheckpointAndArgumentTest(tf.test.TestCase):
+    @pytest.mark.slow  # over 5 s here
     def test_checkpoints_cross_strategies(self):
         strategy = mirrored()
         values = table_values(17, 3)

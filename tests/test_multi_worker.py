@@ -1,8 +1,11 @@
 """MultiWorkerMirroredStrategy: 2 worker processes on localhost, one TF_CONFIG each (custom loop and tfs.fit)."""
 
+import pytest
 import tensorflow as tf
 
 from tests.harness.strategies import run_multi_worker
+
+pytestmark = pytest.mark.slow  # clusters of worker processes
 
 WORKER = """
 import json, os, sys

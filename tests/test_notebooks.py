@@ -6,10 +6,13 @@ import os
 import tempfile
 
 import nbformat
+import pytest
 import tensorflow as tf
 from nbclient import NotebookClient
 
 from tests.harness.subprocs import ROOT
+
+pytestmark = pytest.mark.slow  # every notebook, executed
 
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "colab", "*.ipynb")))
 

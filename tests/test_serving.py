@@ -5,6 +5,7 @@ import unittest
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
@@ -39,6 +40,7 @@ class ExportTest(tf.test.TestCase):
         probe = {"ids": x["ids"][:5].astype(np.int64), "features": x["features"][:5]}
         self.assertAllClose(serve_elsewhere(self, path, probe), model.predict(probe, verbose=0), atol=1e-6)
 
+    @pytest.mark.slow  # over 5 s here
     def test_quantized_exports_serve_quantized_rows_without_tf_sharded(self):
         wide = 64
         ids = keras.Input((3,), dtype="int64", name="ids")

@@ -235,6 +235,7 @@ class EmbeddingLookupSparseTest(PortCase):
             result = tf.nn.embedding_lookup_sparse(table, ids, weights, combiner=combiner, allow_fast_lookup=fast)
             self.assertAllClose(result, [np.zeros(5), np.ones(5), np.zeros(5), np.ones(5)])
 
+    @pytest.mark.slow  # over 5 s here
     def test_gradients(self):
         # Numerical checks for both id types; `allow_fast_lookup` changes nothing here, checked exactly below.
         rng = np.random.RandomState(5)
