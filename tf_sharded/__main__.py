@@ -23,6 +23,8 @@ commands:
           and restore it into another layout
   bench [ps|exchange|fused|memory|e2e ...] [--quick] [--out DIR] [--mode inprocess|process|both]
           the benchmark suite (default: all): tables, ratios, JSON and PNG in bench_results/
+  bench report [--bench_dir DIR] [--out FILE]
+          the results page (docs/benchmarks.md) from the benchmarks' JSON (docs/bench/)
 
 --verbose (with any command) shows TensorFlow's own C++ log, which is hidden otherwise
 (as it is whenever TF_CPP_MIN_LOG_LEVEL is set: then that level applies).

@@ -4,6 +4,10 @@ Runs the named benchmarks (default: all), each in its own process (a
 process holds one cluster, and a MirroredStrategy cannot share a process with
 one), with its baseline in that same process run. Prints a table of figures
 and ratios per benchmark and writes `DIR/NAME.json` and `DIR/NAME.png`.
+
+`python -m tf_sharded bench report [--bench_dir DIR] [--out FILE]` runs
+nothing: it writes the results page (default `docs/benchmarks.md`) from the
+JSON under DIR (default `docs/bench`), see `tf_sharded.benchmarks.report`.
 """
 
 from __future__ import annotations
@@ -16,27 +20,57 @@ import subprocess
 import sys
 from typing import Dict, List
 
-# name -> (module, what it measures)
-BENCHMARKS = {
-    "ps": ("tf_sharded.benchmarks.ps_lookup", "B1 + B5: parameter-server lookup + update vs TF-native, Keras, limit"),
-    "exchange": ("tf_sharded.benchmarks.exchange", "B2: mirrored gradient exchange sweep"),
-    "fused": ("tf_sharded.benchmarks.fused", "B6: EmbeddingCollection vs one layer per table"),
-    "memory": ("tf_sharded.benchmarks.memory", "B3: resident memory per task (one process per task)"),
-    "e2e": ("tf_sharded.benchmarks.end_to_end", "B4: DLRM samples/s per strategy vs keras.layers.Embedding"),
-    "dynamic": ("tf_sharded.benchmarks.dynamic", "B7: dynamic tables (raw keys) vs static tables, inserts, memory"),
-    "recovery": ("tf_sharded.benchmarks.recovery", "B8: ps failure: tfs.fit recovery vs a program restart"),
-    "quantize": ("tf_sharded.benchmarks.quantize", "B9: the demo model served with int8 / int4 tables vs float"),
-    "mwprofile": ("tf_sharded.benchmarks.multi_worker_profile", "B10: a multi-worker mirrored step taken apart"),
-    "plan": ("tf_sharded.benchmarks.plan", "B11: tfs.plan's choices against the measured options, its constants"),
-}
-# Benchmarks that pick their own cluster (or none): run once, whatever --mode says.
-SINGLE_RUN = ("exchange", "memory", "e2e", "recovery", "quantize", "mwprofile")
+from tf_sharded.benchmarks.catalog import BENCHMARKS, SINGLE_RUN
 
 
 def _json_path(out: str, name: str, mode: str) -> str:
     """NAME.json for the in-process (or only) run, NAME_process.json for a process-per-task run."""
     suffix = "" if name in SINGLE_RUN or mode == "inprocess" else f"_{mode}"
     return os.path.join(out, f"{name}{suffix}.json")
+
+
+# The parent's command line, handed to each benchmark's process so that its report names it.
+COMMAND_ENV = "TF_SHARDED_BENCH_COMMAND"
+
+
+def run_metadata(name: str, mode: str, quick: bool) -> Dict:
+    """What produced a report, for the results page: the command, when, on what machine, with which releases
+    and at which commit (None where it cannot be read, e.g. outside a git checkout)."""
+    import datetime
+    import platform
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    def cpu_model():
+        try:
+            with open("/proc/cpuinfo") as f:
+                return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+        except OSError:
+            return platform.processor() or None
+
+    def commit():
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        try:
+            out = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        except OSError:
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    fallback = f"python -m tf_sharded bench {name} --mode {mode}" + (" --quick" if quick else "")
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": os.environ.get(COMMAND_ENV) or fallback,
+        "commit": commit(),
+        "cpu": cpu_model(),
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def _child(name: str, quick: bool, mode: str, out: str) -> int:
@@ -47,6 +81,7 @@ def _child(name: str, quick: bool, mode: str, out: str) -> int:
     elif name not in SINGLE_RUN:
         kwargs["mode"] = mode
     report = module.run(**kwargs)
+    report["meta"] = run_metadata(name, mode, quick)
     with open(_json_path(out, name, mode), "w") as f:
         json.dump(report, f, indent=2)
     return 0
@@ -212,8 +247,18 @@ def _plot(name: str, reports: List[Dict], out: str) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["report"]:  # the results page from JSON already written: no benchmark runs
+        from tf_sharded.benchmarks import report
+
+        return report.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m tf_sharded bench", description=__doc__.split("\n")[0])
-    parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all): {', '.join(BENCHMARKS)}")
+    parser.add_argument(
+        "names",
+        nargs="*",
+        help=f"benchmarks to run (default: all): {', '.join(BENCHMARKS)}; or `report [--bench_dir DIR] [--out "
+        "FILE]` alone: the results page from their JSON",
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes (for tests): checks the JSON, not speed")
     parser.add_argument("--out", default="bench_results", help="directory for NAME.json and NAME.png")
     parser.add_argument(
@@ -248,7 +293,8 @@ def main(argv=None) -> int:
                 "--out",
                 args.out,
             ] + (["--quick"] if args.quick else [])
-            env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+            env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+                   COMMAND_ENV: " ".join(["python -m tf_sharded bench", *argv])}  # fmt: skip
             proc = subprocess.run(child, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 print(f"{name} ({mode}) failed:\n{proc.stderr[-4000:]}", file=sys.stderr)
