@@ -300,7 +300,7 @@ def test_a_data_sample_is_read_through_the_collections_features():
 
 
 def test_criteos_capped_tables_on_two_ps_stay_balanced(monkeypatch):
-    """RFC §5e's figures: Criteo's 26 tables capped at 1M rows x 16 on 2 ps."""
+    """Criteo's 26 tables capped at 1M rows x 16 on 2 ps: the balancing pass evens the two ps' bytes."""
     from tf_sharded.app import data
 
     tables = {f"C{i + 1}": {"input_dim": v, "output_dim": 16} for i, v in enumerate(data.vocab_sizes(1_000_000))}

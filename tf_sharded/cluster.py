@@ -37,9 +37,9 @@ MODES = ("inprocess", "process")
 # rows, so oneDNN's kernels give it nothing, while TensorFlow's oneDNN CPU allocator keeps freed memory
 # pooled, and glibc's adaptive mmap threshold keeps freed blocks of up to 32 MB in the heap: together
 # they keep a ps's initialisation temporaries resident after the shards are written. `bench memory`
-# measures the ps footprint against shards x (1 + slots) with these settings (RFC.md §11, B3), and
+# measures the ps footprint against shards x (1 + slots) with these settings (docs/benchmarks.md, B3), and
 # `bench dynamic` a dynamic table's bytes per live key (B7): its pools grow through blocks of every size,
-# and a threshold of 4 MB left those between 1 and 4 MB in the heap (1.14x the bound of issue 14 at
+# and a threshold of 4 MB left those between 1 and 4 MB in the heap (1.14x B7's memory bound at
 # 500K keys, 0.97x with 1 MB).
 PS_ENV = {"TF_ENABLE_ONEDNN_OPTS": "0", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 _INPROCESS: Optional[LocalCluster] = None

@@ -1,4 +1,4 @@
-"""B10: what bounds B4's multi-worker mirrored step on this machine (issue 17): the step taken apart.
+"""B10: what bounds B4's multi-worker mirrored step on this machine: the step taken apart.
 
 B4 trains the main job's DLRM under `MultiWorkerMirroredStrategy` with two
 worker processes on localhost at a fraction of the one-process rate. This

@@ -14,7 +14,7 @@ receiving it; on a single host, where a collective is a memory copy, it
 dominates, and on a real network the transfer term does. `k1` is a hash
 merge's cost per byte relative to a segment sum's. Both defaults come from
 `python -m tf_sharded bench exchange` (`k`) and the merge sweep
-`python -m tf_sharded.benchmarks.exchange` (`k1`, RFC.md §5a) on a 2-core CPU
+`python -m tf_sharded.benchmarks.exchange` (`k1`; RFC.md, "Performance Implications") on a 2-core CPU
 machine. A declared `ids_per_step` fixes the choice at trace time
 instead.
 """

@@ -63,7 +63,7 @@ def map_merge(indices: tf.Tensor, values: tf.Tensor, rows: int):
     """`hash_merge` through a table-sized position map instead of a hash table; rows come out sorted.
 
     Cheaper than hashing once the gathered rows are a large fraction of the
-    table (RFC.md §5a): two passes over `rows` int32s, no probing.
+    table (RFC.md, "Mirrored placement and gradient exchange"): two passes over `rows` int32s, no probing.
     """
     dtype = tf.int32 if rows < 2**31 else tf.int64
     at = tf.cast(indices, dtype)

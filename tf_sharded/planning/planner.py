@@ -18,7 +18,7 @@ with the cost model's estimate of the table's part of a training step:
 The constants below come from the benchmark suite, on this project's 2-core
 machine: `python -m tf_sharded bench plan` measures the options the plan
 chooses between at its points, fits these constants from the same run and
-reports whether the plan picked the faster option at each point (RFC.md §11,
+reports whether the plan picked the faster option at each point (docs/benchmarks.md,
 B11). The exchange's own constants are `tfs.exchange`'s (B2).
 """
 
@@ -36,7 +36,7 @@ from tf_sharded.exchange.cost import choose, cost_bytes
 from tf_sharded.planning.plans import MIRRORED, MULTI, PS, Plan, TablePlan, Topology
 from tf_sharded.table.batched import storage_runs
 
-# Fitted by B11 (`bench plan`, a cluster of 2 ps + 1 worker; RFC.md §11; they vary by ~30% between runs
+# Fitted by B11 (`bench plan`, a cluster of 2 ps + 1 worker; docs/benchmarks.md; they vary by ~30% between runs
 # here), per step:
 # a scheduled step that touches every ps, whatever it does there (the dispatch floor);
 PS_DISPATCH_MS = 3.5
@@ -46,7 +46,7 @@ PS_VARIABLE_MS = 0.18
 PS_ID_US = 0.35
 # A table stays whole on one ps (table-wise) while neither its bytes nor its lookups exceed this share of
 # one ps's even part (1 / num_ps of all tables'): placed round-robin, such tables leave the ps within
-# about this share of each other. B11 measures table-wise against row-wise for small tables (RFC.md §11):
+# about this share of each other. B11 measures table-wise against row-wise for small tables (docs/benchmarks.md, B11):
 # a table's rows then travel in one piece instead of one per ps.
 TABLE_WISE_SHARE = 0.5
 # ... and while, placed so, they leave every ps within this factor of the mean bytes and lookups; past it the

@@ -23,7 +23,8 @@ from tf_sharded.table.sharded_variable import ShardedVariable
 
 # Shards above this many elements are initialised chunk by chunk. The random generator's temporaries are several
 # times a chunk and TensorFlow's CPU allocator keeps freed memory pooled: with 2**20-element chunks a parameter
-# server holds its shards within a few percent (`bench memory`, RFC.md §8).
+# server holds its shards within a few percent (`bench memory`; RFC.md, "Local clusters and parameter-server
+# processes").
 CHUNK_ELEMENTS = 1 << 20
 
 # `factory(index, initial_value_fn, shape, dtype, trainable)` -> the shard's tf.Variable; Keras layers pass one

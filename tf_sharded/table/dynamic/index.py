@@ -3,7 +3,7 @@
 * int64 keys: a `tf.lookup.experimental.DenseHashTable` (open addressing in
   two tensors, int32 rows: 12 bytes per bucket, at most 0.8 of the buckets
   used, doubling), where a `MutableHashTable` of int64 rows takes about 43
-  bytes per key (RFC §5d). The dense table reserves two keys as its empty
+  bytes per key (RFC.md, "Dynamic tables"). The dense table reserves two keys as its empty
   and deleted markers (the two smallest int64 values); those keys live in a
   small `MutableHashTable` of their own, one per row pool, keyed by a code
   (2 x the shard's slot in the pool, + 1 for the deleted marker), so every

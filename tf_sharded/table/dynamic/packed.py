@@ -4,7 +4,7 @@ Sent shard by shard, a training lookup of 26 tables of 2 shards moved about
 seven tensors per shard between the worker and the parameter servers (keys,
 fingerprints, counts, the table's step, the rows found, their values, then
 the gradient's values and indices), and those transfers, not the work, set
-the step time (§11 B7). Here each device receives one tensor of keys, one
+the step time (docs/benchmarks.md, B7). Here each device receives one tensor of keys, one
 of counts and one of table steps per device that holds steps; it splits
 them, runs the inserts under its lock (`locked_together`), gathers and
 returns one tensor of values. The gradient comes back as one tensor, which

@@ -15,7 +15,7 @@ pool per device (`dynamic.group`), so a step allocates, writes new rows,
 marks them seen, gathers and updates once per device for all of them, not
 once per table: with a pool per table, that per-table work on the
 parameter servers, not the index reads, is what a dynamic step costs
-beside a static one (RFC §11 B7).
+beside a static one (docs/benchmarks.md, B7).
 
 Everything here runs on the pool's device, under its lock (`device_lock`)
 where it writes: inserts, optimizer writes and growth (a growth copies the
@@ -38,8 +38,8 @@ from tf_sharded.table.dynamic.keys import key_fingerprints
 from tf_sharded.table.dynamic.lock import defer, device_lock, locked_on, settled
 
 MIN_GROWTH_ROWS = 64
-# A pool grows by a tenth: at most that share of its rows is spare (the bound of issue 14 leaves 30% for the
-# spare rows and the index together), for about ten row copies per key ever inserted (RFC §11 B7).
+# A pool grows by a tenth: at most that share of its rows is spare (B7's memory bound leaves 30% for the
+# spare rows and the index together), for about ten row copies per key ever inserted (docs/benchmarks.md, B7).
 GROWTH = 1.1
 
 
