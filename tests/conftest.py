@@ -22,6 +22,7 @@ CLUSTER_TESTS = "TF_SHARDED_TEST_CLUSTER_TESTS"
 _CLUSTER_KEY = pytest.StashKey[list]()
 
 
+@pytest.hookimpl(trylast=True)  # after -m / -k have deselected
 def pytest_collection_modifyitems(session, config, items):
     """Tests marked `ps_cluster` run in one child process; every other test in this one.
 
