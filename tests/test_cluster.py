@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.ps_cluster, pytest.mark.slow]
 
 SCRIPT = textwrap.dedent(
     """
-    import sys, numpy as np, tensorflow as tf, tf_sharded as tfs
+    import socket, sys, numpy as np, tensorflow as tf, tf_sharded as tfs
     cluster = tfs.cluster.LocalCluster(num_workers=1, num_ps=2, mode="process").start()
     print("PIDS", *cluster.pids, flush=True)
     import psutil
@@ -23,7 +23,14 @@ SCRIPT = textwrap.dedent(
         environ = psutil.Process(pid).environ()
         print("ENV", job, index, environ.get("TF_ENABLE_ONEDNN_OPTS", "-"), environ.get("MALLOC_MMAP_THRESHOLD_", "-"),
               flush=True)
+    # A port another process took: the coordinator's gRPC server cannot start there, so it connects again on
+    # a newly picked one.
+    taken = socket.socket()
+    taken.bind(("", 0))
+    taken.listen()
+    cluster.chief_port = taken.getsockname()[1]
     strategy = cluster.strategy()
+    print("CHIEF", cluster.chief_port != taken.getsockname()[1], flush=True)
     coordinator = cluster.coordinator(strategy)
     values = np.arange(20, dtype=np.float32).reshape(10, 2)
     with strategy.scope():
@@ -71,6 +78,7 @@ class ProcessClusterTest(tf.test.TestCase):
         proc = self.check("ok")
         self.assertEqual(proc.returncode, 0, msg=proc.stderr[-3000:])
         self.assertIn("DONE", proc.stdout)
+        self.assertIn("CHIEF True", proc.stdout)
         # Parameter servers run with tfs.cluster.PS_ENV (no oneDNN, a 1 MB mmap threshold); the worker keeps the
         # caller's setting.
         lines = [line.split() for line in proc.stdout.splitlines() if line.startswith("ENV")]

@@ -43,6 +43,8 @@ MODES = ("inprocess", "process")
 # 500K keys, 0.97x with 1 MB).
 PS_ENV = {"TF_ENABLE_ONEDNN_OPTS": "0", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 _INPROCESS: Optional[LocalCluster] = None
+# Attempts at connecting this process to a cluster, each on a newly picked coordinator port.
+CONNECT_ATTEMPTS = 3
 
 
 def _pick_ports(count: int) -> List[int]:
@@ -128,6 +130,7 @@ class LocalCluster:
         self._started = False
         self._strategies: Dict[object, tf.distribute.experimental.ParameterServerStrategy] = {}
         self.cluster_dict: Dict[str, List[str]] = {}
+        self.chief_port: Optional[int] = None
 
     # ------------------------------------------------------------------ life --
 
@@ -250,20 +253,33 @@ class LocalCluster:
 
     @property
     def resolver(self) -> tf.distribute.cluster_resolver.SimpleClusterResolver:
-        """A cluster resolver for the coordinator (this process)."""
+        """A cluster resolver for the coordinator (this process), which serves as task "chief"."""
         self.start()
-        return tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec(self.cluster_dict), rpc_layer="grpc"
-        )
+        if self.chief_port is None:
+            (self.chief_port,) = _pick_ports(1)
+        spec = {**self.cluster_dict, "chief": [f"localhost:{self.chief_port}"]}
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(tf.train.ClusterSpec(spec), rpc_layer="grpc")
 
     def strategy(self, variable_partitioner=None) -> tf.distribute.experimental.ParameterServerStrategy:
         """A `ParameterServerStrategy` on this cluster (cached per partitioner)."""
         key = variable_partitioner
         if key not in self._strategies:
-            self._strategies[key] = tf.distribute.experimental.ParameterServerStrategy(
-                self.resolver, variable_partitioner=variable_partitioner
-            )
+            self._strategies[key] = self._connect(variable_partitioner)
         return self._strategies[key]
+
+    def _connect(self, variable_partitioner) -> tf.distribute.experimental.ParameterServerStrategy:
+        # The coordinator's gRPC server binds a port picked moments before, which another process on the
+        # machine can take in between ("Could not start gRPC server"): connecting again on a newly picked
+        # port is safe, as this process's context is only initialised by a connection that succeeds.
+        for attempt in range(CONNECT_ATTEMPTS):
+            try:
+                return tf.distribute.experimental.ParameterServerStrategy(
+                    self.resolver, variable_partitioner=variable_partitioner
+                )
+            except tf.errors.UnknownError as error:
+                if "Could not start gRPC server" not in str(error) or attempt == CONNECT_ATTEMPTS - 1:
+                    raise
+                self.chief_port = None
 
     def coordinator(self, strategy=None) -> tf.distribute.experimental.coordinator.ClusterCoordinator:
         """The `ClusterCoordinator` of `strategy` (default: `self.strategy()`)."""
