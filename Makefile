@@ -16,7 +16,8 @@ PEERS_STAMP := $(OLDEST_VENV)/.peers
 PYTEST := -m pytest -q --durations=15
 # The library's tests (tables, exchange, Keras, strategies, checkpoints, serving, faults, the readers);
 # the application, benchmark and notebook tiers run on the newest stack only.
-NEWEST_ONLY := tests/test_app.py tests/test_app_dynamic.py tests/test_bench.py tests/test_notebooks.py tests/test_demo.py
+NEWEST_ONLY := tests/app/test_app.py tests/app/test_app_dynamic.py tests/app/test_demo.py tests/benchmarks/test_bench.py \
+	tests/test_notebooks.py
 
 .PHONY: demo test test-fast test-oldest lint format bench bench-peers clean
 

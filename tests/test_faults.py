@@ -2,7 +2,7 @@
 
 Each run is `tf_sharded/benchmarks/fault_job.py` in its own process (a client connects
 to one cluster per process), the runs of a test at once. The application killed mid-run
-and rerun is `test_app.KillAndResumeTest`.
+and rerun is `tests/app/test_app.py::KillAndResumeTest`.
 """
 
 import json

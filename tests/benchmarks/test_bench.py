@@ -222,7 +222,7 @@ class BenchmarkSuiteTest(tf.test.TestCase):
 
     def check_plan(self, out):
         """B11's schema; which option the plan takes is a function of the sample (timings are not checked here:
-        `tests/test_plan.py` checks the committed full run)."""
+        `tests/planning/test_plan.py` checks the committed full run)."""
         with open(os.path.join(out, "plan.json")) as f:
             report = json.load(f)
         self.assertEqual(

@@ -13,8 +13,13 @@ from tests.harness.models import (
     make_dynamic_model,
 )
 from tests.harness.strategies import mirrored, uid
-from tests.test_dynamic import DIM, Reference, by_key, power_law_keys
-from tests.test_dynamic_pooled import assert_like_reference, key_batches, pooled_collection, train_replicas
+from tests.table.dynamic.test_dynamic import DIM, Reference, by_key, power_law_keys
+from tests.table.dynamic.test_dynamic_pooled import (
+    assert_like_reference,
+    key_batches,
+    pooled_collection,
+    train_replicas,
+)
 from tf_sharded.table import owner_of
 
 pytestmark = pytest.mark.mirrored

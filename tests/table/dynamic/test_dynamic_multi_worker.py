@@ -23,7 +23,7 @@ import hashlib, os, sys
 import numpy as np, tensorflow as tf
 import tf_sharded as tfs
 from tests.harness.models import IDS, LABELS, RAW_KEYS, assert_matches_dynamic_reference, make_dynamic_model
-from tests.test_dynamic import Reference, power_law_keys, train_step
+from tests.table.dynamic.test_dynamic import Reference, power_law_keys, train_step
 
 task = int(os.environ["TASK"])
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -96,8 +96,8 @@ print(f"worker {task} fit digest {digest(model.get_layer('emb').table)}", flush=
 
 # 4. A collection's int64 tables share one pool in each worker's copy ("c", of strings, has its own), and each
 #    worker inserts both workers' keys: the copies agree and every table matches its reference.
-from tests.test_dynamic_pooled import (NAMES, assert_like_reference, assert_rows_accounted, assert_same_tables,
-                                       key_batches, pooled_collection, train_replicas)
+from tests.table.dynamic.test_dynamic_pooled import (NAMES, assert_like_reference, assert_rows_accounted,
+                                                     assert_same_tables, key_batches, pooled_collection, train_replicas)
 
 layer, adagrad = pooled_collection(strategy)
 pooled = layer.tables

@@ -1,8 +1,9 @@
 """`tfs.fit` and `tf_sharded.keras.training.checkpoints` under the default strategy, against Keras's own `model.fit`.
 
 The other fit loops are tested where their strategies run: the coordinator
-loop in `test_keras_ps.py`, the replica loop in `test_layers.py` (Mirrored,
-`steps_per_execution > 1`) and `test_multi_worker.py`.
+loop in `tests/keras/test_keras_ps.py`, the replica loop in
+`tests/keras/test_layers.py` (Mirrored, `steps_per_execution > 1`) and
+`tests/strategy/test_multi_worker.py`.
 """
 
 import json

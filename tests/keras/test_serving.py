@@ -91,7 +91,7 @@ class ExportTest(tf.test.TestCase):
         self.assertAllClose(serve_elsewhere(self, path, probe), model.predict(probe, verbose=0), atol=1e-6)
 
     def test_multi_hot_inputs_stay_ragged_and_serve_the_training_batches(self):
-        from tests.test_data import SCHEMA, write_example_files
+        from tests.app.test_data import SCHEMA, write_example_files
         from tf_sharded.app import models, readers, schema
 
         out = self.get_temp_dir()

@@ -15,7 +15,7 @@ from tests.harness.models import (
     dynamic_reference,
     make_dynamic_model,
 )
-from tests.test_dynamic import by_key
+from tests.table.dynamic.test_dynamic import by_key
 
 
 def string_model(seed=3):

@@ -11,6 +11,7 @@ import tensorflow as tf
 
 import tf_sharded as tfs
 from tests.harness.strategies import mirrored, ps_strategy
+from tests.harness.subprocs import ROOT
 from tf_sharded.benchmarks import plan as b11
 from tf_sharded.exchange import cost
 from tf_sharded.planning import planner
@@ -18,7 +19,6 @@ from tf_sharded.planning.plans import Plan
 
 PS = {"kind": "parameter_server", "num_ps": 2}
 MIRRORED = {"kind": "mirrored", "replicas": 4}
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def hot_first(rows: int, n: int, seed: int = 0) -> np.ndarray:

@@ -17,7 +17,7 @@ from tests.harness.models import (
 )
 from tests.harness.steps import squared_norm_collection_step
 from tests.harness.strategies import ps_strategy, uid
-from tests.test_dynamic import DIM, Reference, by_key, power_law_keys, train_step
+from tests.table.dynamic.test_dynamic import DIM, Reference, by_key, power_law_keys, train_step
 
 pytestmark = pytest.mark.ps_cluster
 

@@ -12,7 +12,7 @@ import tf_sharded as tfs
 from tests.harness.serving import serve_elsewhere
 from tests.harness.steps import squared_norm_collection_step
 from tests.harness.strategies import ps_strategy
-from tests.test_dynamic import by_key, power_law_keys
+from tests.table.dynamic.test_dynamic import by_key, power_law_keys
 from tf_sharded.table import owner_of
 from tf_sharded.table.lookup import lookup_many
 

@@ -10,7 +10,7 @@ import tensorflow as tf
 import tf_sharded as tfs
 from tests.harness.serving import serve_elsewhere
 from tests.harness.strategies import uid
-from tests.test_dynamic import by_key, train_step
+from tests.table.dynamic.test_dynamic import by_key, train_step
 
 SUM = tf.reduce_sum  # d(loss)/d(row) = 1 per occurrence: with SGD(1.0) a stored row moves by -count per step
 

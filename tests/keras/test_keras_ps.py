@@ -320,7 +320,7 @@ class CollectionOnParameterServersTest(tf.test.TestCase):
             for v in table.variables:
                 shards_on[v.device] = shards_on.get(v.device, 0) + 1
         self.assertEqual(sorted(shards_on.values()), [3, 3])
-        # The three tables' shards on a ps are one variable there (table-batched storage, tests/test_batched.py).
+        # The three tables' shards on a ps are one variable there (table-batched storage, tests/table/test_batched.py).
         self.assertEqual(sorted(v.value.device for v in layer.trainable_variables), sorted(shards_on))
 
         example = {"fa": tf.constant([1, 2]), "fb": tf.constant([3, 3]), "fc": tf.constant([[4, 5], [6, 6]])}

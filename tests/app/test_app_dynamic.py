@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 import tensorflow as tf
 
+from tests.app.test_app import RATINGS_SCHEMA, TINY, summary, write_ratings
 from tests.harness.subprocs import run_python, run_python_together
-from tests.test_app import RATINGS_SCHEMA, TINY, summary, write_ratings
 
 pytestmark = pytest.mark.slow  # the application's commands on process clusters
 
