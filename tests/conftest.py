@@ -19,7 +19,7 @@ tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfigu
 
 # Set in the child process that runs the `ps_cluster` tests: the file naming the tests it runs.
 CLUSTER_TESTS = "TF_SHARDED_TEST_CLUSTER_TESTS"
-_CLUSTER_KEY = pytest.StashKey[list]()
+_CHILD_KEY = pytest.StashKey[tuple]()
 
 
 @pytest.hookimpl(trylast=True)  # after -m / -k have deselected
@@ -30,6 +30,9 @@ def pytest_collection_modifyitems(session, config, items):
     created before then stops resolving its devices, and one created after
     hangs in its collectives. So a process that connects never runs anything
     else, and each of the two runs its tests in whatever order it is given.
+    The child starts as soon as this process has collected, and runs beside
+    it: cluster tests spend much of their time waiting on RPCs, and most
+    other tests keep one of the two cores busy.
     """
     listed = os.environ.get(CLUSTER_TESTS)
     if listed:  # the child: exactly the cluster tests the parent collected
@@ -41,20 +44,37 @@ def pytest_collection_modifyitems(session, config, items):
     if not cluster or len(cluster) == len(items) or config.option.collectonly:
         return  # nothing else runs here: no need for a second process
     items[:] = [item for item in items if not item.get_closest_marker("ps_cluster")]
-    config.stash[_CLUSTER_KEY] = [item.nodeid for item in cluster]
+    config.stash[_CHILD_KEY] = _start_child(config, [item.nodeid for item in cluster])
+
+
+def _start_child(config, nodeids):
+    """Starts pytest on `nodeids` with this run's arguments; its output goes to a file printed at the end."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as listed:
+        listed.write("\n".join(nodeids))
+    output = tempfile.TemporaryFile("w+")
+    # The same arguments (paths, options, a random-order seed), from the same directory.
+    args = [sys.executable, "-m", "pytest", *config.invocation_params.args]
+    env = {**os.environ, CLUSTER_TESTS: listed.name}
+    child = subprocess.Popen(args, cwd=config.invocation_params.dir, env=env, stdout=output, stderr=subprocess.STDOUT)
+    return child, output, listed.name, len(nodeids)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    nodeids = session.config.stash.get(_CLUSTER_KEY, None)
-    if not nodeids:
+    started = session.config.stash.get(_CHILD_KEY, None)
+    if started is None:
         return
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-        f.write("\n".join(nodeids))
-    print(f"\n{len(nodeids)} tests marked ps_cluster: running them in a child process (it connects to a cluster)")
+    child, output, listed, count = started
+    try:
+        child.wait()
+    except BaseException:  # interrupted: the child goes too
+        child.kill()
+        raise
+    finally:
+        os.unlink(listed)
+    output.seek(0)
+    print(f"\n{count} tests marked ps_cluster ran in a child process (it connects to a cluster):")
+    print(output.read(), end="")
+    output.close()
     sys.stdout.flush()
-    # The same arguments (paths, options, a random-order seed), from the same directory.
-    args = [sys.executable, "-m", "pytest", *session.config.invocation_params.args]
-    child = subprocess.run(args, cwd=session.config.invocation_params.dir, env={**os.environ, CLUSTER_TESTS: f.name})
-    os.unlink(f.name)
     if child.returncode != 0 and session.exitstatus == 0:
         session.exitstatus = child.returncode
