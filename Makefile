@@ -64,7 +64,8 @@ format: $(STAMP)
 test: $(STAMP) lint
 	$(PY) $(PYTEST) tests
 
-# Everything not marked slow (benchmarks, notebooks, the demo, process clusters, fault injection).
+# Everything not marked slow (benchmarks, notebooks, the demo, process clusters, fault injection, tests that
+# start a Python process or take over 5 s).
 test-fast: $(STAMP)
 	$(PY) $(PYTEST) -m "not slow" tests
 

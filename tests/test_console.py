@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import tensorflow as tf
 
 from tests.harness.subprocs import ROOT
@@ -22,6 +23,7 @@ def run_command(args, level=None):
 
 
 class QuietCommandTest(tf.test.TestCase):
+    @pytest.mark.slow  # starts a Python process with TensorFlow
     def test_a_command_prints_its_own_lines_only_unless_asked(self):
         missing = os.path.join(self.get_temp_dir(), "nothing_here")
         quiet = run_command(["inspect", missing])
@@ -37,6 +39,7 @@ class QuietCommandTest(tf.test.TestCase):
         own = run_command(["inspect", missing], level="0")
         self.assertTrue(any(m in own.stderr for m in TF_LOG_MARKERS), own.stderr[-2000:])
 
+    @pytest.mark.slow  # starts a Python process with TensorFlow
     def test_importing_the_library_leaves_the_process_as_it_is(self):
         code = "import os, tf_sharded; print(os.environ.get('TF_CPP_MIN_LOG_LEVEL'))"
         env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}

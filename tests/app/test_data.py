@@ -480,6 +480,7 @@ class ParquetCacheTest(tf.test.TestCase):
                     parquet.why_cached(), f"tensorflow-io's Parquet ops do not load into TensorFlow {tf.__version__}"
                 )
 
+    @pytest.mark.slow  # starts a Python process with TensorFlow
     def test_load_ops_never_imports_a_tensorflow_io_whose_ops_do_not_load(self):
         # A user's process sees no tensorflow-io warning: it is imported only where its library loaded.
         code = (

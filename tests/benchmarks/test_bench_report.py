@@ -110,6 +110,7 @@ def run_report(*args):
     return subprocess.run(command, capture_output=True, text=True, timeout=50, cwd=ROOT, env=env)
 
 
+@pytest.mark.slow  # starts a Python process with TensorFlow
 @pytest.mark.timeout(60)
 def test_a_missing_bench_dir_is_one_line_naming_the_flag(tmp_path):
     missing = str(tmp_path / "nowhere")
@@ -122,6 +123,7 @@ def test_a_missing_bench_dir_is_one_line_naming_the_flag(tmp_path):
     assert not (tmp_path / "page.md").exists()
 
 
+@pytest.mark.slow  # starts a Python process with TensorFlow
 @pytest.mark.timeout(60)
 def test_invalid_json_is_one_line_naming_the_file(tmp_path):
     bad = tmp_path / "bench" / "fused.json"

@@ -32,6 +32,7 @@ def data(n=32):
 
 
 class ExportTest(tf.test.TestCase):
+    @pytest.mark.slow  # starts a Python process with TensorFlow
     def test_export_serves_in_a_process_without_tf_sharded(self):
         model = model_with()
         x, y = data()
@@ -80,6 +81,7 @@ class ExportTest(tf.test.TestCase):
         with self.assertRaisesRegex(ValueError, "Argument `quantize` must be one of \\(None, 'int8', 'int4'\\)"):
             tfs.export(model, self.get_temp_dir(), quantize="float8")
 
+    @pytest.mark.slow  # starts a Python process with TensorFlow
     @unittest.skipUnless(quantized.keras_groups_int4(), f"Keras {keras.__version__} has no Int4QuantizationConfig")
     def test_a_layer_quantized_to_int4_exports_its_own_rows(self):
         ids = keras.Input((3,), dtype="int64", name="ids")
@@ -90,6 +92,7 @@ class ExportTest(tf.test.TestCase):
         path = tfs.export(model, os.path.join(self.get_temp_dir(), "own_int4"))
         self.assertAllClose(serve_elsewhere(self, path, probe), model.predict(probe, verbose=0), atol=1e-6)
 
+    @pytest.mark.slow  # starts a Python process with TensorFlow
     def test_multi_hot_inputs_stay_ragged_and_serve_the_training_batches(self):
         from tests.app.test_data import SCHEMA, write_example_files
         from tf_sharded.app import models, readers, schema
