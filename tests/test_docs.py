@@ -4,6 +4,7 @@ import doctest
 import importlib
 import inspect
 import pkgutil
+import warnings
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ MODULES = sorted(
 def public_homes() -> set:
     """Modules defining a public name of `tfs` or of its public namespaces (`tfs.layers`, `tfs.exchange`, ...)."""
     homes = set()
-    for namespace in (tfs, tfs.layers, tfs.optimizers, tfs.exchange, tfs.partitioners, tfs.cluster):
+    for namespace in (tfs, tfs.layers, tfs.optimizers, tfs.exchange, tfs.partitioners, tfs.cluster, tfs.policies):
         names = getattr(namespace, "__all__", None)
         if names is None:  # a plain module: what it defines itself
             names = [n for n, o in vars(namespace).items() if getattr(o, "__module__", None) == namespace.__name__]
@@ -63,6 +64,39 @@ class DocTest(tf.test.TestCase):
                 self.assertTrue(any(p.annotation is not inspect.Parameter.empty for p in hints.values()), msg=name)
         for cls in (tfs.partitioners.FixedShards, tfs.partitioners.MinSize, tfs.partitioners.MaxSize):
             self.assertIn(">>>", inspect.getdoc(cls))
+
+
+class PublicApiTest(tf.test.TestCase):
+    def test_all_is_small_and_resolves(self):
+        self.assertLessEqual(len(tfs.__all__), 30, msg=tfs.__all__)
+        self.assertEqual(len(set(tfs.__all__)), len(tfs.__all__))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)  # no public name is a deprecated alias
+            for name in tfs.__all__:
+                self.assertIsNotNone(getattr(tfs, name), msg=name)
+
+    def test_namespaces_outside_all_stay_attributes(self):
+        for name in ("exchange", "strategy", "partitioners", "training"):
+            self.assertNotIn(name, tfs.__all__)
+            self.assertTrue(inspect.ismodule(getattr(tfs, name)), msg=name)
+        self.assertIs(tfs.training.steps_done, importlib.import_module("tf_sharded.keras.training").steps_done)
+
+    def test_moved_names_warn_with_the_new_spelling(self):
+        moved = {
+            name: (getattr(tfs.policies, name), f"tfs.policies.{name}")
+            for name in ("CapacityEviction", "MinCountAdmission", "ProbabilityAdmission", "StepsSinceSeenEviction")
+        }
+        for module in ("data", "models"):
+            moved[module] = (
+                importlib.import_module(f"tf_sharded.app.{module}"),
+                f"from tf_sharded.app import {module}",
+            )
+        for name, (obj, spelling) in moved.items():
+            self.assertNotIn(name, tfs.__all__)
+            with self.assertWarnsRegex(DeprecationWarning, f"`tfs.{name}` is deprecated.*{spelling}"):
+                self.assertIs(getattr(tfs, name), obj)
+        with self.assertRaisesRegex(AttributeError, "no attribute 'Nothing'"):
+            tfs.Nothing  # noqa: B018
 
 
 if __name__ == "__main__":

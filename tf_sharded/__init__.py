@@ -6,8 +6,15 @@ routes `tf.nn.embedding_lookup` on tables to `tfs.embedding_lookup`. The
 process's first table routes Keras 3 optimizers' gradient reduction through
 the mirrored exchange (`tf_sharded.keras.routing`); until then Keras runs as
 it ships. It refuses a TensorFlow or Keras release outside the supported
-ranges (`tf_sharded.versions`). The training application (`tfs.data`,
-`tfs.models`) is the `[app]` extra and is imported on first use.
+ranges (`tf_sharded.versions`).
+
+`__all__` is the concepts a user holds in their head: tables, configs,
+layers, optimizers, fit / evaluate / predict / export, the plan, the
+cluster, the policies and the errors. The exchange, the strategy registry,
+the partitioners and the training loop stay reachable as namespaces
+(`tfs.exchange`, `tfs.strategy`, `tfs.partitioners`, `tfs.training`) for
+the users who need them. The training application is the `[app]` extra,
+imported as `tf_sharded.app.data` / `tf_sharded.app.models`.
 """
 
 from tf_sharded import _console, versions
@@ -18,19 +25,22 @@ with _console.quiet_import():
 
 versions.check(_tf.__version__, _keras.__version__)
 
-from tf_sharded import cluster, exchange, partitioners, policies, strategy
-from tf_sharded.config import Combiner, Exchange, FeatureConfig, Placement, Scheme, TableConfig
+from tf_sharded import cluster, policies
+from tf_sharded import exchange as exchange
+from tf_sharded import partitioners as partitioners
+from tf_sharded import strategy as strategy
+from tf_sharded.config import Combiner, DynamicTableConfig, Exchange, FeatureConfig, Placement, Scheme, TableConfig
 from tf_sharded.creation import create_dynamic_table, create_sharded_variable
 from tf_sharded.creation import install as _install
 from tf_sharded.errors import LayoutMismatchError, ShardedError, UnsupportedStrategyError
-from tf_sharded.keras import layers, optimizers, training
+from tf_sharded.keras import layers, optimizers
+from tf_sharded.keras import training as training
 from tf_sharded.keras.serving import export, export_delta
 from tf_sharded.keras.training.evaluation import evaluate, predict
 from tf_sharded.keras.training.trainer import fit
 from tf_sharded.layout import Layout, PartitionSpec
 from tf_sharded.planning.planner import plan
 from tf_sharded.planning.plans import Plan
-from tf_sharded.policies import CapacityEviction, MinCountAdmission, ProbabilityAdmission, StepsSinceSeenEviction
 from tf_sharded.strategy import default as _default  # noqa: F401  (registers the family)
 from tf_sharded.strategy import mirrored as _mirrored  # noqa: F401
 from tf_sharded.strategy import parameter_server as _parameter_server  # noqa: F401
@@ -38,37 +48,50 @@ from tf_sharded.table import DynamicTable, ShardedVariable, Table, embedding_loo
 
 __version__ = "0.1.0"
 
-_APP_MODULES = ("data", "models")
+# Names that moved, kept for one release: {old name: (module, attribute or None for the module, new spelling)}.
+_MOVED = {
+    **{
+        policy: ("tf_sharded.policies", policy, f"tfs.policies.{policy}")
+        for policy in ("CapacityEviction", "MinCountAdmission", "ProbabilityAdmission", "StepsSinceSeenEviction")
+    },
+    # The application is an extra (`pip install tf_sharded[app]`): imported on first use.
+    "data": ("tf_sharded.app.data", None, "from tf_sharded.app import data"),
+    "models": ("tf_sharded.app.models", None, "from tf_sharded.app import models"),
+}
 
 
 def __getattr__(name):
-    # The application is an extra (`pip install tf_sharded[app]`): imported on first use.
-    if name in _APP_MODULES:
+    if name in _MOVED:
         import importlib
+        import warnings
 
-        return importlib.import_module(f"tf_sharded.app.{name}")
+        module, attribute, spelling = _MOVED[name]
+        warnings.warn(
+            f"`tfs.{name}` is deprecated and will be removed in the next release. Use `{spelling}` instead.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        found = importlib.import_module(module)
+        return found if attribute is None else getattr(found, attribute)
     raise AttributeError(f"module 'tf_sharded' has no attribute {name!r}")
 
 
 _install()
 
 __all__ = [
-    "CapacityEviction",
     "Combiner",
     "DynamicTable",
+    "DynamicTableConfig",
     "Exchange",
     "FeatureConfig",
     "Layout",
     "LayoutMismatchError",
-    "MinCountAdmission",
     "PartitionSpec",
     "Placement",
     "Plan",
-    "ProbabilityAdmission",
     "Scheme",
     "ShardedError",
     "ShardedVariable",
-    "StepsSinceSeenEviction",
     "Table",
     "TableConfig",
     "UnsupportedStrategyError",
@@ -78,16 +101,12 @@ __all__ = [
     "embedding_lookup",
     "embedding_lookup_sparse",
     "evaluate",
-    "exchange",
     "export",
     "export_delta",
     "fit",
     "layers",
     "optimizers",
-    "partitioners",
     "plan",
     "policies",
     "predict",
-    "strategy",
-    "training",
 ]

@@ -162,9 +162,9 @@ def create_dynamic_table(
         its own copy, kept identical to the others'.
       seed: seed of the initial rows (drawn from TF's global seed if None).
       admission: None (every key met in training gets a row) or
-        `tfs.MinCountAdmission` / `tfs.ProbabilityAdmission`.
-      eviction: None, `tfs.StepsSinceSeenEviction`, `tfs.CapacityEviction`,
-        or a list with one of each.
+        `tfs.policies.MinCountAdmission` / `tfs.policies.ProbabilityAdmission`.
+      eviction: None, `tfs.policies.StepsSinceSeenEviction`,
+        `tfs.policies.CapacityEviction`, or a list with one of each.
       dtype: row dtype (floating).
       trainable: whether lookups insert keys and gradients reach the rows.
       max_rows: None (grow without bound) or the most live keys it may hold;

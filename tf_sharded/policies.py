@@ -84,7 +84,7 @@ class MinCountAdmission(Admission):
     Example:
 
     >>> import tf_sharded as tfs
-    >>> t = tfs.create_dynamic_table("clicks_doc", dim=2, admission=tfs.MinCountAdmission(2), seed=0)
+    >>> t = tfs.create_dynamic_table("clicks_doc", dim=2, admission=tfs.policies.MinCountAdmission(2), seed=0)
     >>> _ = tfs.embedding_lookup(t, [7, 8, 8])   # 8 occurred twice: admitted
     >>> int(t.size())
     1
@@ -138,7 +138,7 @@ class ProbabilityAdmission(Admission):
     Example:
 
     >>> import tf_sharded as tfs
-    >>> t = tfs.create_dynamic_table("views_doc", dim=2, admission=tfs.ProbabilityAdmission(0.5), seed=0)
+    >>> t = tfs.create_dynamic_table("views_doc", dim=2, admission=tfs.policies.ProbabilityAdmission(0.5), seed=0)
     >>> _ = tfs.embedding_lookup(t, tf.range(1000, dtype=tf.int64))
     >>> 400 < int(t.size()) < 600
     True
@@ -174,7 +174,7 @@ class StepsSinceSeenEviction(Eviction):
     Example:
 
     >>> import tf_sharded as tfs
-    >>> t = tfs.create_dynamic_table("ttl_doc", dim=2, eviction=tfs.StepsSinceSeenEviction(2, every=1), seed=0)
+    >>> t = tfs.create_dynamic_table("ttl_doc", dim=2, eviction=tfs.policies.StepsSinceSeenEviction(2, every=1), seed=0)
     >>> for keys in ([1, 2], [2], [2]):
     ...     _ = tfs.embedding_lookup(t, keys)
     >>> sorted(t.export()[0].numpy().tolist())
@@ -209,7 +209,7 @@ class CapacityEviction(Eviction):
     Example:
 
     >>> import tf_sharded as tfs
-    >>> t = tfs.create_dynamic_table("lru_doc", dim=2, eviction=tfs.CapacityEviction(2), seed=0)
+    >>> t = tfs.create_dynamic_table("lru_doc", dim=2, eviction=tfs.policies.CapacityEviction(2), seed=0)
     >>> for keys in ([1], [2], [1], [3]):
     ...     _ = tfs.embedding_lookup(t, keys)
     >>> sorted(t.export()[0].numpy().tolist())
@@ -254,14 +254,14 @@ def parse(table: str, admission, eviction) -> Tuple[Optional[Admission], Tuple[E
     """Validated `(admission, evictions)`; errors name the table and the argument."""
     if admission is not None and not isinstance(admission, Admission):
         raise TypeError(
-            f"Dynamic table '{table}': argument `admission` must be None, tfs.MinCountAdmission or "
-            f"tfs.ProbabilityAdmission. Received: {admission!r}"
+            f"Dynamic table '{table}': argument `admission` must be None, tfs.policies.MinCountAdmission or "
+            f"tfs.policies.ProbabilityAdmission. Received: {admission!r}"
         )
     evictions: Sequence = () if eviction is None else eviction if isinstance(eviction, (list, tuple)) else (eviction,)
     kinds = [type(e) for e in evictions]
     if any(not isinstance(e, Eviction) for e in evictions) or len(set(kinds)) != len(kinds):
         raise TypeError(
-            f"Dynamic table '{table}': argument `eviction` must be None, tfs.StepsSinceSeenEviction, "
-            f"tfs.CapacityEviction, or a list with at most one of each. Received: {eviction!r}"
+            f"Dynamic table '{table}': argument `eviction` must be None, tfs.policies.StepsSinceSeenEviction, "
+            f"tfs.policies.CapacityEviction, or a list with at most one of each. Received: {eviction!r}"
         )
     return admission, tuple(evictions)

@@ -1,4 +1,4 @@
-"""tfs.models: DLRM and DeepFM on tf_sharded tables and on keras.layers.Embedding compute the same function."""
+"""tf_sharded.app.models: DLRM and DeepFM on tf_sharded tables and on keras.layers.Embedding compute one function."""
 
 import numpy as np
 import tensorflow as tf

@@ -13,6 +13,7 @@ import tf_sharded as tfs
 from tests.harness.strategies import mirrored, ps_strategy
 from tests.harness.subprocs import ROOT
 from tf_sharded.benchmarks import plan as b11
+from tf_sharded.config import Exchange, Placement, Scheme, TopologyKind
 from tf_sharded.exchange import cost
 from tf_sharded.planning import planner
 from tf_sharded.planning.plans import Plan
@@ -309,3 +310,18 @@ def test_criteos_capped_tables_on_two_ps_stay_balanced(monkeypatch):
     assert sum(t.partitions == 1 for t in plan.tables.values()) == 23
     monkeypatch.setattr(planner, "BALANCE", float("inf"))  # without the balance pass
     assert [round(mb) for mb in tfs.plan(tables, PS).device_mb] == [249, 431]
+
+
+def test_plans_hold_enums_that_print_and_serialise_as_strings():
+    tables = {"user": {"input_dim": 100_000, "output_dim": 16}, "tag": {"input_dim": 100, "output_dim": 16}}
+    plan = tfs.plan(tables, PS, ids={"user": [hot_first(100_000, 512, s) for s in range(2)]})
+    assert plan.kind is TopologyKind.PARAMETER_SERVER and plan.tables["user"].scheme is Scheme.MOD
+    assert repr(plan) == "Plan(kind='parameter_server', tables=['user', 'tag'])"
+    text = json.dumps(plan.to_config())
+    assert '"kind": "parameter_server"' in text and '"scheme": "mod"' in text
+    again = Plan.from_config(json.loads(text))
+    assert again.tables == plan.tables and str(again) == str(plan) and again.kind is TopologyKind.PARAMETER_SERVER
+    mirrored_plan = tfs.plan(tables, MIRRORED, ids={"user": {"ids_per_step": 4096, "distinct_per_step": 900}})
+    user = mirrored_plan.tables["user"]
+    assert (user.placement, user.exchange) == (Placement.DEVICE, Exchange.ALLGATHER)
+    assert isinstance(user.placement, Placement) and isinstance(user.exchange, Exchange)

@@ -97,8 +97,8 @@ def synthetic_dataset(
 
     Example:
 
-    >>> import tf_sharded as tfs
-    >>> features, labels = next(iter(tfs.data.synthetic_dataset(4, max_vocab=1000)))
+    >>> from tf_sharded.app import data
+    >>> features, labels = next(iter(data.synthetic_dataset(4, max_vocab=1000)))
     >>> sorted(features)[:3], features["dense"].shape, labels.shape
     (['C1', 'C10', 'C11'], TensorShape([4, 13]), TensorShape([4, 1]))
     """

@@ -127,9 +127,9 @@ def dlrm(
 
     Example:
 
-    >>> import tf_sharded as tfs
-    >>> model = tfs.models.dlrm(tfs.data.vocab_sizes(100), embedding_dim=4, bottom=(8,), top=(8,))
-    >>> features, labels = next(iter(tfs.data.synthetic_dataset(2, max_vocab=100)))
+    >>> from tf_sharded.app import data, models
+    >>> model = models.dlrm(data.vocab_sizes(100), embedding_dim=4, bottom=(8,), top=(8,))
+    >>> features, labels = next(iter(data.synthetic_dataset(2, max_vocab=100)))
     >>> model(features).shape
     TensorShape([2, 1])
     """
@@ -169,9 +169,9 @@ def deepfm(
 
     Example:
 
-    >>> import tf_sharded as tfs
-    >>> model = tfs.models.deepfm(tfs.data.vocab_sizes(100), embedding_dim=4, deep=(8,))
-    >>> features, labels = next(iter(tfs.data.synthetic_dataset(2, max_vocab=100)))
+    >>> from tf_sharded.app import data, models
+    >>> model = models.deepfm(data.vocab_sizes(100), embedding_dim=4, deep=(8,))
+    >>> features, labels = next(iter(data.synthetic_dataset(2, max_vocab=100)))
     >>> model(features).shape
     TensorShape([2, 1])
     """
@@ -207,9 +207,9 @@ def mlp(
 
     Example:
 
-    >>> import tf_sharded as tfs
-    >>> model = tfs.models.mlp(tfs.data.vocab_sizes(100), embedding_dim=4, hidden=(8,))
-    >>> features, labels = next(iter(tfs.data.synthetic_dataset(2, max_vocab=100)))
+    >>> from tf_sharded.app import data, models
+    >>> model = models.mlp(data.vocab_sizes(100), embedding_dim=4, hidden=(8,))
+    >>> features, labels = next(iter(data.synthetic_dataset(2, max_vocab=100)))
     >>> model(features).shape
     TensorShape([2, 1])
     """

@@ -9,7 +9,7 @@ import keras
 import tensorflow as tf
 
 from tf_sharded import _compat
-from tf_sharded.config import DynamicTableConfig, FeatureConfig, TableConfig
+from tf_sharded.config import BaseTableConfig, DynamicTableConfig, FeatureConfig
 from tf_sharded.keras.layer_tables import (
     create_layer_dynamic_group,
     create_layer_dynamic_table,
@@ -43,7 +43,7 @@ class EmbeddingCollection(keras.layers.Layer):
       tables: `{table name: {"input_dim": int, "output_dim": int, and
         optionally "embeddings_initializer", "partitions", "scheme",
         "exchange", "placement", "seed"}}`, or `{table name:
-        tfs.TableConfig}`. A table with `"vocabulary": "dynamic"` is a
+        tfs.TableConfig or tfs.DynamicTableConfig}`. A table with `"vocabulary": "dynamic"` is a
         `tfs.DynamicTable` over raw keys: `{"vocabulary": "dynamic",
         "output_dim": int, and optionally "key_dtype" ("int64" / "string"),
         "embeddings_initializer", "partitions", "seed", "admission",
@@ -113,7 +113,8 @@ class EmbeddingCollection(keras.layers.Layer):
             )
         self.partitions, self.scheme = partitions, scheme
         self.table_configs = {
-            name: self._with_defaults(TableConfig.from_layer_config(name, config)) for name, config in tables.items()
+            name: self._with_defaults(BaseTableConfig.from_layer_config(name, config))
+            for name, config in tables.items()
         }
         self.feature_configs = {
             feature: FeatureConfig.parse(feature, spec, self.table_configs) for feature, spec in features.items()

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import tensorflow as tf
 
-from tf_sharded.config import DynamicTableConfig, TableConfig
+from tf_sharded.config import BaseTableConfig, DynamicTableConfig
 from tf_sharded.exchange.cost import choose, cost_bytes
 from tf_sharded.planning.plans import MIRRORED, MULTI, PS, Plan, TablePlan, Topology
 from tf_sharded.table.batched import storage_runs
@@ -71,7 +71,7 @@ def _as_configs(tables) -> dict:
             "Argument `tables` must be a non-empty dict of table configs (as EmbeddingCollection takes) or an "
             f"EmbeddingCollection. Received: {tables!r}"
         )
-    return {name: TableConfig.from_layer_config(name, config) for name, config in tables.items()}
+    return {name: BaseTableConfig.from_layer_config(name, config) for name, config in tables.items()}
 
 
 def _features_of(tables, configs: dict) -> dict:
@@ -163,7 +163,7 @@ def plan(
 
     Args:
       tables: the `tables` argument of `tfs.layers.EmbeddingCollection`
-        (`{name: {"input_dim": ..., "output_dim": ...}}` or `tfs.TableConfig`s),
+        (`{name: {"input_dim": ..., "output_dim": ...}}` or table configs),
         or an `EmbeddingCollection`.
       strategy: a `tf.distribute.Strategy` (default: the current one), or a
         dict `{"kind": "parameter_server" | "mirrored" |
@@ -222,9 +222,8 @@ def plan(
         )
     stats = {}
     for name, config in configs.items():
-        rows = None if isinstance(config, DynamicTableConfig) else config.shape[0]
         if ids and name in ids:
-            stats[name] = _sample_statistics(name, ids[name], topology.replicas, rows)
+            stats[name] = _sample_statistics(name, ids[name], topology.replicas, config.rows)
     planner = {PS: _plan_ps, MIRRORED: _plan_mirrored, MULTI: _plan_mirrored}.get(topology.kind, _plan_default)
     # The storage groups under parameter servers (the collection's runs); else each table alone.
     groups = storage_runs(configs, topology.kind == PS)
@@ -243,7 +242,7 @@ def _base(name, config, stats):
     per_step, distinct, _ = stats.get(name, (None, None, None))
     if isinstance(config, DynamicTableConfig):
         return TablePlan(name, None, config.dim, per_step, distinct, reason="dynamic: its shards follow the strategy")
-    return TablePlan(name, config.shape[0], int(np.prod(config.shape[1:])), per_step, distinct)
+    return TablePlan(name, config.rows, config.dim, per_step, distinct)
 
 
 def _plan_default(configs, stats, topology, slots, memory, groups):

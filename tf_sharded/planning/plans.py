@@ -9,25 +9,28 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sharded import _compat
-from tf_sharded.config import DynamicTableConfig
+from tf_sharded.config import DynamicTableConfig, Exchange, Placement, Scheme, TopologyKind
 from tf_sharded.strategy import family_of
 
-PS, MIRRORED, MULTI, DEFAULT = "parameter_server", "mirrored", "multi_worker_mirrored", "default"
-_KINDS = (DEFAULT, PS, MIRRORED, MULTI)
+PS, MIRRORED, MULTI, DEFAULT = (
+    TopologyKind.PARAMETER_SERVER,
+    TopologyKind.MIRRORED,
+    TopologyKind.MULTI_WORKER_MIRRORED,
+    TopologyKind.DEFAULT,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
     """What a plan is for: the strategy family, its parameter servers, replicas and workers."""
 
-    kind: str
+    kind: TopologyKind
     num_ps: int = 0
     replicas: int = 1
     workers: int = 1
 
     def __post_init__(self):
-        if self.kind not in _KINDS:
-            raise ValueError(f"Argument `strategy['kind']` must be one of {_KINDS}. Received: {self.kind!r}")
+        object.__setattr__(self, "kind", TopologyKind.parse(self.kind, "strategy['kind']"))
         for name in ("num_ps", "replicas", "workers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
@@ -77,14 +80,18 @@ class TablePlan:
     ids_per_step: Optional[float] = None  # mean ids looked up per step in the sample (all replicas)
     distinct_per_step: Optional[float] = None  # per replica, the largest in the sample
     partitions: Optional[int] = None
-    scheme: Optional[str] = None
-    placement: Optional[str] = None
-    exchange: Optional[str] = None  # the exchange it will run: "allgather" or "dense"
+    scheme: Optional[Scheme] = None
+    placement: Optional[Placement] = None
+    exchange: Optional[Exchange] = None  # the exchange it will run: "allgather" or "dense"
     exchange_ids: Optional[int] = None  # the `ids_per_step` bound that fixes it at trace time
     group: Optional[str] = None
     estimate_ms: float = 0.0
     memory_mb: float = 0.0  # per device holding it (a ps's share, or one replica's copy)
     reason: str = ""
+
+    def __post_init__(self):
+        for name, choice in (("scheme", Scheme), ("placement", Placement), ("exchange", Exchange)):
+            object.__setattr__(self, name, choice.parse_optional(getattr(self, name), name))
 
     def arguments(self, layout_only: bool = False) -> dict:
         """The table config fields the plan sets (`layout_only`: shards and scheme, which every strategy takes)."""
@@ -131,7 +138,7 @@ class Plan:
         self.device_mb = list(device_mb or [])
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> TopologyKind:
         return self.topology.kind
 
     @property
@@ -154,10 +161,10 @@ class Plan:
             if isinstance(config, DynamicTableConfig):
                 out[name] = config
                 continue
-            if config.shape != (planned.rows, planned.dim):
+            if (config.rows, config.dim) != (planned.rows, planned.dim):
                 raise ValueError(
                     f"Argument `plan` has table '{name}' as {planned.rows} x {planned.dim}; the table is "
-                    f"{config.shape[0]} x {config.shape[1]} ({who}). Make the plan from the same tables."
+                    f"{config.rows} x {config.dim} ({who}). Make the plan from the same tables."
                 )
             out[name] = dataclasses.replace(config, **planned.arguments(layout_only))
         return out

@@ -96,7 +96,7 @@ class DynamicTableTest(tf.test.TestCase):
         # The index's dense table reserves the two smallest int64 keys as markers; they are held beside it.
         low = [-(2**63), -(2**63) + 1]
         batches = [np.array(low + [0, 7]), np.array([7, 9, low[0]]), np.array([low[1], 9, 11, 7])]
-        eviction = tfs.StepsSinceSeenEviction(max_steps=2, every=1)
+        eviction = tfs.policies.StepsSinceSeenEviction(max_steps=2, every=1)
         table = tfs.create_dynamic_table(uid("low"), dim=DIM, partitions=2, seed=5, eviction=eviction)
         step = train_step(table, tfs.optimizers.Adagrad(0.3))
         ref = Reference(table, batches, tfs.optimizers.Adagrad(0.3))
@@ -300,10 +300,14 @@ class DynamicTableTest(tf.test.TestCase):
         strategy = tf.distribute.get_strategy()
         table = strategy.create_dynamic_table(uid("m"), 3, key_dtype=tf.string)
         self.assertIsInstance(table, tfs.DynamicTable)
-        with self.assertRaisesRegex(TypeError, "Dynamic table 'adm.*': argument `admission` must be None, tfs.Min"):
+        with self.assertRaisesRegex(
+            TypeError, "Dynamic table 'adm.*': argument `admission` must be None, tfs.policies.Min"
+        ):
             tfs.create_dynamic_table(uid("adm"), dim=2, admission=object())
         with self.assertRaisesRegex(TypeError, "argument `eviction` must be .* at most one of each"):
-            tfs.create_dynamic_table(uid("ev"), dim=2, eviction=[tfs.CapacityEviction(3), tfs.CapacityEviction(4)])
+            tfs.create_dynamic_table(
+                uid("ev"), dim=2, eviction=[tfs.policies.CapacityEviction(3), tfs.policies.CapacityEviction(4)]
+            )
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ print(f"worker {task} custom digest {digest(table)} keys {len(rows)}", flush=Tru
 # 2. String keys with admission by count: a key met once on each worker has met its count of 2.
 with strategy.scope():
     words = strategy.create_dynamic_table("words", dim=2, key_dtype=tf.string, seed=1,
-                                          admission=tfs.MinCountAdmission(2))
+                                          admission=tfs.policies.MinCountAdmission(2))
     sgd = tfs.optimizers.SGD(0.1)
 word_step = train_step(words, sgd)
 first = [np.array([b"a", b"b"]), np.array([b"a", "\\u00e9t\\u00e9".encode()])]
@@ -110,7 +110,8 @@ print(f"worker {task} pooled digest {'-'.join(digest(pooled[n]) for n in NAMES)}
 
 # 5. Policies in a shared pool ("a" evicts keys unseen for a step, "b" admits a key at its second occurrence):
 #    the pooled collection holds what one with a pool per table holds, keys, rows and columns.
-policies = {"a": {"eviction": tfs.StepsSinceSeenEviction(1, every=1)}, "b": {"admission": tfs.MinCountAdmission(2)}}
+policies = {"a": {"eviction": tfs.policies.StepsSinceSeenEviction(1, every=1)},
+            "b": {"admission": tfs.policies.MinCountAdmission(2)}}
 (shared, shared_opt), (alone, alone_opt) = [pooled_collection(strategy, b, **policies) for b in (True, False)]
 assert shared.tables["a"].variables[0] is shared.tables["b"].variables[0]
 assert alone.tables["a"].variables[0] is not alone.tables["b"].variables[0]

@@ -30,7 +30,9 @@ def rows_used(table):
 
 class AdmissionTest(tf.test.TestCase):
     def test_min_count_admits_on_the_nth_occurrence_and_only_then_trains(self):
-        table = tfs.create_dynamic_table(uid("minc"), 2, admission=tfs.MinCountAdmission(3), partitions=2, seed=1)
+        table = tfs.create_dynamic_table(
+            uid("minc"), 2, admission=tfs.policies.MinCountAdmission(3), partitions=2, seed=1
+        )
         step = train_step(table, tfs.optimizers.SGD(1.0), loss_of=SUM)
         start = initial(table, [10, 20])
         step(tf.constant([10], tf.int64))
@@ -47,7 +49,7 @@ class AdmissionTest(tf.test.TestCase):
         keys = tf.range(2000, dtype=tf.int64)
         sizes = []
         for _ in range(2):
-            table = tfs.create_dynamic_table(uid("prob"), 2, admission=tfs.ProbabilityAdmission(0.25), seed=5)
+            table = tfs.create_dynamic_table(uid("prob"), 2, admission=tfs.policies.ProbabilityAdmission(0.25), seed=5)
             step = train_step(table, tfs.optimizers.SGD(1.0), loss_of=SUM)
             step(keys)
             sizes.append(sorted(by_key(table)))
@@ -62,7 +64,7 @@ class AdmissionTest(tf.test.TestCase):
 
 class EvictionTest(tf.test.TestCase):
     def test_steps_since_seen_frees_rows_for_reuse_and_resets_slots(self):
-        eviction = tfs.StepsSinceSeenEviction(max_steps=2, every=1)
+        eviction = tfs.policies.StepsSinceSeenEviction(max_steps=2, every=1)
         table = tfs.create_dynamic_table(uid("ttl"), 2, eviction=eviction, seed=2)
         optimizer = tfs.optimizers.Adagrad(0.5, initial_accumulator_value=0.1)
         step = train_step(table, optimizer, loss_of=SUM)
@@ -80,7 +82,7 @@ class EvictionTest(tf.test.TestCase):
         self.assertAllEqual(again[0], initial(table, [1])[1])
 
     def test_lru_capacity_evicts_the_least_recently_seen_never_the_batch(self):
-        table = tfs.create_dynamic_table(uid("lru"), 2, eviction=tfs.CapacityEviction(3), seed=3)
+        table = tfs.create_dynamic_table(uid("lru"), 2, eviction=tfs.policies.CapacityEviction(3), seed=3)
         step = train_step(table, tfs.optimizers.SGD(1.0), loss_of=SUM)
         for keys in ([1, 2, 3], [1], [2], [4]):  # key 3 last seen at step 1
             step(tf.constant(keys, tf.int64))
@@ -98,7 +100,7 @@ class EvictionTest(tf.test.TestCase):
             self.assertAllClose(rows[key], start[key] - 1)
 
     def test_lfu_capacity_evicts_the_least_frequent(self):
-        table = tfs.create_dynamic_table(uid("lfu"), 2, eviction=tfs.CapacityEviction(3, policy="lfu"), seed=3)
+        table = tfs.create_dynamic_table(uid("lfu"), 2, eviction=tfs.policies.CapacityEviction(3, policy="lfu"), seed=3)
         step = train_step(table, tfs.optimizers.SGD(1.0), loss_of=SUM)
         for keys in ([1, 1, 1, 2, 3], [2, 3, 3], [1], [4]):  # occurrences 1: 4, 2: 2, 3: 3
             step(tf.constant(keys, tf.int64))
@@ -108,7 +110,9 @@ class EvictionTest(tf.test.TestCase):
         self.assertEqual(set(by_key(table)), {1, 3, 5})
 
     def test_capacity_is_split_across_shards(self):
-        table = tfs.create_dynamic_table(uid("split"), 2, partitions=4, eviction=tfs.CapacityEviction(40), seed=0)
+        table = tfs.create_dynamic_table(
+            uid("split"), 2, partitions=4, eviction=tfs.policies.CapacityEviction(40), seed=0
+        )
         step = train_step(table, tfs.optimizers.SGD(0.1))
         for start in range(0, 400, 50):
             step(tf.range(start, start + 50, dtype=tf.int64))
@@ -170,8 +174,8 @@ class DeltaAndServingTest(tf.test.TestCase):
 class PolicyCheckpointTest(tf.test.TestCase):
     def test_admission_counts_step_and_last_seen_restore_into_another_layout(self):
         make = lambda n: tfs.create_dynamic_table(  # noqa: E731
-            uid("pck"), 2, partitions=n, seed=4, admission=tfs.MinCountAdmission(2),
-            eviction=tfs.StepsSinceSeenEviction(3, every=1),
+            uid("pck"), 2, partitions=n, seed=4, admission=tfs.policies.MinCountAdmission(2),
+            eviction=tfs.policies.StepsSinceSeenEviction(3, every=1),
         )  # fmt: skip
         table = make(2)
         step = train_step(table, tfs.optimizers.SGD(1.0), loss_of=SUM)

@@ -250,8 +250,8 @@ class PooledDynamicTablesTest(tf.test.TestCase):
     @pytest.mark.slow  # over 5 s here
     def test_policies_apply_per_table_in_a_shared_pool(self):
         policies = {
-            "a": {"eviction": tfs.StepsSinceSeenEviction(1, every=1)},
-            "b": {"admission": tfs.MinCountAdmission(2)},
+            "a": {"eviction": tfs.policies.StepsSinceSeenEviction(1, every=1)},
+            "b": {"admission": tfs.policies.MinCountAdmission(2)},
         }
         pooled, _, batches = self.trained_pooled_and_alone(4, **policies)
         # "a" keeps only the last step's keys, and its evicted rows went back to the shared pools for reuse.

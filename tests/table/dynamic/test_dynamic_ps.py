@@ -135,7 +135,8 @@ class DynamicParameterServerTest(tf.test.TestCase):
 
     def test_policies_run_on_the_ps_under_concurrent_steps(self):
         table = self.make(
-            seed=1, admission=tfs.MinCountAdmission(2), eviction=tfs.CapacityEviction(300), growth=1.05
+            seed=1, admission=tfs.policies.MinCountAdmission(2), eviction=tfs.policies.CapacityEviction(300),
+            growth=1.05,
         )  # fmt: skip
         self.assertEqual({v.device for v in [s.admission_state for s in table.shards]}, set(table.devices))
         step = train_step(table, tfs.optimizers.Adagrad(0.1))

@@ -15,22 +15,31 @@ nothing more to fetch.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+import dataclasses
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
 from tf_sharded.table.dynamic.lock import locked_together
 
 
+@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: it holds tensors, compared by identity
 class Request:
     """One shard's part of a training lookup: its distinct keys and their counts (on the worker), the table's
     step for this lookup (where the step variable lives), and which of the keys' values come back (`wanted`:
     their positions among `keys`; None: all). A worker under MultiWorkerMirroredStrategy inserts every
     replica's keys into its copy but reads only its own."""
 
-    def __init__(self, table, shard: int, keys: tf.Tensor, counts: tf.Tensor, step: tf.Tensor, wanted=None):
-        self.table, self.shard, self.keys, self.counts, self.step = table, shard, keys, counts, step
-        self.device, self.wanted = table.shards[shard].device, wanted
+    table: Any
+    shard: int
+    keys: tf.Tensor
+    counts: tf.Tensor
+    step: tf.Tensor
+    wanted: Optional[tf.Tensor] = None
+    device: str = dataclasses.field(init=False)  # the shard's
+
+    def __post_init__(self):
+        object.__setattr__(self, "device", self.table.shards[self.shard].device)
 
 
 def resolve(requests: Sequence[Request]) -> List[tf.Tensor]:

@@ -27,7 +27,9 @@ scheduled on a parameter-server worker comes back empty.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+import dataclasses
+import functools
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -43,11 +45,14 @@ MIN_GROWTH_ROWS = 64
 GROWTH = 1.1
 
 
+@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: it holds a variable, compared by identity
 class Column:
     """A pool beside the rows: `[capacity]` or `[capacity, width]` of `dtype`, new rows set to `fill`."""
 
-    def __init__(self, variable, fill, dtype, width: Optional[int]):
-        self.variable, self.fill, self.dtype, self.width = variable, fill, dtype, width
+    variable: Any
+    fill: Any
+    dtype: tf.DType
+    width: Optional[int]
 
     def inner(self) -> list:
         return [] if self.width is None else [self.width]
@@ -59,28 +64,33 @@ class Column:
         return tf.reshape(self.variable.read_value(), [-1] + self.inner())
 
 
+@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: it holds tensors, compared by identity
 class Insert:
     """One shard's part of an insert into its pool: its distinct `keys`, their fingerprints and counts, the
-    table step (a scalar, or `(steps, j)`: element `j` of a vector of table steps, read when first used),
-    and the table's initial rows, eviction policies and seed."""
+    table step (`given_step`: a scalar, or `(steps, j)`: element `j` of a vector of table steps, read when
+    first used), and the table's initial rows, eviction policies and seed."""
 
-    def __init__(self, member, keys, fingerprints, counts, step, initial_rows: Callable, evictions=(), seed=0,
-                 initializer=None):  # fmt: skip
-        self.member, self.keys, self.fingerprints, self.counts = member, keys, fingerprints, counts
-        self._step, self.initial_rows, self.evictions, self.seed = step, initial_rows, evictions, seed
-        self.initializer = initializer  # the `RowInitializer` behind `initial_rows`, if there is one
+    member: Any
+    keys: tf.Tensor
+    fingerprints: tf.Tensor
+    counts: tf.Tensor
+    given_step: Any
+    initial_rows: Callable
+    evictions: tuple = ()
+    seed: int = 0
+    initializer: Any = None  # the `RowInitializer` behind `initial_rows`, if there is one
 
-    @property
+    @functools.cached_property
     def step(self) -> tf.Tensor:
-        if isinstance(self._step, tuple):
-            steps, j = self._step
-            self._step = steps[j]
-        return self._step
+        if isinstance(self.given_step, tuple):
+            steps, j = self.given_step
+            return steps[j]
+        return self.given_step
 
     @property
     def step_position(self) -> Optional[tuple]:
-        """`(steps, j)` while the step is still element `j` of the vector `steps` it came in, else None."""
-        return self._step if isinstance(self._step, tuple) else None
+        """`(steps, j)` where the step came as element `j` of the vector `steps`, else None."""
+        return self.given_step if isinstance(self.given_step, tuple) else None
 
     @staticmethod
     def steps(parts: Sequence[Insert]) -> tf.Tensor:
@@ -168,11 +178,11 @@ class RowPool:
             return self.columns[name].variable
         with tf.init_scope(), tf.device(self.device):
             capacity = self.capacity.read_value()
-            column = Column(None, fill, self.dtype, self.dim)
-            column.variable = _compat.plain_variable(
-                column.filled(capacity), name=f"{self.name}/{name}_{self.shard}", trainable=False,
+            empty = Column(None, fill, self.dtype, self.dim)
+            column = dataclasses.replace(empty, variable=_compat.plain_variable(
+                empty.filled(capacity), name=f"{self.name}/{name}_{self.shard}", trainable=False,
                 shape=tf.TensorShape(None),
-            )  # fmt: skip
+            ))  # fmt: skip
             rows = _compat.plain_variable(capacity, f"{self.name}/{name}_capacity_{self.shard}", False)
         self.columns[name] = column
         self._column_capacity[name] = rows

@@ -50,7 +50,7 @@ class DynamicShard:
       growth: capacity grows by this factor (> 1) when keys arrive.
       max_rows: None (unbounded) or the most rows this shard may hold.
       admission: a `tfs.policies.Admission` or None.
-      capacity_eviction: a `tfs.CapacityEviction` or None (its share is `max_keys`).
+      capacity_eviction: a `tfs.policies.CapacityEviction` or None (its share is `max_keys`).
       max_keys: this shard's share of the capacity policy's `max_keys`.
       pool: a `RowPool` on `device` shared with other shards, or None (a pool of its own).
     """
