@@ -51,6 +51,7 @@ setup(
             "pytest",
             "hypothesis",
             "ruff",
+            "pyyaml",  # tests/test_deploy.py parses the Kubernetes manifests
             # the notebooks in colab/ are executed by the tests
             "nbclient",
             "nbformat",
