@@ -10,7 +10,16 @@ ranges (`tf_sharded.versions`). The training application (`tfs.data`,
 `tfs.models`) is the `[app]` extra and is imported on first use.
 """
 
-from tf_sharded import _console, versions
+import sys as _sys
+
+if _sys.argv[:1] == ["-m"]:
+    # `python -m tf_sharded COMMAND`, still one thread: a command that starts a local cluster moves into a
+    # network of its own before TensorFlow loads (tf_sharded.isolation).
+    from tf_sharded import isolation as _isolation
+
+    _isolation.enter_for_command(_sys.argv[1:])
+
+from tf_sharded import _console, versions  # noqa: E402
 
 with _console.quiet_import():
     import keras as _keras
