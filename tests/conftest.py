@@ -55,7 +55,11 @@ def _start_child(config, nodeids):
     # The same arguments (paths, options, a random-order seed), from the same directory.
     args = [sys.executable, "-m", "pytest", *config.invocation_params.args]
     env = {**os.environ, CLUSTER_TESTS: listed.name}
-    child = subprocess.Popen(args, cwd=config.invocation_params.dir, env=env, stdout=output, stderr=subprocess.STDOUT)
+    from tests.harness.subprocs import network  # its cluster answers in the run's own network
+
+    child = subprocess.Popen(
+        args, cwd=config.invocation_params.dir, env=env, stdout=output, stderr=subprocess.STDOUT, preexec_fn=network()
+    )
     return child, output, listed.name, len(nodeids)
 
 

@@ -47,3 +47,13 @@ class QuietCommandTest(tf.test.TestCase):
                               env=env)  # fmt: skip
         self.assertEqual(done.returncode, 0, done.stderr[-2000:])
         self.assertEqual(done.stdout.strip(), "None")
+
+
+def test_trains_own_verbose_flag_is_not_the_log_switch():
+    # `--verbose` alone shows TensorFlow's log; `train --verbose 0` (or `--verbose=0`) is train's progress flag.
+    from tf_sharded import _console
+
+    assert _console.without_switch(["inspect", "ckpt", "--verbose"]) == ["inspect", "ckpt"]
+    assert _console.without_switch(["train", "--verbose", "--steps", "2"]) == ["train", "--steps", "2"]
+    for args in (["train", "--verbose", "0"], ["train", "--verbose=1"], ["train", "--steps", "2"]):
+        assert _console.without_switch(args) == args

@@ -1,16 +1,14 @@
 """Every notebook in colab/ runs headlessly, top to bottom, so none can rot."""
 
-import concurrent.futures
 import glob
+import json
 import os
-import tempfile
 
 import nbformat
 import pytest
 import tensorflow as tf
-from nbclient import NotebookClient
 
-from tests.harness.subprocs import ROOT
+from tests.harness.subprocs import ROOT, run_python
 
 pytestmark = pytest.mark.slow  # every notebook, executed
 
@@ -28,17 +26,27 @@ class NotebookTest(tf.test.TestCase):
             self.assertIn('"google.colab" in sys.modules', first_code.source, msg=path)  # installs on Colab
 
     def test_notebooks_execute(self):
-        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+        # In a process of the run's own network (tests/harness/subprocs.py), with the kernels it starts: their
+        # local clusters answer there only, and the kernels' own ports (ZeroMQ on 127.0.0.1) too.
+        proc = run_python(["-c", EXECUTE, self.get_temp_dir(), *NOTEBOOKS], timeout=1500)
+        self.assertEqual(proc.returncode, 0, proc.stderr[-6000:])  # a failing cell: its traceback
+        for path, errors in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+            self.assertEqual(errors, [], msg=path)
 
-        def execute(path):
-            notebook = nbformat.read(path, as_version=4)
-            workdir = tempfile.mkdtemp(dir=self.get_temp_dir())
-            client = NotebookClient(notebook, timeout=600, kernel_name="python3",
-                                    resources={"metadata": {"path": workdir}})  # fmt: skip
-            client.execute()  # raises CellExecutionError, with the cell and its traceback, on any failure
-            return [o for c in notebook.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
 
-        # Two kernels at a time: a notebook's time is mostly one Python thread (imports, tracing).
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            for path, errors in zip(NOTEBOOKS, pool.map(execute, NOTEBOOKS)):
-                self.assertEqual(errors, [], msg=path)
+EXECUTE = """
+import concurrent.futures, json, sys, tempfile
+import nbformat
+from nbclient import NotebookClient
+
+def execute(path):
+    notebook = nbformat.read(path, as_version=4)
+    workdir = tempfile.mkdtemp(dir=sys.argv[1])
+    client = NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": workdir}})
+    client.execute()  # raises CellExecutionError, with the cell and its traceback, on any failure
+    return [o for c in notebook.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+
+# Two kernels at a time: a notebook's time is mostly one Python thread (imports, tracing).
+with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    print(json.dumps(dict(zip(sys.argv[2:], pool.map(execute, sys.argv[2:])))))
+"""

@@ -17,7 +17,16 @@ the users who need them. The training application is the `[app]` extra,
 imported as `tf_sharded.app.data` / `tf_sharded.app.models`.
 """
 
-from tf_sharded import _console, versions
+import sys as _sys
+
+if _sys.argv[:1] == ["-m"]:
+    # `python -m tf_sharded COMMAND`, still one thread: a command that starts a local cluster moves into a
+    # network of its own before TensorFlow loads (tf_sharded.isolation).
+    from tf_sharded import isolation as _isolation
+
+    _isolation.enter_for_command(_sys.argv[1:])
+
+from tf_sharded import _console, versions  # noqa: E402
 
 with _console.quiet_import():
     import keras as _keras

@@ -32,10 +32,10 @@ commands:
 
 
 def main(argv=None) -> int:
-    from tf_sharded._console import VERBOSE
+    from tf_sharded._console import without_switch
 
-    # Read when the package loaded TensorFlow (`tf_sharded._console`); no command takes it as a flag.
-    argv = [a for a in (sys.argv[1:] if argv is None else argv) if a != VERBOSE]
+    # `--verbose` alone was read when the package loaded TensorFlow (`tf_sharded._console`).
+    argv = without_switch(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2

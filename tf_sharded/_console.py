@@ -35,10 +35,25 @@ def _command_args():
     return None
 
 
+def _switches(args) -> list:
+    """Positions of `--verbose` given alone: `train`'s own `--verbose N` (its progress output) is not the switch."""
+    return [i for i, a in enumerate(args) if a == VERBOSE and not _number(args, i + 1)]
+
+
+def _number(args, i) -> bool:
+    return i < len(args) and args[i].lstrip("-").isdigit()
+
+
+def without_switch(args) -> list:
+    """`args` without the `--verbose` switch (which no command takes as a flag)."""
+    drop = set(_switches(args))
+    return [a for i, a in enumerate(args) if i not in drop]
+
+
 def quiet() -> bool:
     """Whether this process is the command, asked for no TensorFlow log (no `--verbose`, no level of its own)."""
     args = _command_args()
-    return args is not None and VERBOSE not in args and LEVEL not in os.environ
+    return args is not None and not _switches(args) and LEVEL not in os.environ
 
 
 @contextlib.contextmanager

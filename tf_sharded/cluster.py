@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
+from tf_sharded import isolation as _isolation
 from tf_sharded.errors import positive_int
 
 MODES = ("inprocess", "process")
@@ -85,6 +86,12 @@ class LocalCluster:
       num_ps: parameter-server tasks (>= 1).
       mode: "inprocess" or "process".
       start_timeout: seconds to wait for "process" tasks to listen.
+      isolation: "auto" (default, or the TF_SHARDED_ISOLATION variable): if
+        other machines could reach the cluster's ports (this process is not
+        in a network namespace of its own, as `python -m tf_sharded` runs
+        are: `tf_sharded.isolation`), start anyway and print one warning
+        line naming them; "required": refuse to start instead
+        (RuntimeError); "none": start without a word.
       imports: what each "process" task loads before serving, as "module"
         (imported) or "module:function" (imported, then the function
         called): the custom ops a worker's functions run (a dataset read
@@ -110,8 +117,14 @@ class LocalCluster:
         start_timeout: float = 60.0,
         imports: Sequence[str] = (),
         restart: bool = True,
+        isolation: Optional[str] = None,
     ):
         positive_int("num_workers", num_workers)
+        isolation = os.environ.get(_isolation.ENV, "auto") if isolation is None else isolation
+        if isolation not in _isolation.MODES:
+            raise ValueError(
+                f"Argument `isolation` must be one of {_isolation.MODES}. Received: isolation={isolation!r}"
+            )
         positive_int("num_ps", num_ps)
         if mode not in MODES:
             raise ValueError(f"Argument `mode` must be one of {MODES}. Received: mode={mode!r}")
@@ -121,6 +134,7 @@ class LocalCluster:
         self.start_timeout = start_timeout
         self.imports = tuple(imports)
         self.restart = restart
+        self.isolation = isolation
         self.restarts: List[tuple] = []
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -139,6 +153,9 @@ class LocalCluster:
         if self._started:
             return self
         ports = _pick_ports(self.num_workers + self.num_ps)
+        warning = _isolation.check(self.isolation, ports)  # raises before any task starts if required
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
         self.cluster_dict = {
             "worker": [f"localhost:{p}" for p in ports[: self.num_workers]],
             "ps": [f"localhost:{p}" for p in ports[self.num_workers :]],
@@ -290,7 +307,11 @@ class LocalCluster:
 
 
 def local_cluster(
-    num_workers: int = 2, num_ps: int = 2, mode: str = "inprocess", imports: Sequence[str] = ()
+    num_workers: int = 2,
+    num_ps: int = 2,
+    mode: str = "inprocess",
+    imports: Sequence[str] = (),
+    isolation: Optional[str] = None,
 ) -> LocalCluster:
     """Starts (or returns the running) local cluster.
 
@@ -309,9 +330,9 @@ def local_cluster(
                     "mode='process' for a second cluster."
                 )
             return _INPROCESS
-        _INPROCESS = LocalCluster(num_workers, num_ps, "inprocess").start()
+        _INPROCESS = LocalCluster(num_workers, num_ps, "inprocess", isolation=isolation).start()
         return _INPROCESS
-    return LocalCluster(num_workers, num_ps, mode, imports=imports).start()
+    return LocalCluster(num_workers, num_ps, mode, imports=imports, isolation=isolation).start()
 
 
 def _serve(num_workers: int, imports: Sequence[str] = ()) -> None:

@@ -16,7 +16,7 @@ import portpicker
 import pytest
 import tensorflow as tf
 
-from tests.harness.subprocs import ROOT, run_python, run_python_together
+from tests.harness.subprocs import ROOT, network, run_python, run_python_together
 from tf_sharded.app import parquet
 
 pytestmark = pytest.mark.slow  # the application's commands on process clusters, killed and rerun
@@ -270,6 +270,7 @@ class ApplicationTest(tf.test.TestCase):
                         stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE,
                         text=True,
+                        preexec_fn=network(),  # the tasks reach one another in the run's own network
                     )
             out, err = procs[("chief", 0)].communicate(timeout=300)
             self.assertEqual(procs[("chief", 0)].returncode, 0, err[-3000:])

@@ -75,7 +75,7 @@ def run_multi_worker(script: str, num_workers: int = 2, timeout: int = 300) -> l
 
     import portpicker
 
-    from tests.harness.subprocs import ROOT
+    from tests.harness.subprocs import ROOT, network
 
     cluster = {"worker": [f"localhost:{portpicker.pick_unused_port()}" for _ in range(num_workers)]}
     procs = []
@@ -91,6 +91,7 @@ def run_multi_worker(script: str, num_workers: int = 2, timeout: int = 300) -> l
                 [sys.executable, "-c", script],
                 env=env,
                 cwd=ROOT,
+                preexec_fn=network(),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,

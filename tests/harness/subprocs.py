@@ -1,10 +1,45 @@
-"""Running Python in a child process from a test (clusters, other strategies, the CLI)."""
+"""Running Python in a child process from a test (clusters, other strategies, the CLI).
 
+Every process started here joins the test run's own network namespace
+(`tf_sharded.isolation`): the clusters the tests start answer on that
+namespace's loopback only, and the tasks of one `TF_CONFIG` cluster, each
+started on its own, still reach one another there.
+"""
+
+import atexit
 import os
 import subprocess
 import sys
 
+from tf_sharded import isolation
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_holder = []  # the process holding the run's namespace (none where one cannot be made)
+
+
+def _enter_or_fail():
+    reason = isolation.enter()
+    if reason:
+        raise OSError(reason)
+
+
+def network():
+    """`preexec_fn` for `subprocess.Popen`: joins the run's network namespace (None where there is none)."""
+    if not _holder:
+        try:
+            holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
+                                      preexec_fn=_enter_or_fail)  # fmt: skip
+        except (OSError, subprocess.SubprocessError) as e:
+            print(f"the tests' processes share this machine's network: no namespace of their own ({e})")
+            holder = None
+        else:
+            atexit.register(holder.kill)
+        _holder.append(holder)
+    if _holder[0] is None:
+        return None
+    pid = _holder[0].pid
+    return lambda: isolation.join(pid)
 
 
 def run_python(args, timeout=300, env=None):
@@ -16,6 +51,7 @@ def run_python(args, timeout=300, env=None):
         timeout=timeout,
         cwd=ROOT,
         env=_env(env),
+        preexec_fn=network(),
     )
 
 
@@ -33,7 +69,7 @@ def run_python_together(commands, timeout=300, env=None):
 
     procs = [
         subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                         env=_env(env))
+                         env=_env(env), preexec_fn=network())
         for args in commands
     ]  # fmt: skip
     deadline = time.monotonic() + timeout

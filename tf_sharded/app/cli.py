@@ -75,6 +75,15 @@ def define_flags(values: flags.FlagValues) -> None:
         "The local cluster's servers: threads of this process, or one process per task.",
         flag_values=values,
     )
+    flags.DEFINE_enum(
+        "local_cluster_isolation",
+        "auto",
+        ["auto", "required", "none"],
+        "The local cluster's network: auto runs it in a network namespace of its own, where its ports answer "
+        "on its loopback only (Linux), else warns in one line which ports other machines can reach; required "
+        "refuses to start it then; none: neither.",
+        flag_values=values,
+    )
     flags.DEFINE_integer(
         "steps", 200, "Training steps in all: a resumed run trains up to this count.", lower_bound=1, flag_values=values
     )
@@ -160,7 +169,11 @@ def _strategy(args):
     from tf_sharded.app.readers import LOAD_OPS
 
     cluster = tfs.cluster.local_cluster(
-        num_workers=args.num_workers, num_ps=args.num_ps, mode=args.local_cluster, imports=[LOAD_OPS]
+        num_workers=args.num_workers,
+        num_ps=args.num_ps,
+        mode=args.local_cluster,
+        imports=[LOAD_OPS],
+        isolation=args.local_cluster_isolation,
     )
     where = "local cluster" if args.local_cluster == "inprocess" else "local cluster, a process per task"
     description = f"parameter_server ({where}: {args.num_ps} ps, {args.num_workers} workers)"
@@ -385,7 +398,7 @@ def _dynamic_tables(shapes: dict, dtypes: dict) -> dict:
     return tables
 
 
-LOCAL_CLUSTER_FLAGS = ("num_workers", "num_ps", "local_cluster")
+LOCAL_CLUSTER_FLAGS = ("num_workers", "num_ps", "local_cluster", "local_cluster_isolation")
 
 
 def _stray_cluster_flags(values) -> str:
@@ -423,6 +436,15 @@ def main(argv: List[str]) -> int:
     if stray:
         print(f"error: {stray} (python -m tf_sharded train --help lists the flags)", file=sys.stderr)
         return 2
+    if values.strategy == "parameter_server" and not os.environ.get("TF_CONFIG"):
+        from tf_sharded import isolation
+
+        isolation.spelling = isolation.FLAG
+        try:  # before anything starts: a local cluster other machines could reach is refused if so asked
+            isolation.check(values.local_cluster_isolation, [])
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     from tf_sharded.app.readers import InputError
     from tf_sharded.app.schema import SchemaError
 
