@@ -17,34 +17,46 @@ NUM_VIRTUAL_CPUS = 4
 _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_VIRTUAL_CPUS)
 
-# Set in the child process that runs the `ps_cluster` tests: the file naming the tests it runs.
-CLUSTER_TESTS = "TF_SHARDED_TEST_CLUSTER_TESTS"
-_CHILD_KEY = pytest.StashKey[tuple]()
+# Set in a child process: the file naming the tests it runs.
+CHILD_TESTS = "TF_SHARDED_TEST_CHILD_TESTS"
+_CHILDREN_KEY = pytest.StashKey[list]()
+# Child processes for the tests marked `processes`.
+PROCESS_GROUPS = 2
 
 
 @pytest.hookimpl(trylast=True)  # after -m / -k have deselected
 def pytest_collection_modifyitems(session, config, items):
-    """Tests marked `ps_cluster` run in one child process; every other test in this one.
+    """Tests marked `ps_cluster` run in one child process; those marked `processes` in two others.
 
     Connecting a process to a cluster renames its job: a MirroredStrategy
     created before then stops resolving its devices, and one created after
     hangs in its collectives. So a process that connects never runs anything
-    else, and each of the two runs its tests in whatever order it is given.
-    The child starts as soon as this process has collected, and runs beside
-    it: cluster tests spend much of their time waiting on RPCs, and most
-    other tests keep one of the two cores busy.
+    else, and each process runs its tests in whatever order it is given.
+    Tests marked `processes` spend their time waiting on processes they
+    start (the commands, clusters of processes, notebooks); they are split
+    by file into two groups. The children start as soon as this process has
+    collected and run beside it.
     """
-    listed = os.environ.get(CLUSTER_TESTS)
-    if listed:  # the child: exactly the cluster tests the parent collected
+    listed = os.environ.get(CHILD_TESTS)
+    if listed:  # a child: exactly the tests the parent gave it
         with open(listed) as f:
             wanted = set(f.read().splitlines())
         items[:] = [item for item in items if item.nodeid in wanted]
         return
+    if config.option.collectonly:
+        return
     cluster = [item for item in items if item.get_closest_marker("ps_cluster")]
-    if not cluster or len(cluster) == len(items) or config.option.collectonly:
+    rest = [item for item in items if not item.get_closest_marker("ps_cluster")]
+    waiting = [item for item in rest if item.get_closest_marker("processes")]
+    files = sorted({item.path for item in waiting})
+    groups = [cluster] + [[item for item in waiting if files.index(item.path) % PROCESS_GROUPS == g]
+                          for g in range(PROCESS_GROUPS)]  # fmt: skip
+    groups = [group for group in groups if group]
+    if not groups or (len(groups) == 1 and len(groups[0]) == len(items)):
         return  # nothing else runs here: no need for a second process
-    items[:] = [item for item in items if not item.get_closest_marker("ps_cluster")]
-    config.stash[_CHILD_KEY] = _start_child(config, [item.nodeid for item in cluster])
+    moved = {id(item) for group in groups for item in group}
+    items[:] = [item for item in items if id(item) not in moved]
+    config.stash[_CHILDREN_KEY] = [_start_child(config, [item.nodeid for item in group]) for group in groups]
 
 
 def _start_child(config, nodeids):
@@ -54,31 +66,31 @@ def _start_child(config, nodeids):
     output = tempfile.TemporaryFile("w+")
     # The same arguments (paths, options, a random-order seed), from the same directory.
     args = [sys.executable, "-m", "pytest", *config.invocation_params.args]
-    env = {**os.environ, CLUSTER_TESTS: listed.name}
-    from tests.harness.subprocs import network  # its cluster answers in the run's own network
+    env = {**os.environ, CHILD_TESTS: listed.name}
+    from tests.harness.subprocs import network  # its clusters answer in the run's own network
 
     child = subprocess.Popen(
         args, cwd=config.invocation_params.dir, env=env, stdout=output, stderr=subprocess.STDOUT, preexec_fn=network()
     )
-    return child, output, listed.name, len(nodeids)
+    return child, output, listed.name, nodeids
 
 
 def pytest_sessionfinish(session, exitstatus):
-    started = session.config.stash.get(_CHILD_KEY, None)
-    if started is None:
-        return
-    child, output, listed, count = started
-    try:
-        child.wait()
-    except BaseException:  # interrupted: the child goes too
-        child.kill()
-        raise
-    finally:
-        os.unlink(listed)
-    output.seek(0)
-    print(f"\n{count} tests marked ps_cluster ran in a child process (it connects to a cluster):")
-    print(output.read(), end="")
-    output.close()
-    sys.stdout.flush()
-    if child.returncode != 0 and session.exitstatus == 0:
-        session.exitstatus = child.returncode
+    children = session.config.stash.get(_CHILDREN_KEY, [])
+    for child, output, listed, nodeids in children:
+        try:
+            child.wait()
+        except BaseException:  # interrupted: the children go too
+            for other in children:
+                other[0].kill()
+            raise
+        finally:
+            os.unlink(listed)
+        output.seek(0)
+        files = sorted({nodeid.split("::")[0] for nodeid in nodeids})
+        print(f"\n{len(nodeids)} tests ran in a child process ({', '.join(files)}):")
+        print(output.read(), end="")
+        output.close()
+        sys.stdout.flush()
+        if child.returncode != 0 and session.exitstatus == 0:
+            session.exitstatus = child.returncode

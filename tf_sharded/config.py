@@ -185,11 +185,6 @@ def _shape(shape: Any) -> Tuple[int, ...]:
     return dims
 
 
-def _set(config, **values) -> None:
-    for field, value in values.items():
-        object.__setattr__(config, field, value)  # the configs are frozen
-
-
 @dataclasses.dataclass(frozen=True)
 class BaseTableConfig:
     """What every table config holds, validated: the base of `TableConfig` and `DynamicTableConfig`.
@@ -258,22 +253,26 @@ class BaseTableConfig:
         super().__init_subclass__(**kwargs)
         if vocabulary is not None:
             cls.VOCABULARY = Vocabulary(vocabulary)
-            BaseTableConfig._KINDS[cls.VOCABULARY] = cls
+            cls._KINDS[cls.VOCABULARY] = cls  # the one registry, defined on the base
+
+    def _set(self, **values) -> None:
+        for field, value in values.items():
+            object.__setattr__(self, field, value)  # the configs are frozen
 
     def __post_init__(self):
         if type(self) is BaseTableConfig:
             raise TypeError("BaseTableConfig is a base class. Please make a TableConfig or a DynamicTableConfig")
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"Argument `name` must be a non-empty string. Received: name={self.name!r}")
-        _set(self, dim=positive_int("dim", self.dim))
+        self._set(dim=positive_int("dim", self.dim))
         try:
-            _set(self, dtype=tf.as_dtype(self.dtype))
+            self._set(dtype=tf.as_dtype(self.dtype))
         except TypeError as e:
             raise TypeError(f"Argument `dtype` must be a TensorFlow dtype. Received: dtype={self.dtype!r}") from e
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))):
             raise TypeError(f"Argument `seed` must be an int or None. Received: seed={self.seed!r}")
-        _set(self, exchange=Exchange.parse_optional(self.exchange, "exchange"))
-        _set(self, placement=Placement.parse_optional(self.placement, "placement"))
+        self._set(exchange=Exchange.parse_optional(self.exchange, "exchange"))
+        self._set(placement=Placement.parse_optional(self.placement, "placement"))
         for arg in self.FIXED_BY_STRATEGY:
             value = getattr(self, arg)
             if value is not None:
@@ -325,12 +324,13 @@ class BaseTableConfig:
             )
         fields = {keys[key]: value for key, value in config.items() if key != "vocabulary"}
         try:
-            return kind._from_fields(name, fields)
+            return kind.from_fields(name, fields)
         except (TypeError, ValueError) as e:
             raise type(e)(_naming_layer_key(str(e), arg, keys)) from None
 
     @classmethod
-    def _from_fields(cls, name: str, fields: dict) -> BaseTableConfig:
+    def from_fields(cls, name: str, fields: dict) -> BaseTableConfig:
+        """A config of this kind from `{field: value}` (what `from_layer_config` reads from a layer dict)."""
         return cls(name, **fields)
 
     def to_layer_config(self) -> dict:
@@ -415,19 +415,19 @@ class TableConfig(BaseTableConfig, vocabulary="static"):
         ids_per_step: Optional[int] = None,
     ):
         # Written out to keep that positional order: the base's shared fields are keyword-only.
-        _set(self, name=name, shape=shape, dtype=dtype, initializer=initializer, partitions=partitions,
+        self._set(name=name, shape=shape, dtype=dtype, initializer=initializer, partitions=partitions,
              trainable=trainable, scheme=scheme, seed=seed, exchange=exchange, placement=placement,
              ids_per_step=ids_per_step)  # fmt: skip
         self.__post_init__()
 
     def __post_init__(self):
-        _set(self, shape=_shape(self.shape))
-        _set(self, dim=math.prod(self.shape[1:]))
+        self._set(shape=_shape(self.shape))
+        self._set(dim=math.prod(self.shape[1:]))
         super().__post_init__()
         if not isinstance(self.trainable, bool):
             raise TypeError(f"Argument `trainable` must be a bool. Received: trainable={self.trainable!r}")
-        _set(self, scheme=Scheme.parse_optional(self.scheme, "scheme"))
-        _set(self, ids_per_step=optional_positive_int("ids_per_step", self.ids_per_step))
+        self._set(scheme=Scheme.parse_optional(self.scheme, "scheme"))
+        self._set(ids_per_step=optional_positive_int("ids_per_step", self.ids_per_step))
 
     @property
     def rows(self) -> int:
@@ -440,7 +440,7 @@ class TableConfig(BaseTableConfig, vocabulary="static"):
         return {k: v for k, v in values.items() if v not in (None, "auto")}
 
     @classmethod
-    def _from_fields(cls, name: str, fields: dict) -> TableConfig:
+    def from_fields(cls, name: str, fields: dict) -> TableConfig:
         shape = (positive_int("rows", fields.pop("rows")), positive_int("dim", fields.pop("dim")))
         return cls(name, shape, **fields)
 
@@ -498,8 +498,8 @@ class DynamicTableConfig(BaseTableConfig, vocabulary="dynamic"):
         super().__post_init__()
         if self.key_dtype not in ("int64", "string"):
             raise TypeError(f"Argument `key_dtype` must be 'int64' or 'string'. Received: key_dtype={self.key_dtype!r}")
-        _set(self, partitions=optional_positive_int("partitions", self.partitions))
-        _set(self, max_rows=optional_positive_int("max_rows", self.max_rows))
+        self._set(partitions=optional_positive_int("partitions", self.partitions))
+        self._set(max_rows=optional_positive_int("max_rows", self.max_rows))
 
     @property
     def shape(self) -> Tuple[Optional[int], int]:

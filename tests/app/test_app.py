@@ -19,7 +19,8 @@ import tensorflow as tf
 from tests.harness.subprocs import ROOT, network, run_python, run_python_together
 from tf_sharded.app import parquet
 
-pytestmark = pytest.mark.slow  # the application's commands on process clusters, killed and rerun
+# The application's commands on process clusters, killed and rerun.
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 TINY = [
     "--steps",
