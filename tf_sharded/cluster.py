@@ -19,6 +19,7 @@ import atexit
 import importlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -33,6 +34,8 @@ from tf_sharded import isolation as _isolation
 from tf_sharded.errors import positive_int
 
 MODES = ("inprocess", "process")
+# What `LocalCluster(imports=...)` accepts: "package.module" or "package.module:function".
+_IMPORT = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*)?")
 
 # Environment of parameter-server processes (a value already set wins). A ps only gathers and scatters
 # rows, so oneDNN's kernels give it nothing, while TensorFlow's oneDNN CPU allocator keeps freed memory
@@ -96,7 +99,11 @@ class LocalCluster:
         (imported) or "module:function" (imported, then the function
         called): the custom ops a worker's functions run (a dataset read
         with tensorflow-io, say), which TensorFlow looks up in the process
-        that executes them.
+        that executes them. Code the calling program chooses, as its own
+        imports are: pass names from the program, never from a file, a flag
+        or the environment (the training application passes its readers'
+        `tf_sharded.app.readers:load_ops`). Anything but a dotted name is
+        refused.
 
     Example (one OS process per task; `cluster.strategy()` would then give a
     `ParameterServerStrategy` connected to it):
@@ -132,7 +139,7 @@ class LocalCluster:
         self.num_ps = num_ps
         self.mode = mode
         self.start_timeout = start_timeout
-        self.imports = tuple(imports)
+        self.imports = tuple(_checked_imports(imports))
         self.restart = restart
         self.isolation = isolation
         self.restarts: List[tuple] = []
@@ -335,9 +342,23 @@ def local_cluster(
     return LocalCluster(num_workers, num_ps, mode, imports=imports, isolation=isolation).start()
 
 
+def _checked_imports(imports: Sequence[str]) -> Sequence[str]:
+    """`imports` if each is "module" or "module:function" (dotted Python names), else a ValueError."""
+    if isinstance(imports, str):
+        imports = [imports]
+    wrong = [name for name in imports if not isinstance(name, str) or not _IMPORT.fullmatch(name)]
+    if wrong:
+        raise ValueError(
+            f'Argument `imports` must hold module names ("package.module") or "package.module:function". '
+            f"Received: imports={list(imports)!r}"
+        )
+    return imports
+
+
 def _serve(num_workers: int, imports: Sequence[str] = ()) -> None:
-    """Entry point of a "process" task: serve the task named by TF_CONFIG."""
-    for name in imports:
+    """Entry point of a "process" task: serve the task named by TF_CONFIG. `imports` are the names its
+    `LocalCluster` was given by the program that started it (the command line of this process)."""
+    for name in _checked_imports(imports):
         module, _, function = name.partition(":")
         loaded = importlib.import_module(module)
         if function:

@@ -79,3 +79,32 @@ class LayoutMismatchError(ShardedError, ValueError):
             "assigned. Create the variable with the checkpoint's full shape and "
             "dtype (the number of shards and the scheme may differ)."
         )
+
+
+class CheckpointMismatchError(ShardedError, ValueError):
+    """Raised when a checkpoint was written by another model, before anything is restored.
+
+    Its entries are compared with the model's variables and tables first: an
+    entry the model lacks, a variable the checkpoint lacks, or a shape, dtype
+    or key dtype that differs refuses the whole restore, so the model keeps
+    its weights and its step count.
+
+    Attributes:
+      path: the checkpoint.
+      differences: one line per entry that differs: the checkpoint key, what
+        it is in the model, and what each side holds.
+    """
+
+    SHOWN = 4
+
+    def __init__(self, path: str, differences: list[str]):
+        self.path = path
+        self.differences = list(differences)
+        shown = "; ".join(self.differences[: self.SHOWN])
+        more = len(self.differences) - self.SHOWN
+        super().__init__(
+            f"Cannot restore checkpoint {path!r}: it was written by another model "
+            f"({len(self.differences)} difference(s): {shown}{f'; and {more} more' if more > 0 else ''}). "
+            "Nothing was restored. Resume with the model that wrote it (the same layers, table shapes and "
+            "optimizer), or write to another checkpoint directory."
+        )

@@ -349,14 +349,10 @@ def inspect_checkpoint(path: str) -> int:
             f"no checkpoint at {path!r}: expected a checkpoint directory or a checkpoint's prefix, such as "
             "ckpt/ckpt-200"
         ) from None
+    except tf.errors.OpError as e:  # a damaged index, say: TensorFlow's reason, in one line
+        raise ValueError(f"{path!r} is not a readable checkpoint: {e.message.splitlines()[0]}") from None
     shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
-    from tf_sharded.keras.training.checkpoints import LAYOUT_FILE
-
-    layout_file = os.path.join(directory, LAYOUT_FILE)
-    layouts = {"tables": {}}
-    if os.path.exists(layout_file):
-        with open(layout_file) as f:
-            layouts = json.load(f)
+    layouts = {"tables": _saved_layouts(directory)}
     print(f"checkpoint {path}")
     rows = []
     for key in sorted(shapes):
@@ -382,6 +378,31 @@ def inspect_checkpoint(path: str) -> int:
     return 0
 
 
+def _saved_layouts(directory: str) -> dict:
+    """The layout manifest `tfs.fit` writes beside its checkpoints, `{checkpoint key: layout}` ({} without
+    one), read as JSON; one that is not what it writes is refused naming the file."""
+    from tf_sharded.keras.training.checkpoints import LAYOUT_FILE
+
+    path = os.path.join(directory, LAYOUT_FILE)
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path}: expected the layout manifest tfs.fit writes (JSON), received: {e}") from None
+    tables = manifest.get("tables") if isinstance(manifest, dict) else None
+    fields = {"table": str, "partition": str, "devices": list}
+    if not isinstance(tables, dict) or not all(
+        isinstance(t, dict) and all(isinstance(t.get(k), kind) for k, kind in fields.items()) for t in tables.values()
+    ):
+        raise ValueError(
+            f'{path}: expected the layout manifest tfs.fit writes, {{"tables": {{checkpoint key: {{"table", '
+            f'"partition", "devices", "strategy"}}}}}}; received {json.dumps(manifest)[:120]}'
+        )
+    return tables
+
+
 def _dynamic_tables(shapes: dict, dtypes: dict) -> dict:
     """`{name: (live keys, dim, key dtype, bytes of rows and columns)}` of the dynamic tables in a checkpoint."""
     tables = {}
@@ -396,6 +417,60 @@ def _dynamic_tables(shapes: dict, dtypes: dict) -> dict:
         size = sum(int(np.prod(shapes[k])) * dtypes[k].size for k in parts if shapes[k])
         tables[prefix[: -len("/.ATTRIBUTES/")]] = (shapes[key][0], values[1], dtypes[key].name, size)
     return tables
+
+
+# The strategies that read TF_CONFIG (TensorFlow's TFConfigClusterResolver), and the task types each runs.
+TF_CONFIG_TASKS = {"parameter_server": ("chief", "worker", "ps"), "multi_worker": ("chief", "worker")}
+
+
+def tf_config_problem(strategy: str, environ=os.environ) -> str:
+    """Why `TF_CONFIG` cannot name this process's task in its cluster ("" when it can, or when `strategy` does
+    not read it). It is JSON, read as TensorFlow reads it, and checked here before anything starts: a
+    malformed one would otherwise fail later, deep in TensorFlow, without naming TF_CONFIG."""
+    text = environ.get("TF_CONFIG")
+    if not text or strategy not in TF_CONFIG_TASKS:
+        return ""
+
+    def shown(value) -> str:
+        text = json.dumps(value)
+        return text if len(text) <= 120 else text[:117] + "..."
+
+    try:
+        config = json.loads(text)
+    except ValueError as e:
+        return f"TF_CONFIG: not JSON ({e})"
+    if not isinstance(config, dict):
+        return f"TF_CONFIG: expected a JSON object with `cluster` and `task`; received {shown(config)}"
+    cluster, task = config.get("cluster"), config.get("task")
+
+    def addresses(tasks) -> bool:
+        listed = tasks.values() if isinstance(tasks, dict) else tasks if isinstance(tasks, list) else None
+        return bool(listed) and all(isinstance(a, str) and a for a in listed)
+
+    if not isinstance(cluster, dict) or not cluster or not all(addresses(t) for t in cluster.values()):
+        return (
+            'TF_CONFIG: `cluster` must map each job to its tasks\' addresses, such as {"worker": ["host:2222"], '
+            f'"ps": ["host:2223"]}}; received {shown(cluster)}'
+        )
+    types = TF_CONFIG_TASKS[strategy]
+    if strategy == "parameter_server" and not {"ps", "worker"} <= set(cluster):
+        return f"TF_CONFIG: --strategy {strategy} needs `ps` and `worker` jobs in `cluster`; received {sorted(cluster)}"
+    kind = task.get("type") if isinstance(task, dict) else None
+    if kind not in types or kind not in cluster:
+        return (
+            f"TF_CONFIG: `task` must name this process's task, its `type` one of the cluster's jobs "
+            f"{[t for t in types if t in cluster]} under --strategy {strategy}, such as "
+            f'{{"type": "worker", "index": 0}}; received {shown(task)}'
+        )
+    index, count = task.get("index"), len(cluster[kind])
+    if isinstance(index, str) and index.isdigit():
+        index = int(index)
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+        return (
+            f"TF_CONFIG: `task.index` must be one of the {count} {kind} task(s), 0 to {count - 1}; "
+            f"received {shown(task)}"
+        )
+    return ""
 
 
 LOCAL_CLUSTER_FLAGS = ("num_workers", "num_ps", "local_cluster", "local_cluster_isolation")
@@ -436,6 +511,10 @@ def main(argv: List[str]) -> int:
     if stray:
         print(f"error: {stray} (python -m tf_sharded train --help lists the flags)", file=sys.stderr)
         return 2
+    tf_config = tf_config_problem(values.strategy)
+    if tf_config:
+        print(f"error: {tf_config}", file=sys.stderr)
+        return 1
     if values.strategy == "parameter_server" and not os.environ.get("TF_CONFIG"):
         from tf_sharded import isolation
 
@@ -447,11 +526,14 @@ def main(argv: List[str]) -> int:
             return 2
     from tf_sharded.app.readers import InputError
     from tf_sharded.app.schema import SchemaError
+    from tf_sharded.errors import CheckpointMismatchError
 
     try:
         return train(values)
     except (InputError, SchemaError) as e:
         print(f"error: {e}", file=sys.stderr)
+    except CheckpointMismatchError as e:
+        print(f"error: --checkpoint_dir {values.checkpoint_dir}: {e}", file=sys.stderr)
     except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
         print(f"error: --data: cannot read input: {e}", file=sys.stderr)
     except Exception as e:  # noqa: BLE001  (reported in one line, then a non-zero exit)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import tensorflow as tf
 
@@ -79,16 +79,43 @@ def steps_in_checkpoint(checkpoint_dir: Optional[str]) -> int:
     return int(latest.rsplit("-", 1)[1]) if latest else 0
 
 
+def requested_schema(args) -> Tuple[schemas.Schema, str]:
+    """The schema the flags ask for (`--schema`, else Criteo's layout for `--max_vocab`, with `--vocabulary`)
+    and the flags that ask for it, for messages."""
+    if args.schema and args.data != "synthetic":
+        schema, given = schemas.load(args.schema), f"--schema {args.schema}"
+    else:
+        where = "--data synthetic" if args.data == "synthetic" else "without --schema"
+        schema, given = schemas.criteo(data.vocab_sizes(args.max_vocab)), f"Criteo's layout ({where}, --max_vocab)"
+    if getattr(args, "vocabulary", "hashed") == "dynamic":
+        schema, given = schema.with_vocabulary("dynamic"), f"{given} with --vocabulary dynamic"
+    return schema, given
+
+
+def check_resumes(schema: schemas.Schema, given: str, checkpoint_dir: Optional[str]) -> None:
+    """Refuses, before any data is read, to train on from checkpoints written with another schema (kept beside
+    them, `SCHEMA_FILE`): its model would be another model."""
+    saved = _saved_schema(checkpoint_dir) if steps_in_checkpoint(checkpoint_dir) else None
+    found = schemas.differences(saved, schema) if saved is not None else []
+    if found:
+        raise schemas.SchemaError(
+            f"{given}: the checkpoints in --checkpoint_dir {checkpoint_dir} were written with another schema "
+            f"({os.path.join(checkpoint_dir, SCHEMA_FILE)}): {'; '.join(found)}. Train with that schema, or "
+            "write to another --checkpoint_dir."
+        )
+
+
 def plan(args, workers: int, strategy=None) -> Plan:
     """The data for the flags in `args`; `workers` input pipelines read it (1 but under parameter servers,
     whose `strategy` holds the counter of `Shares`)."""
+    schema, given = requested_schema(args)
+    check_resumes(schema, given, args.checkpoint_dir)
     done = steps_in_checkpoint(args.checkpoint_dir)
     skip = done // workers if workers > 1 else done
     shares = Shares(strategy, workers)
     dynamic = getattr(args, "vocabulary", "hashed") == "dynamic"
     if args.data == "synthetic":
-        criteo = schemas.criteo(data.vocab_sizes(args.max_vocab))
-        criteo = criteo.with_vocabulary("dynamic") if dynamic else criteo
+        criteo = schema
 
         def as_keys(dataset):
             # Dynamic tables take the ids' decimal text as keys, as they would from a file.
@@ -106,7 +133,7 @@ def plan(args, workers: int, strategy=None) -> Plan:
 
         held_out = data.synthetic_dataset(args.batch_size, args.max_vocab, args.seed + 1, num_batches=args.eval_steps)
         return Plan(criteo, synthetic, as_keys(held_out), None, "synthetic")
-    return _files_plan(args, shares, skip, dynamic)
+    return _files_plan(args, schema, shares, skip)
 
 
 def _saved_schema(checkpoint_dir: Optional[str]) -> Optional[schemas.Schema]:
@@ -114,13 +141,7 @@ def _saved_schema(checkpoint_dir: Optional[str]) -> Optional[schemas.Schema]:
     return schemas.load(path) if path and os.path.exists(path) else None
 
 
-def _files_plan(args, shares: Shares, skip: int, dynamic: bool = False) -> Plan:
-    if args.schema:
-        schema = schemas.load(args.schema)
-    else:
-        schema = schemas.criteo(data.vocab_sizes(args.max_vocab))
-    if dynamic:
-        schema = schema.with_vocabulary("dynamic")
+def _files_plan(args, schema: schemas.Schema, shares: Shares, skip: int) -> Plan:
     saved = _saved_schema(args.checkpoint_dir)
     if saved is not None and saved.columns == schema.columns:
         # A resumed run standardizes with the statistics it started with.
@@ -131,7 +152,7 @@ def _files_plan(args, shares: Shares, skip: int, dynamic: bool = False) -> Plan:
         )
     except readers.MissingColumns as e:
         if args.schema:
-            raise
+            raise readers.MissingColumns(f"{e}: --schema {args.schema} names them") from None
         raise readers.MissingColumns(f"{e} (without --schema the columns are Criteo's; see `schema infer`)") from None
     if source.cache:
         where = os.path.dirname(source.cache[0])
@@ -200,10 +221,15 @@ def _files_plan(args, shares: Shares, skip: int, dynamic: bool = False) -> Plan:
 
 
 def save_schema(schema: schemas.Schema, checkpoint_dir: Optional[str]) -> None:
-    """Keeps the schema (with its statistics) beside the checkpoints, for resuming and for serving."""
-    if checkpoint_dir:
-        os.makedirs(checkpoint_dir, exist_ok=True)
-        schemas.save(schema, os.path.join(checkpoint_dir, SCHEMA_FILE))
+    """Keeps the schema (with its statistics) beside the checkpoints, for resuming and for serving; a resumed
+    run's schema is the one kept (`check_resumes`), which stays as it is."""
+    if not checkpoint_dir:
+        return
+    saved = _saved_schema(checkpoint_dir)
+    if saved is not None and saved.to_json() == schema.to_json():
+        return
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    schemas.save(schema, os.path.join(checkpoint_dir, SCHEMA_FILE))
 
 
 def check_writable(checkpoint_dir: Optional[str]) -> None:

@@ -189,7 +189,7 @@ def _feature(entry, where: str) -> Feature:
     if kind == FeatureType.NUMERIC:
         transform = _enum(Transform, entry.get("transform", "none"), where, "transform")
         mean, std = entry.get("mean"), entry.get("std")
-        if (mean is None) != (std is None) or (std is not None and not (isinstance(std, (int, float)) and std > 0)):
+        if (mean is None) != (std is None) or (std is not None and not (_finite(mean) and _finite(std) and std > 0)):
             raise SchemaError(f"{where}: `mean` and `std` go together, with std > 0. Received: {mean!r}, {std!r}")
         return Feature(entry["name"], kind, transform=transform, mean=mean, std=std)
     vocabulary = entry.get("vocabulary", "hashed")
@@ -216,11 +216,15 @@ def _feature(entry, where: str) -> Feature:
 
 def parse(config: dict, source: str = "schema") -> Schema:
     """A validated `Schema` from its JSON object; errors name `source` and the entry."""
-    if not isinstance(config, dict) or set(config) - {"label", "features"}:
-        got = sorted(config) if isinstance(config, dict) else type(config).__name__
-        raise SchemaError(f"{source}: expected an object with `label` and `features`. Received: {got}")
+    if not isinstance(config, dict):
+        raise SchemaError(f"{source}: expected an object with `label` and `features`. Received: a JSON {_kind(config)}")
+    unknown = sorted(set(config) - {"label", "features"})
+    if unknown:
+        raise SchemaError(f"{source}: unknown key(s) {unknown}; a schema has `label` and `features`")
     label = config.get("label")
-    if not isinstance(label, dict) or not isinstance(label.get("name"), str) or set(label) - {"name", "type"}:
+    if isinstance(label, dict) and set(label) - {"name", "type"}:
+        raise SchemaError(f"{source}: label: unknown key(s) {sorted(set(label) - {'name', 'type'})}")
+    if not isinstance(label, dict) or not isinstance(label.get("name"), str) or not label.get("name"):
         raise SchemaError(f'{source}: `label` must be {{"name": ..., "type": "binary"|"regression"}}. Got {label!r}')
     label = Label(label["name"], _enum(LabelType, label.get("type", "binary"), f"{source}: label", "type"))
     entries = config.get("features")
@@ -246,6 +250,40 @@ def parse(config: dict, source: str = "schema") -> Schema:
             )
         rows.setdefault(f.table_name, ((f.buckets, f.vocabulary), f.name))
     return Schema(label, features)
+
+
+def _model_fields(feature: Feature) -> dict:
+    """What of a feature shapes the model: everything but the statistics, which a resumed run takes over."""
+    fields = dataclasses.asdict(feature)
+    for statistic in ("mean", "std"):
+        fields.pop(statistic)
+    return {k: v.value if isinstance(v, enum.Enum) else v for k, v in fields.items()}
+
+
+def differences(saved: Schema, given: Schema) -> List[str]:
+    """How schema `given` differs from `saved` in what shapes a model (statistics aside), one phrase each;
+    empty when a model of either restores the other's checkpoints."""
+    found = []
+    if saved.label != given.label:
+        found.append(
+            f"label '{saved.label.name}' ({saved.label.type.value}) saved, '{given.label.name}' "
+            f"({given.label.type.value}) given"
+        )
+    before, after = {f.name: f for f in saved.features}, {f.name: f for f in given.features}
+    for names, where in (
+        ([n for n in before if n not in after], "saved"),
+        ([n for n in after if n not in before], "given"),
+    ):
+        if names:
+            found.append(f"feature(s) {names} only in the {where} schema")
+    for name in (n for n in before if n in after):
+        a, b = _model_fields(before[name]), _model_fields(after[name])
+        changed = [f"{k} {a[k]!r} saved, {b[k]!r} given" for k in a if a[k] != b[k]]
+        if changed:
+            found.append(f"feature '{name}': {', '.join(changed)}")
+    if not found and list(before) != list(after):
+        found.append(f"the features in another order: {list(before)} saved, {list(after)} given")
+    return found
 
 
 def load(path: str) -> Schema:
@@ -327,6 +365,16 @@ def infer_from_columns(
         ]
     kind = LabelType.BINARY if binary else LabelType.REGRESSION
     return Schema(Label(label_name, kind), tuple(features))
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _kind(value) -> str:
+    """A JSON value's kind, as JSON names it."""
+    kinds = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else kinds.get(type(value), type(value).__name__)
 
 
 def _named_like_id(name: str) -> bool:

@@ -257,7 +257,7 @@ class EmbeddingCollection(keras.layers.Layer):
     def load_own_variables(self, store):
         for name, table in self.tables.items():
             if isinstance(self.table_configs[name], DynamicTableConfig):
-                keys = keys_from_file(store, f"{name}__keys", table.key_dtype)
+                keys = keys_from_file(store, f"{name}__keys", table.key_dtype, f"Layer '{self.name}'")
                 table.assign_keys(keys, store[f"{name}__values"][...])
             else:
                 load_table(table, store, name, self.name)

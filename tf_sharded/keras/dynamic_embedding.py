@@ -153,7 +153,8 @@ class DynamicEmbedding(keras.layers.Layer):
                 f"Layer '{self.name}': the saved file has no 'keys' and 'values' entries (a DynamicEmbedding's). "
                 f"Received keys: {list(store.keys())}"
             )
-        self.table.assign_keys(keys_from_file(store, "keys", self.table.key_dtype), store["values"][...])
+        keys = keys_from_file(store, "keys", self.table.key_dtype, f"Layer '{self.name}'")
+        self.table.assign_keys(keys, store["values"][...])
 
     def get_config(self):
         config = super().get_config()

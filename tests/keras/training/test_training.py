@@ -199,6 +199,95 @@ class FitTest(tf.test.TestCase):
         for old, new in zip(before, ours.weights):
             self.assertAllEqual(old, new.numpy())
 
+    def test_a_checkpoint_of_another_model_is_refused_and_nothing_restored(self):
+        directory = os.path.join(self.get_temp_dir(), "another")
+        first, _ = model_and_twin()
+        tfs.fit(first, data(), epochs=1, steps_per_epoch=6, checkpoint_dir=directory, verbose=0)
+        latest = tf.train.latest_checkpoint(directory)
+
+        def variant(rows=ROWS, hidden=False, optimizer=None, per_execution=1):
+            inp = keras.Input((3,), dtype="int64")
+            x = tfs.layers.Embedding(rows, DIM, combiner="mean", partitions=2, name="emb")(inp)
+            if hidden:
+                x = keras.layers.Dense(4, name="hidden")(x)
+            model = keras.Model(inp, keras.layers.Dense(1, name="head")(x))
+            model.compile(optimizer=optimizer or tfs.optimizers.SGD(0.2), loss="mse", steps_per_execution=per_execution)
+            return model
+
+        cases = {
+            "a table of another shape": (
+                variant(rows=ROWS + 1),
+                f"model/_operations/1/embeddings (table 'emb'): shape [{ROWS}, {DIM}] in the checkpoint, "
+                f"[{ROWS + 1}, {DIM}] in the model",
+            ),
+            "another layer": (
+                variant(hidden=True),
+                "optimizer/_trainable_variables/2 (variable 'head/kernel'): in the model, not in the checkpoint",
+            ),
+            "another optimizer": (
+                variant(optimizer=tfs.optimizers.Adagrad(0.2)),
+                "optimizer/table_slots_0_accumulator (table 'emb/accumulator'): in the model, not in the checkpoint",
+            ),
+            # tfs.fit's own loop (it builds the optimizer before it restores), not Keras's model.fit.
+            "another layer, tfs.fit's loop": (
+                variant(hidden=True, per_execution=2),
+                "optimizer/_trainable_variables/0 (variable 'hidden/kernel'): shape [4, 1] in the checkpoint, "
+                "[4, 4] in the model",
+            ),
+        }
+        for case, (model, difference) in cases.items():
+            before = [w.numpy().copy() for w in model.weights]
+            with self.assertRaises(tfs.training.CheckpointMismatchError, msg=case) as caught:
+                tfs.fit(model, data(), epochs=3, steps_per_epoch=6, max_steps=18, checkpoint_dir=directory, verbose=0)
+            self.assertIsInstance(caught.exception, ValueError)
+            self.assertEqual(caught.exception.path, latest)
+            self.assertIn(difference, caught.exception.differences, case)
+            message = str(caught.exception)
+            self.assertEqual(len(message.splitlines()), 1)
+            self.assertIn(f"Cannot restore checkpoint '{latest}': it was written by another model", message)
+            self.assertIn("Nothing was restored.", message)
+            self.assertEqual(tfs.training.steps_done(model), 0, case)
+            self.assertEqual(int(model.optimizer.iterations.numpy()), 0, case)
+            for old, new in zip(before, model.weights):
+                self.assertAllEqual(old, new.numpy(), f"{case}: {new.path}")
+        self.assertEqual(tf.train.latest_checkpoint(directory), latest)  # and nothing written
+
+        # A checkpoint holding more than the model: the entries the model lacks are named.
+        bigger = os.path.join(self.get_temp_dir(), "bigger")
+        tfs.fit(variant(hidden=True), data(), epochs=1, steps_per_epoch=6, checkpoint_dir=bigger, verbose=0)
+        with self.assertRaises(tfs.training.CheckpointMismatchError) as caught:
+            tfs.fit(variant(), data(), epochs=2, steps_per_epoch=6, checkpoint_dir=bigger, verbose=0)
+        self.assertIn(
+            "optimizer/_trainable_variables/3: in the checkpoint, not in the model", caught.exception.differences
+        )
+        # The model that wrote it resumes.
+        again = variant(hidden=True)
+        tfs.fit(again, data(), epochs=2, steps_per_epoch=6, checkpoint_dir=bigger, verbose=0)
+        self.assertEqual(tfs.training.steps_done(again), 12)
+
+    def test_a_checkpoint_of_another_dynamic_table_is_refused_and_nothing_restored(self):
+        directory = os.path.join(self.get_temp_dir(), "dynamic")
+        words = tf.constant([["a", "b"], ["c", "a"], ["b", "d"], ["d", "c"]])
+        tags = tf.data.Dataset.from_tensor_slices((words, tf.ones([4, 1]))).batch(2)
+
+        def tagged(dim=DIM, key_dtype="string"):
+            inp = keras.Input((2,), dtype=key_dtype)
+            rows = tfs.layers.DynamicEmbedding(dim, key_dtype=key_dtype, combiner="mean", seed=0, name="tags")(inp)
+            model = keras.Model(inp, keras.layers.Dense(1, name="head")(rows))
+            model.compile(optimizer=tfs.optimizers.Adagrad(0.1), loss="mse")
+            return model
+
+        tfs.fit(tagged(), tags, epochs=1, steps_per_epoch=2, checkpoint_dir=directory, verbose=0)
+        for model, difference in (
+            (tagged(dim=DIM + 1), f"(dynamic table 'tags'): rows of {DIM} in the checkpoint, {DIM + 1} in the model"),
+            (tagged(key_dtype="int64"), "(dynamic table 'tags'): string keys in the checkpoint, int64 in the model"),
+        ):
+            with self.assertRaises(tfs.training.CheckpointMismatchError) as caught:
+                tfs.fit(model, tags, epochs=2, steps_per_epoch=2, checkpoint_dir=directory, verbose=0)
+            self.assertTrue(any(d.endswith(difference) for d in caught.exception.differences), caught.exception)
+            self.assertEqual(int(model.get_layer("tags").table.size()), 0)  # no key restored
+            self.assertEqual(tfs.training.steps_done(model), 0)
+
     def test_bad_arguments_are_named(self):
         ours, _ = model_and_twin()
         uncompiled = keras.Sequential([keras.layers.Dense(1)])

@@ -3,6 +3,11 @@
 `Checkpoints` restores the latest checkpoint on creation (a rerun resumes) and
 writes `tf_sharded_layout.json` beside each save, which `python -m
 tf_sharded inspect` reads; TensorFlow's checkpoint itself is layout-free.
+
+A restore is all or nothing: TensorFlow assigns each matched variable as it
+walks the object graph, so a checkpoint of another model would be restored
+up to its first mismatch. `differences` compares the checkpoint's entries
+with the model's first (`tfs.training.CheckpointMismatchError`).
 """
 
 from __future__ import annotations
@@ -11,13 +16,15 @@ import functools
 import json
 import os
 import time
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import keras
 import tensorflow as tf
 from google.protobuf import text_format
 
 from tf_sharded import _compat
+from tf_sharded.errors import CheckpointMismatchError
+from tf_sharded.table.dynamic.table import DynamicTable
 from tf_sharded.table.protocol import is_table
 
 STEP_KEY = "step/.ATTRIBUTES/VARIABLE_VALUE"
@@ -51,9 +58,17 @@ class Checkpoints:
         self._writers = {} if several_tasks else None
         self._model, self._step = model, step
         if self.manager.latest_checkpoint:
+            if model.built and not model.optimizer.built:
+                # As Keras builds it (`model.fit`, `compile_from_config`): its variables exist before the
+                # restore, so they are compared with the checkpoint's too, not restored later on their own.
+                with model.distribute_strategy.scope():
+                    model.optimizer.build(model.trainable_variables)
             self._restore(self.manager.latest_checkpoint)
 
     def _restore(self, path: str) -> None:
+        found = differences(self.checkpoint, path, self._model)
+        if found:
+            raise CheckpointMismatchError(path, found)
         if tf.train.load_checkpoint(path).has_tensor(STEP_KEY):
             self.checkpoint.restore(path).assert_existing_objects_matched()
             return
@@ -121,6 +136,88 @@ def _record_state(directory: str, latest: str, kept: list) -> None:
     with tf.io.gfile.GFile(temporary, "w") as f:
         f.write(text_format.MessageToString(state))
     tf.io.gfile.rename(temporary, path, overwrite=True)
+
+
+def _saved_objects(root) -> List[Tuple[List[str], object, bool]]:
+    """`(path, object, is a value)` of every object reachable from checkpoint `root`, at the path TensorFlow
+    names its entries by (breadth-first; an object reached twice is saved once). Values (variables, tables,
+    dynamic tables) are not walked into."""
+    view = tf.train.TrackableView(root)
+    seen, found, queue = {id(root)}, [], [(root, [])]
+    while queue:
+        obj, path = queue.pop(0)
+        for name, child in view.children(obj).items():
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            value = is_table(child) or isinstance(child, (DynamicTable, tf.Variable, keras.Variable))
+            found.append((path + [name], child, value))
+            if not value:
+                queue.append((child, path + [name]))
+    return found
+
+
+def _described(key: str, obj) -> str:
+    name = key.split("/" + _compat.VARIABLE_VALUE_KEY)[0].replace("/.ATTRIBUTES", "")
+    if isinstance(obj, DynamicTable):
+        return f"{name} (dynamic table '{obj.name}')"
+    if is_table(obj):
+        return f"{name} (table '{obj.name}')"
+    return f"{name} (variable '{getattr(obj, 'path', None) or obj.name}')"
+
+
+def differences(root, path: str, model: keras.Model) -> List[str]:
+    """What keeps checkpoint `path` from restoring into `root` (which holds `model`) whole, one line per entry:
+    a variable or table whose shape or dtype differs, one of `root` the checkpoint lacks, and one the
+    checkpoint holds under `root`'s objects (the model, the optimizer) that `root` lacks. Empty when they
+    agree. Values of the root itself (`step`, `save_counter`) are left to `Checkpoints`; entries a model not
+    built yet lacks may be created later, and are not counted.
+    """
+    reader = tf.train.load_checkpoint(path)
+    shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
+    found, claimed, prefixes, walked = [], set(), [], set()
+    for object_path, obj, value in _saved_objects(root):
+        key = _compat.checkpoint_key(object_path)
+        if not value:  # compared through what it holds
+            walked.add(key.split("/.ATTRIBUTES/")[0])
+            continue
+        if len(object_path) == 1:
+            continue
+        where = _described(key, obj)
+        if isinstance(obj, DynamicTable):
+            # Saved as attributes of its own (keys, values, counters, optimizer columns), not one value.
+            prefix = key[: -len(_compat.VARIABLE_VALUE_KEY)]
+            prefixes.append(prefix)
+            keys, values = prefix + "keys", prefix + "values"
+            if keys not in shapes or values not in shapes:
+                found.append(f"{where}: in the model, not in the checkpoint")
+            elif dtypes[keys] != obj.key_dtype:
+                found.append(f"{where}: {dtypes[keys].name} keys in the checkpoint, {obj.key_dtype.name} in the model")
+            elif list(shapes[values])[1:] != [obj.dim]:
+                found.append(f"{where}: rows of {shapes[values][1]} in the checkpoint, {obj.dim} in the model")
+            continue
+        claimed.add(key)
+        if key not in shapes:
+            found.append(f"{where}: in the model, not in the checkpoint")
+            continue
+        shape, dtype = list(shapes[key]), dtypes[key]
+        expected_shape, expected_dtype = list(obj.shape), tf.as_dtype(obj.dtype)
+        if dtype != expected_dtype:
+            found.append(
+                f"{where}: {dtype.name} {shape} in the checkpoint, {expected_dtype.name} {expected_shape} in the model"
+            )
+        elif shape != expected_shape:
+            found.append(f"{where}: shape {shape} in the checkpoint, {expected_shape} in the model")
+    if model.built:
+        extra = set()
+        for key in shapes:
+            name = key.split("/.ATTRIBUTES/")[0]
+            if key in claimed or name in walked or key.startswith(tuple(prefixes)):
+                continue
+            if "/" in name and name.split("/")[0] in walked:
+                extra.add(name)
+        found += [f"{name}: in the checkpoint, not in the model" for name in sorted(extra)]
+    return sorted(found, key=lambda line: not line.startswith("model/"))  # the model's own entries first
 
 
 LAYOUT_FILE = "tf_sharded_layout.json"

@@ -53,11 +53,36 @@ def keys_to_file(store, entry: str, keys) -> None:
     store[entry + "_lengths"] = np.array([len(k) for k in encoded], np.int64)
 
 
-def keys_from_file(store, entry: str, key_dtype: tf.DType) -> tf.Tensor:
-    """The keys `keys_to_file` wrote, as a tensor of `key_dtype`."""
+def keys_from_file(store, entry: str, key_dtype: tf.DType, where: str) -> tf.Tensor:
+    """The keys `keys_to_file` wrote, as a tensor of `key_dtype`.
+
+    Keys written for the other key dtype (int64 for a string table, or strings for an int64 one), and
+    string keys whose lengths do not add up to their bytes, are refused in an error that begins with `where`
+    (what is loading them, such as "Layer 'tags'") and names the entry, before anything is assigned.
+    """
+    lengths_entry = entry + "_lengths"
+    if entry not in store:
+        raise ValueError(f"{where}: the saved file has no '{entry}' entry (a dynamic table's keys)")
     stored = np.asarray(store[entry][...])
+    holds_strings = lengths_entry in store
     if key_dtype != tf.string:
+        if holds_strings or stored.dtype.kind not in "iu" or stored.ndim != 1:
+            raise TypeError(
+                f"{where}: the table has key_dtype=int64; entry '{entry}' holds "
+                + ("string keys" if holds_strings else f"an array of {stored.dtype} {list(stored.shape)}")
+                + ". Received keys saved from another table."
+            )
         return tf.constant(stored, key_dtype)
-    lengths = np.asarray(store[entry + "_lengths"][...])
+    if not holds_strings or stored.dtype != np.uint8:
+        raise TypeError(
+            f"{where}: the table has key_dtype=string; entry '{entry}' holds {stored.dtype} keys without "
+            f"'{lengths_entry}'. Received keys saved from another table."
+        )
+    lengths = np.asarray(store[lengths_entry][...])
+    if lengths.ndim != 1 or lengths.dtype.kind not in "iu" or (lengths < 0).any() or lengths.sum() != stored.size:
+        raise ValueError(
+            f"{where}: entry '{lengths_entry}' does not describe the {stored.size} bytes of '{entry}' (it must be "
+            f"one non-negative length per key, adding up to them). Received a damaged file."
+        )
     ends, data = np.cumsum(lengths), stored.tobytes()
     return tf.constant([data[e - n : e] for e, n in zip(ends, lengths)], tf.string)

@@ -24,7 +24,9 @@ class DynamicSlot(_compat.Trackable):
 
     def load_from(self, store, key: str) -> None:
         """Sets the slot's rows of the keys `save_to` wrote (keys the table does not hold are skipped)."""
-        keys = keys_from_file(store, key + "_keys", self.table.key_dtype)
+        keys = keys_from_file(
+            store, key + "_keys", self.table.key_dtype, f"Slot '{self.name}' of dynamic table '{self.table.name}'"
+        )
         self.table.set_column(self.name, keys, store[key][...])
 
     def _serialize_to_tensors(self):

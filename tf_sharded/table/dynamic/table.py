@@ -312,6 +312,12 @@ class DynamicTable(_compat.Trackable):
                 f"Dynamic table '{self._name}' has dim={self._dim}; the rows to load have shape "
                 f"{values.shape.as_list()}. Received rows saved from another table configuration."
             )
+        counts = (keys.shape[0] if keys.shape.rank == 1 else None, values.shape[0] if values.shape.rank else None)
+        if keys.shape.rank not in (None, 1) or (None not in counts and counts[0] != counts[1]):
+            raise ValueError(
+                f"Dynamic table '{self._name}': the keys to load must be one per row of values. Received keys of "
+                f"shape {keys.shape.as_list()} and rows of shape {values.shape.as_list()}."
+            )
         names = list(columns or {})
         key_parts, value_parts, *column_parts = self._partition(keys, values, *[columns[k] for k in names])
         for i, s in enumerate(self._shards):
