@@ -65,7 +65,7 @@ test: $(STAMP) lint
 	$(PY) $(PYTEST) tests
 
 # Everything not marked slow (benchmarks, notebooks, the demo, process clusters, fault injection, tests that
-# start a Python process or take over 5 s).
+# start a Python process or take over 4 s).
 test-fast: $(STAMP)
 	$(PY) $(PYTEST) -m "not slow" tests
 

@@ -112,6 +112,7 @@ class ExchangeTest(tf.test.TestCase):
         self.assertIn("CollectiveReduceV2", dense_ops)
         self.assertNotIn("tfs_hash_merge", dense_names)
 
+    @pytest.mark.slow  # over 4 s here
     def test_auto_picks_each_side_where_it_should(self):
         # Few ids on a large table: gather.  Many ids on a small table: dense.
         for in_process in (False, True):
@@ -179,6 +180,7 @@ class ExchangeTest(tf.test.TestCase):
         for ops in (small, large, declared):
             self.assertFalse({"CollectiveGatherV2", "CollectiveReduceV2"} & ops)
 
+    @pytest.mark.slow  # over 4 s here
     def test_auto_switching_between_steps_stays_exact(self):
         strategy = mirrored()
         values = table_values(2000, 4)
@@ -237,6 +239,7 @@ class ExchangeTest(tf.test.TestCase):
                 # One merge per row shape, on one device (not one per shard, not one per replica).
                 self.assertEqual(sum(n.op == "Unique" and "tfs_hash_merge" in n.name for n in nodes), 2)
 
+    @pytest.mark.slow  # over 4 s here
     def test_auto_shards_share_three_rendezvous_and_each_decides_alone(self):
         # Collective transport, the per-step "auto" exchange (batch shapes unknown when traced): three tables of
         # one row shape (one of two shards) share one gather of counts, one gather of rows and one all-reduce,

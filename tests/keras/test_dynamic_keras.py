@@ -4,6 +4,7 @@ import os
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
@@ -64,6 +65,7 @@ class DynamicEmbeddingTest(tf.test.TestCase):
         model.fit(unseen, LABELS, verbose=0)
         self.assertEqual(int(model.get_layer("emb").table.size()), len(np.unique(IDS)))
 
+    @pytest.mark.slow  # over 4 s here
     def test_string_keys_ragged_fit_and_keras_file_round_trip(self):
         model = string_model()
         model.fit(tags_data(), epochs=2, verbose=0)

@@ -69,6 +69,7 @@ class MirroredFitTest(tf.test.TestCase):
                 # Keras's gradient aggregation went through the table's exchange, per replica and shard.
                 self.assertEqual({s for _, s in calls}, {0, 1}, msg=mode)
 
+    @pytest.mark.slow  # over 4 s here
     def test_fit_with_steps_per_execution_under_mirrored(self):
         # Keras 3's own steps_per_execution > 1 fails under MirroredStrategy (keras-team/keras#19246);
         # tfs.fit runs its own loop there. 4 batches per epoch at 3 steps per execution: 3 + 1.
@@ -119,6 +120,7 @@ class MirroredFitTest(tf.test.TestCase):
             want_slot = reference.optimizer.table_slot(single.embeddings, slot_name).numpy()
             self.assertAllClose(got_slot.numpy(), want_slot, atol=2e-5, msg=msg)
 
+    @pytest.mark.slow  # over 4 s here
     def test_lora_under_mirrored_matches_keras_lora_on_one_device(self):
         from tests.harness.models import IDS, LABELS, assert_matches_lora_reference, make_lora_model
 

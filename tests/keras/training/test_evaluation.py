@@ -114,6 +114,7 @@ class MirroredEvaluationTest(tf.test.TestCase):
             self.assertAllClose(got[name], want[name], rtol=1e-5, msg=name)
         self.assertAllClose(tfs.predict(model, dataset(ragged=True)), predicted, atol=1e-6)
 
+    @pytest.mark.slow  # over 4 s here
     def test_fit_with_ragged_inputs_where_keras_fit_fails(self):
         # Keras's model.fit fails on ragged inputs under MirroredStrategy; tfs.fit takes its replica loop.
         with mirrored().scope():
@@ -125,6 +126,7 @@ class MirroredEvaluationTest(tf.test.TestCase):
             self.assertAllClose(history.history[name], want.history[name], rtol=1e-4, msg=name)
         self.assertAllClose(model.layers[1].embeddings.numpy(), twin.layers[1].embeddings.numpy(), atol=1e-5)
 
+    @pytest.mark.slow  # over 4 s here
     def test_fit_validation_data_is_keras_validation(self):
         with mirrored().scope():
             model = build()

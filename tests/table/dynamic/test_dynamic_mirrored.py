@@ -61,6 +61,7 @@ class DynamicMirroredTest(tf.test.TestCase):
         for key, value in rows.items():
             self.assertAllClose(value, ref.var.numpy()[ref.row[key]], atol=1e-5)
 
+    @pytest.mark.slow  # over 4 s here
     def test_keras_fit_matches_plain_keras(self):
         strategy = mirrored()
         with strategy.scope():
