@@ -116,7 +116,35 @@ class CommandTest(tf.test.TestCase):
         self.assertIn(f"{url} needs the network", lines[0])
 
 
+# Runs `tf_sharded/isolation.py` loaded by path in a process with one thread (no TensorFlow), as the
+# package runs it before TensorFlow loads: argv[1] "works" moves for real, "fails" with an `enter` that fails.
+TRIAL = """
+import importlib.util, os, sys
+spec = importlib.util.spec_from_file_location("isolation", sys.argv[2])
+isolation = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(isolation)
+if sys.argv[1] == "fails":
+    isolation.enter = lambda: "no capabilities in the new user namespace"
+before = os.readlink("/proc/self/ns/net")
+isolation.enter_for_command(["train"])
+print(before != os.readlink("/proc/self/ns/net"), isolation._not_isolated_because, isolation.exposed_addresses())
+"""
+
+
 class DecisionTest(tf.test.TestCase):
+    def test_a_run_moves_only_after_a_copy_of_it_did(self):
+        path = isolation.__file__
+        works = subprocess.run([sys.executable, "-c", TRIAL, "works", path], capture_output=True, text=True, timeout=60)
+        self.assertEqual(works.returncode, 0, works.stderr)
+        why = _namespaces_work()
+        if why:
+            self.assertEqual(works.stdout.split()[0], "False")  # it stayed, and says why
+        else:
+            self.assertEqual(works.stdout.strip(), "True None []")  # moved: nothing but its loopback
+        fails = subprocess.run([sys.executable, "-c", TRIAL, "fails", path], capture_output=True, text=True, timeout=60)
+        self.assertEqual(fails.stdout.strip().split(" ", 1)[0], "False", fails.stderr)
+        self.assertIn("no capabilities in the new user namespace", fails.stdout)
+
     def test_which_runs_move_into_a_namespace_of_their_own(self):
         for argv in (["train"], ["train", "--steps", "5"], ["demo"], ["bench", "ps", "--quick"]):
             self.assertEqual(isolation.decide(argv, {}), "enter", argv)

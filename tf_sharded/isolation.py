@@ -112,7 +112,34 @@ def enter_for_command(argv: Sequence[str]) -> None:
     elif threading.active_count() > 1:
         _not_isolated_because = "the process already runs threads"
     else:
-        _not_isolated_because = enter()
+        _not_isolated_because = trial() or enter()
+
+
+def trial() -> Optional[str]:
+    """Whether `enter` works here, tried in a forked child: None if it does, else why not.
+
+    A system can allow the new namespaces but not what follows (an AppArmor
+    policy that leaves a new user namespace without capabilities, say), and a
+    process that entered them cannot come back: so the process moves only
+    after a copy of it did.
+    """
+    if not sys.platform.startswith("linux"):
+        return enter()  # says why not, changing nothing
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the copy: report, and exit without running anything of the parent's
+        os.close(read)
+        try:
+            reason = enter() or ""
+        except BaseException as e:  # noqa: BLE001  (any failure is the answer)
+            reason = str(e) or type(e).__name__
+        os.write(write, reason.encode()[:4096])
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        reason = f.read().decode(errors="replace")
+    os.waitpid(pid, 0)
+    return reason or None
 
 
 def join(pid: int) -> None:
