@@ -8,9 +8,15 @@ Placement:
   replicas (a plain variable on the host CPU, created through the strategy's
   own single-device colocation; the exchanged gradient, identical on every
   replica, is applied to it once);
+* `"sharded"`: the table is split along its rows over the replicas, replica
+  `r` holding shard `r` (and its optimizer slots) as a plain variable on its
+  device. A replica's lookup sends its distinct ids to the shards that own
+  them and gets their rows back; each shard's gradient rows from every
+  replica are summed on its owner (`tfs.exchange.owners`), and the optimizer
+  updates each row once, there. A table can then use every replica's memory;
 * `"auto"`: `"host"` for tables above `HOST_PLACEMENT_BYTES`, else `"device"`.
 
-Sparse gradients of every shard are summed by the table's `ExchangePolicy`
+Sparse gradients of every mirrored shard are summed by the table's `ExchangePolicy`
 (`tfs.exchange`): in one process (MirroredStrategy) the replicas' slices are
 merged once on one device; across workers (MultiWorkerMirroredStrategy) they
 travel over TensorFlow's collectives. `set_transport` forces the collective
@@ -54,10 +60,43 @@ def resolve_placement(placement, table_bytes: int) -> str:
     return placement
 
 
+def _sharded_devices(strategy, config, num_shards: int) -> list:
+    """The replica device of each shard of a `placement="sharded"` table; refuses what cannot be sharded so."""
+    if _compat.in_multi_worker_mode(strategy) or not _compat.uses_merge_call(strategy):
+        raise ValueError(
+            f"Argument `placement` of table '{config.name}': placement='sharded' needs replicas that are devices "
+            f"of this process (MirroredStrategy); across workers it is not available. Received: "
+            f"placement='sharded' under {type(strategy).__name__} with "
+            f"{list(strategy.extended.worker_devices)} on this worker. Use placement='device' or 'host'."
+        )
+    if config.exchange is not None:
+        raise ValueError(
+            f"Argument `exchange` of table '{config.name}' does not apply to placement='sharded': each shard's "
+            f"gradient rows are summed on the replica that owns it. Received: exchange={config.exchange.value!r}"
+        )
+    devices = list(strategy.extended.worker_devices)
+    if num_shards != len(devices):
+        raise ValueError(
+            f"Argument `partitions` of table '{config.name}' must give one shard per replica with "
+            f"placement='sharded': {len(devices)} shards for {len(devices)} replicas (or None). Received: "
+            f"partitions={config.partitions!r} ({num_shards} shards)"
+        )
+    return devices
+
+
 def create(strategy, config, variable_factory=None):
-    spec = resolve_spec(config.partitions, config.shape, config.dtype, config.scheme, default_shards=1)
     table_bytes = config.dtype.size * int(tf.TensorShape(config.shape).num_elements())
     placement = resolve_placement(config.placement, table_bytes)
+    replicas = strategy.num_replicas_in_sync if placement == "sharded" else 1
+    spec = resolve_spec(config.partitions, config.shape, config.dtype, config.scheme, default_shards=replicas)
+    if placement == "sharded":
+        devices = _sharded_devices(strategy, config, spec.num_shards)
+        on_replica = lambda i: colocate_scope(_compat.single_device(devices[i]))  # noqa: E731
+        shards = ShardPlacement([None] * spec.num_shards, scope=on_replica)
+        with strategy.scope():
+            return build_sharded_variable(
+                config, spec, strategy, shards, variable_factory=variable_factory, mirrored_placement=placement
+            )
     policy = ExchangePolicy(config.exchange or _DEFAULT_EXCHANGE.get(strategy, "auto"), config.ids_per_step)
     if config.seed is None and _compat.in_multi_worker_mode(strategy):
         # Every worker initialises its own copy: the seed must not be drawn per worker.

@@ -25,7 +25,7 @@ class ChoiceTest(tf.test.TestCase):
     def test_values_and_parsing(self):
         self.assertEqual(Scheme.values(), ("div", "mod", "balanced"))
         self.assertEqual(Exchange.values(), ("auto", "allgather", "dense"))
-        self.assertEqual(Placement.values(), ("auto", "device", "host"))
+        self.assertEqual(Placement.values(), ("auto", "device", "host", "sharded"))
         self.assertEqual(Combiner.values(), ("sum", "mean", "sqrtn"))
         self.assertEqual(Scheme.parse("mod", "scheme"), "mod")
         self.assertEqual(Scheme.parse(Scheme.MOD, "scheme"), "mod")

@@ -93,18 +93,20 @@ class Exchange(_Choice):
 
 
 class Placement(_Choice):
-    """Where a mirrored table lives: a copy per replica device, one per worker's host, or chosen by size.
+    """Where a table lives under a mirrored strategy: a copy per replica device, one per worker's host, or split
+    along its rows over the replicas (`SHARDED`: replica `r` holds shard `r`); `AUTO` chooses by size.
 
     Example:
 
     >>> import tf_sharded as tfs
     >>> tfs.Placement.values()
-    ('auto', 'device', 'host')
+    ('auto', 'device', 'host', 'sharded')
     """
 
     AUTO = "auto"
     DEVICE = "device"
     HOST = "host"
+    SHARDED = "sharded"
 
 
 class Combiner(_Choice):

@@ -57,7 +57,9 @@ def create_sharded_variable(
       exchange: gradient exchange under mirrored strategies ("auto",
         "allgather", "dense"); an explicit mode elsewhere is an error.
       placement: mirrored strategies only: "device" (a copy per replica),
-        "host" (one copy per worker in host memory) or "auto" (by size).
+        "host" (one copy per worker in host memory), "sharded" (split along
+        the rows over the replicas: replica `r` holds shard `r`;
+        MirroredStrategy) or "auto" (by size).
       ids_per_step: mirrored strategies only: declared bound on the distinct
         ids one replica looks up per step (feeds the "auto" cost model).
 

@@ -50,10 +50,13 @@ def transport(name: str):
 
 
 def per_replica(strategy, arrays):
-    """One array per replica (arrays may differ in length; empty ones allowed)."""
-    return strategy.experimental_distribute_values_from_function(
-        lambda ctx: tf.constant(arrays[ctx.replica_id_in_sync_group])
-    )
+    """One array (or ragged tensor) per replica (they may differ in length; empty ones allowed)."""
+
+    def value(ctx):
+        array = arrays[ctx.replica_id_in_sync_group]
+        return array if isinstance(array, tf.RaggedTensor) else tf.constant(array)
+
+    return strategy.experimental_distribute_values_from_function(value)
 
 
 def ps_strategy(num_workers: int = 2, num_ps: int = 2, **kwargs):

@@ -14,6 +14,7 @@ from typing import Callable, List, Optional, Tuple
 import tensorflow as tf
 
 from tf_sharded import trace
+from tf_sharded.exchange.owners import reduce_to_owners, sharded_owner
 from tf_sharded.exchange.policy import trace_time_choice
 from tf_sharded.exchange.transports import (
     adaptive_exchange,
@@ -77,7 +78,8 @@ def all_reduce_gradients(
 
     Call it in replica context (inside `strategy.run`) where you would call
     `ReplicaContext.all_reduce(SUM, grads)`. Keras 3 optimizers call it for you
-    (`tf_sharded.keras.routing`).
+    (`tf_sharded.keras.routing`). Shards of tables sharded over the replicas
+    are summed on the replica that owns them (`tfs.exchange.owners`).
 
     Args:
       grads_and_vars: `(gradient, variable)` pairs; `None` gradients pass through.
@@ -97,11 +99,19 @@ def all_reduce_gradients(
     ctx = tf.distribute.get_replica_context()
     if ctx is None or ctx.num_replicas_in_sync == 1:
         return _one_replica(pairs, fallback)
-    ours, others = [], []
+    ours, others, sharded = [], [], []
     for i, (g, v) in enumerate(pairs):
+        tag = sharded_owner(v) if g is not None else None
+        if tag is not None:
+            sharded.append((i, tag))
+            continue
         tag = owner(v) if g is not None else None
         (ours if tag is not None else others).append((i, tag))
     result = list(pairs)
+    if sharded:
+        summed = reduce_to_owners([(pairs[i][0], table, shard) for i, (table, shard) in sharded], ctx)
+        for (i, _), grad in zip(sharded, summed):
+            result[i] = (grad, pairs[i][1])
     rest = [pairs[i] for i, _ in others]
     if not rest:
         reduced_rest = []

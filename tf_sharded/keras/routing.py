@@ -5,8 +5,9 @@ Keras sums replica gradients itself and applies them with
 the process creates its first table (`tf_sharded.keras` registers it with
 `table.protocol.on_first_table`), this routes both steps (see
 `_compat.route_keras_gradient_reduction`): the reduction through
-`tfs.exchange.all_reduce_gradients`, and the update of host-placed shards
-(one plain variable per worker) through `apply_updates`, where the writes to
+`tfs.exchange.all_reduce_gradients`, and the update of single-copy shards
+(host-placed: one plain variable per worker; sharded over the replicas: one
+on its owner) through `apply_updates`, where the writes to
 dynamic tables wait and run in one critical section per device. Everything
 else is handed back to Keras unchanged.
 """
@@ -16,20 +17,26 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tf_sharded import _compat
-from tf_sharded.exchange.reduce import all_reduce_gradients, owner
+from tf_sharded.exchange.reduce import all_reduce_gradients
 from tf_sharded.table.dynamic.lock import grouped_updates
+from tf_sharded.table.protocol import owner_of
+
+# Placements whose shards are one plain variable each: updated once, on the shard's device.
+SINGLE_COPY = ("host", "sharded")
 
 
 def apply_updates(optimizer, distribution, grads_and_vars, learning_rate, fallback) -> None:
-    """Keras update step: host-placed shards are updated once, the rest by `fallback`.
+    """Keras update step: single-copy shards (host-placed, or sharded over the replicas) are updated once, the rest
+    by `fallback`.
 
-    After the exchange every replica holds the same gradient for a shard, so a
-    single-copy (host) shard takes the first replica's and applies it once.
+    After the exchange every replica holds the same gradient for such a shard
+    (for a sharded table, the sum made on its owner), so it takes the first
+    replica's and applies it once, on the shard's device.
     """
     host, rest = [], []
     for g, v in grads_and_vars:
-        tag = owner(v)
-        is_host = tag is not None and tag[0].placement == "host" and g is not None
+        tag = owner_of(v)
+        is_host = tag is not None and tag[0].placement in SINGLE_COPY and g is not None
         (host if is_host else rest).append((g, v))
     # A dynamic table's writes take its device's lock: one critical section per device for the whole step.
     with grouped_updates():

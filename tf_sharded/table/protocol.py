@@ -35,7 +35,7 @@ class Table(Protocol):
     shards and local rows), `partition` (the `tfs.PartitionSpec` it was
     created with, which the checkpoint layout manifest records), and, under
     mirrored strategies, `exchange` (a `tfs.exchange.ExchangePolicy`) and
-    `placement` ("device" / "host"; both None elsewhere).
+    `placement` ("device" / "host" / "sharded"; both None elsewhere).
 
     Example:
 

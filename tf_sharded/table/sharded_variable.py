@@ -136,7 +136,7 @@ class ShardedVariable(_compat.Trackable):
 
     @property
     def placement(self):
-        """ "device" or "host" for a mirrored table (None elsewhere)."""
+        """ "device", "host" or "sharded" under a mirrored strategy (None elsewhere)."""
         return self._placement
 
     def __repr__(self):

@@ -1,0 +1,245 @@
+"""Tables sharded over MirroredStrategy's replicas (`placement="sharded"`), against single-device references."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sharded as tfs
+from tests.harness.graphs import ROW_OPS, whole_table_reads
+from tests.harness.references import table_values
+from tests.harness.steps import squared_norm_collection_step, squared_norm_step
+from tests.harness.strategies import mirrored, per_replica, uid
+
+pytestmark = pytest.mark.mirrored
+
+ROWS, DIM = 50, 4
+WRITES = ("ResourceScatterAdd", "ResourceScatterSub", "ResourceScatterUpdate", "AssignVariableOp",
+          "AssignSubVariableOp", "AssignAddVariableOp")  # fmt: skip
+
+
+def data(n=64):
+    rng = np.random.RandomState(0)
+    ids = rng.randint(0, ROWS, (n, 3))
+    ids[:8] = 7  # duplicates inside and across replicas' batches
+    return ids, rng.rand(n, 1).astype(np.float32)
+
+
+def build(embedding, optimizer):
+    inp = keras.Input((3,), dtype="int64")
+    x = keras.layers.GlobalAveragePooling1D()(embedding(inp))
+    model = keras.Model(inp, keras.layers.Dense(1, kernel_initializer="ones")(x))
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+class ShardedPlacementTest(tf.test.TestCase):
+    def test_each_replica_holds_one_shard_and_its_slots(self):
+        strategy = mirrored()
+        devices = list(strategy.extended.worker_devices)
+        values = table_values(ROWS, DIM)
+        for scheme in ("div", "mod", "balanced"):
+            with strategy.scope():
+                table = strategy.create_sharded_variable(
+                    uid("sh"), [ROWS, DIM], initializer=values, scheme=scheme, placement="sharded"
+                )
+                optimizer = tfs.optimizers.Adagrad(0.1)
+                optimizer.build(table.variables)
+            self.assertEqual((table.placement, table.num_shards), ("sharded", 4))
+            self.assertEqual(list(table.devices), devices, msg=scheme)
+            for shard in table.variables:  # one plain variable per shard: no copy on another replica
+                self.assertFalse(isinstance(shard, tf.distribute.DistributedValues), msg=scheme)
+            self.assertEqual(sum(v.shape[0] for v in table.variables), ROWS)
+            self.assertAllEqual(table.numpy(), values)
+            slot = optimizer.table_slot(table, "accumulator")
+            self.assertEqual(list(slot.devices), devices, msg=scheme)
+
+    def test_keras_and_lazy_optimizers_match_one_device(self):
+        strategy = mirrored()
+        ids, y = data()
+        cases = [
+            (keras.optimizers.SGD, dict(learning_rate=0.5), "div", None),
+            (tfs.optimizers.SGD, dict(learning_rate=0.3, momentum=0.9), "mod", "momentum"),
+            (tfs.optimizers.Adagrad, dict(learning_rate=0.3), "balanced", "accumulator"),
+            (tfs.optimizers.Adam, dict(learning_rate=0.05), "mod", "velocity"),
+            (tfs.optimizers.Ftrl, dict(learning_rate=0.3), "div", "linear"),
+        ]
+        for cls, cfg, scheme, slot_name in cases:
+            msg = f"{cls.__module__}.{cls.__name__} {scheme}"
+            with strategy.scope():
+                layer = tfs.layers.Embedding(ROWS, DIM, scheme=scheme, seed=3, placement="sharded")
+                model = build(layer, cls(**cfg))
+            table0 = layer.embeddings.numpy()
+            model.fit(ids, y, epochs=2, batch_size=16, shuffle=False, verbose=0)
+            self.assertEqual(layer.embeddings.placement, "sharded")
+            if cls is keras.optimizers.SGD:  # Keras's own optimizer and layer on one device
+                single = keras.layers.Embedding(ROWS, DIM, embeddings_initializer=keras.initializers.Constant(table0))
+            else:  # the same lazy optimizer on one device
+                single = tfs.layers.Embedding(ROWS, DIM, partitions=1, embeddings_initializer=table0)
+            reference = build(single, cls(**cfg))
+            reference.fit(ids, y, epochs=2, batch_size=16, shuffle=False, verbose=0)
+            want = single.embeddings.numpy() if cls is keras.optimizers.SGD else single.embeddings.numpy()
+            self.assertAllClose(layer.embeddings.numpy(), want, atol=2e-5, msg=msg)
+            self.assertAllClose(model.layers[-1].kernel.numpy(), reference.layers[-1].kernel.numpy(), atol=2e-5)
+            self.assertEqual(int(model.optimizer.iterations.numpy()), int(reference.optimizer.iterations.numpy()))
+            if slot_name is not None:
+                got = model.optimizer.table_slot(layer.embeddings, slot_name)
+                self.assertEqual(got.devices, layer.embeddings.devices, msg=msg)
+                want_slot = reference.optimizer.table_slot(single.embeddings, slot_name).numpy()
+                self.assertAllClose(got.numpy(), want_slot, atol=2e-5, msg=msg)
+
+    def test_each_row_is_updated_on_its_owner_once_and_no_step_reads_a_whole_table(self):
+        strategy = mirrored()
+        rows = 1009
+        tables = {
+            "a": {"input_dim": rows, "output_dim": 4, "placement": "sharded"},
+            "b": {"input_dim": rows + 2, "output_dim": 4, "placement": "sharded"},
+            "c": {"input_dim": rows + 5, "output_dim": 8, "placement": "sharded"},
+        }
+        features = {"fa": "a", "fb": "b", "fc": {"table": "c", "combiner": "mean"}}
+        with strategy.scope():
+            layer = tfs.layers.EmbeddingCollection(tables, features, name=uid("owners"))
+            layer.build()
+            optimizer = tfs.optimizers.Adagrad(0.1)
+            optimizer.build(layer.trainable_variables)
+        reference = {name: layer.tables[name].numpy() for name in tables}
+        step = squared_norm_collection_step(strategy, layer, optimizer)
+        arrays = {
+            "fa": [np.array([1, 2, 2]), np.array([1, 700]), np.array([1000]), np.array([3, 3])],
+            "fb": [np.array([0, 5]), np.array([9]), np.array([1010, 5]), np.array([5])],
+            "fc": [tf.ragged.constant([[1, 1], [1000]]), tf.ragged.constant([[2], []]),
+                   tf.ragged.constant([[3, 4, 5], [1]]), tf.ragged.constant([[1013], [0]])],
+        }  # fmt: skip
+        features = {k: per_replica(strategy, v) for k, v in arrays.items()}
+        step(features)
+        # The same step on one device, summed over the replicas' batches.
+        accumulators = {name: np.full_like(reference[name], 0.1) for name in tables}
+        grads = {name: np.zeros_like(reference[name]) for name in tables}
+        for name, feature in (("a", "fa"), ("b", "fb")):
+            for ids in arrays[feature]:
+                np.add.at(grads[name], ids, 2 * reference[name][ids])
+        for bag in arrays["fc"]:
+            for ids in bag.to_list():
+                if ids:
+                    mean = reference["c"][ids].mean(axis=0)
+                    np.add.at(grads["c"], ids, 2 * mean / len(ids))
+        for name in tables:
+            touched = np.any(grads[name] != 0, axis=1)
+            accumulators[name][touched] += grads[name][touched] ** 2
+            want = reference[name] - 0.1 * grads[name] / np.sqrt(accumulators[name])
+            self.assertAllClose(layer.tables[name].numpy(), want, atol=1e-5, msg=name)
+
+        graph = step.get_concrete_function(features).graph
+        handles = {}
+        for name in tables:
+            for v in list(layer.tables[name].variables) + [optimizer.table_slot(layer.tables[name], "accumulator")
+                                                          .variables[i] for i in range(4)]:  # fmt: skip
+                handles[id(v.handle)] = v.device
+        captured = {internal.name: handles[id(external)] for external, internal in graph.captures if id(external)
+                    in handles}  # fmt: skip
+        # No op reads a shard or slot shard other than by rows, and none produces a table's worth of rows.
+        reads = [f"{op.type} {op.name}" for op in graph.get_operations() for t in op.inputs
+                 if t.name in captured and op.type not in ROW_OPS]  # fmt: skip
+        self.assertEqual(reads, [])
+        self.assertEqual([p for p in whole_table_reads(step.get_concrete_function(features), rows)
+                          if "produces" in p], [])  # fmt: skip
+        writes = {}
+        for op in graph.get_operations():
+            if op.type in WRITES and op.inputs[0].name in captured:
+                writes.setdefault(op.inputs[0].name, []).append(op)
+                self.assertEqual(
+                    tf.DeviceSpec.from_string(op.device or captured[op.inputs[0].name]).to_string(),
+                    tf.DeviceSpec.from_string(captured[op.inputs[0].name]).to_string(),
+                    msg=op.name,
+                )
+        self.assertLen(writes, 3 * 4 * 2)  # every shard and slot shard of the 3 tables is written ...
+        self.assertEqual({len(ops) for ops in writes.values()}, {1})  # ... once per step, not once per replica
+        # One payload per owner and row shape carries the three tables: 4 owners x 2 widths, not 4 x 3.
+        merges = [op for op in graph.get_operations() if op.type == "Unique" and "tfs_to_owners" in op.name]
+        self.assertLen(merges, 4 * 2)
+
+    def test_bad_arguments(self):
+        strategy = mirrored()
+        with strategy.scope():
+            with self.assertRaisesRegex(ValueError, r"`partitions` of table 'x' must give one shard per replica"):
+                strategy.create_sharded_variable("x", [40, 2], partitions=3, placement="sharded")
+            with self.assertRaisesRegex(ValueError, r"`exchange` of table 'y' does not apply to placement='sharded'"):
+                strategy.create_sharded_variable("y", [40, 2], exchange="dense", placement="sharded")
+        with self.assertRaisesRegex(ValueError, "Argument `placement`"):
+            tfs.create_sharded_variable("z", [40, 2], placement="sharded")  # the default strategy: no replicas
+
+
+class ShardedTrainingFunctionsTest(tf.test.TestCase):
+    def test_fit_evaluate_predict_and_export_match_one_device(self):
+        strategy = mirrored()
+        ids, y = data()
+        dataset = tf.data.Dataset.from_tensor_slices((ids, y)).batch(16)
+        with strategy.scope():
+            layer = tfs.layers.Embedding(ROWS, DIM, seed=4, combiner="sum", placement="sharded")
+            inp = keras.Input((3,), dtype="int64")
+            model = keras.Model(inp, keras.layers.Dense(1, kernel_initializer="ones")(layer(inp)))
+            # tfs.fit's own loop: Keras's steps_per_execution > 1 fails under MirroredStrategy.
+            model.compile(optimizer=tfs.optimizers.Adagrad(0.2), loss="mse", steps_per_execution=3)
+        table0 = layer.embeddings.numpy()
+        single = tfs.layers.Embedding(ROWS, DIM, partitions=1, combiner="sum", embeddings_initializer=table0)
+        inp = keras.Input((3,), dtype="int64")
+        reference = keras.Model(inp, keras.layers.Dense(1, kernel_initializer="ones")(single(inp)))
+        reference.compile(optimizer=tfs.optimizers.Adagrad(0.2), loss="mse")
+        history = tfs.fit(model, dataset, epochs=2, verbose=0)
+        want_history = reference.fit(dataset, epochs=2, verbose=0)
+        self.assertAllClose(history.history["loss"], want_history.history["loss"], atol=1e-5)
+        self.assertAllClose(layer.embeddings.numpy(), single.embeddings.numpy(), atol=1e-5)
+        self.assertAllClose(tfs.evaluate(model, dataset), reference.evaluate(dataset, verbose=0), atol=1e-5)
+        want = reference.predict(ids, verbose=0)
+        self.assertAllClose(tfs.predict(model, tf.data.Dataset.from_tensor_slices(ids).batch(16)), want, atol=1e-5)
+        # The export holds one plain table: no shard, no replica device.
+        loaded = tf.saved_model.load(tfs.export(model, self.get_temp_dir() + f"/{uid('export')}"))
+        served = loaded.signatures["serving_default"]
+        self.assertAllClose(list(served(tf.constant(ids[:8], tf.int64)).values())[0], want[:8], atol=1e-5)
+
+
+class ShardedCheckpointTest(tf.test.TestCase):
+    def test_checkpoints_cross_placements_with_slots(self):
+        strategy = mirrored()
+        values = table_values(ROWS, DIM)
+        ids = tf.constant([[1, 2, 2], [40, 7, 7]], tf.int64)
+        with strategy.scope():
+            table = strategy.create_sharded_variable(
+                uid("ck"), [ROWS, DIM], initializer=values, scheme="mod", placement="sharded"
+            )
+            optimizer = tfs.optimizers.Adam(0.1)
+            optimizer.build(table.variables)
+        squared_norm_step(strategy, table, optimizer)(per_replica(strategy, [ids] * 4))
+        trained, velocity = table.numpy(), optimizer.table_slot(table, "velocity").numpy()
+        path = tf.train.Checkpoint(t=table, o=optimizer).save(self.get_temp_dir() + f"/{uid('s')}")
+        # Into one device, 3 shards: table and slot.
+        local = tfs.create_sharded_variable(uid("l"), [ROWS, DIM], initializer="zeros", partitions=3)
+        local_opt = tfs.optimizers.Adam(0.1)
+        tf.train.Checkpoint(t=local, o=local_opt).restore(path)
+        local_opt.build(local.variables)  # delayed: the slots are created after restore() was called
+        self.assertAllEqual(local.numpy(), trained)
+        self.assertAllEqual(local_opt.table_slot(local, "velocity").numpy(), velocity)
+        # Into a plain variable, and into copies on every device.
+        plain = tf.Variable(tf.zeros([ROWS, DIM]))
+        tf.train.Checkpoint(t=plain).restore(path).expect_partial()
+        self.assertAllEqual(plain.numpy(), trained)
+        with strategy.scope():
+            mirrored_table = strategy.create_sharded_variable(
+                uid("m"), [ROWS, DIM], initializer="zeros", partitions=2, placement="device"
+            )
+        tf.train.Checkpoint(t=mirrored_table).restore(path).expect_partial()
+        self.assertAllEqual(mirrored_table.numpy(), trained)
+        # And back: a mirrored checkpoint into a sharded table with its slots.
+        back_path = tf.train.Checkpoint(t=mirrored_table).save(self.get_temp_dir() + f"/{uid('b')}")
+        with strategy.scope():
+            back = strategy.create_sharded_variable(
+                uid("b"), [ROWS, DIM], initializer="zeros", scheme="balanced", placement="sharded"
+            )
+        tf.train.Checkpoint(t=back).restore(back_path)
+        self.assertAllEqual(back.numpy(), trained)
+        for shard, device in zip(back.variables, strategy.extended.worker_devices):
+            self.assertEqual(shard.device, device)
+
+
+if __name__ == "__main__":
+    tf.test.main()
