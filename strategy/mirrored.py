@@ -10,7 +10,8 @@ Placement:
   replica, is applied to it once);
 * `"sharded"`: the table is split along its rows over the replicas, replica
   `r` holding shard `r` (and its optimizer slots) as a plain variable on its
-  device. A replica's lookup sends its distinct ids to the shards that own
+  device (a table with fewer rows than replicas: one row on each of the
+  first replicas). A replica's lookup sends its distinct ids to the shards that own
   them and gets their rows back; each shard's gradient rows from every
   replica are summed on its owner (`tfs.exchange.owners`), and the optimizer
   updates each row once, there. A table can then use every replica's memory;
@@ -38,6 +39,7 @@ from tf_sharded.config import Exchange
 from tf_sharded.exchange.policy import ExchangePolicy
 from tf_sharded.layout import resolve_spec
 from tf_sharded.strategy import FitLoop, StrategyFamily, Transport, register
+from tf_sharded.table.batched import build_batched
 from tf_sharded.table.builder import ShardPlacement, build_sharded_variable, colocate_scope
 
 HOST_PLACEMENT_BYTES = 256 << 20
@@ -75,28 +77,60 @@ def _sharded_devices(strategy, config, num_shards: int) -> list:
             f"gradient rows are summed on the replica that owns it. Received: exchange={config.exchange.value!r}"
         )
     devices = list(strategy.extended.worker_devices)
-    if num_shards != len(devices):
+    wanted = min(len(devices), config.shape[0])
+    if num_shards != wanted:
         raise ValueError(
             f"Argument `partitions` of table '{config.name}' must give one shard per replica with "
-            f"placement='sharded': {len(devices)} shards for {len(devices)} replicas (or None). Received: "
-            f"partitions={config.partitions!r} ({num_shards} shards)"
+            f"placement='sharded': {wanted} shards for {len(devices)} replicas and {config.shape[0]} rows (or "
+            f"None). Received: partitions={config.partitions!r} ({num_shards} shards)"
         )
-    return devices
+    return devices[:num_shards]
+
+
+def _placement_of(config) -> str:
+    table_bytes = config.dtype.size * int(tf.TensorShape(config.shape).num_elements())
+    return resolve_placement(config.placement, table_bytes)
+
+
+def _sharded_layout(strategy, config):
+    """`(partition spec, device of each shard)` of a table sharded over the replicas: a shard per replica (the
+    first `rows` replicas of a table with fewer rows)."""
+    shards = min(strategy.num_replicas_in_sync, config.shape[0])
+    spec = resolve_spec(config.partitions, config.shape, config.dtype, config.scheme, default_shards=shards)
+    return spec, _sharded_devices(strategy, config, spec.num_shards)
+
+
+def create_group(strategy, configs, name, variable_factory=None):
+    """Tables sharded over the replicas, of one dtype and row shape, in one storage variable per replica
+    (table-batched storage: one gather per replica and owner, one update per owner and step); None (each
+    table its own variables) unless every table is sharded."""
+    if any(_placement_of(config) != "sharded" for config in configs):
+        return None
+    specs, shard_devices = [], []
+    for config in configs:
+        spec, devices = _sharded_layout(strategy, config)
+        specs.append(spec)
+        shard_devices.append(list(range(len(devices))))
+    devices = list(strategy.extended.worker_devices)
+    with strategy.scope():
+        return build_batched(
+            name, configs, specs, shard_devices, devices, strategy,
+            lambda d: colocate_scope(_compat.single_device(devices[d])), variable_factory=variable_factory,
+            mirrored_placement="sharded",
+        )  # fmt: skip
 
 
 def create(strategy, config, variable_factory=None):
-    table_bytes = config.dtype.size * int(tf.TensorShape(config.shape).num_elements())
-    placement = resolve_placement(config.placement, table_bytes)
-    replicas = strategy.num_replicas_in_sync if placement == "sharded" else 1
-    spec = resolve_spec(config.partitions, config.shape, config.dtype, config.scheme, default_shards=replicas)
+    placement = _placement_of(config)
     if placement == "sharded":
-        devices = _sharded_devices(strategy, config, spec.num_shards)
+        spec, devices = _sharded_layout(strategy, config)
         on_replica = lambda i: colocate_scope(_compat.single_device(devices[i]))  # noqa: E731
         shards = ShardPlacement([None] * spec.num_shards, scope=on_replica)
         with strategy.scope():
             return build_sharded_variable(
                 config, spec, strategy, shards, variable_factory=variable_factory, mirrored_placement=placement
             )
+    spec = resolve_spec(config.partitions, config.shape, config.dtype, config.scheme, default_shards=1)
     policy = ExchangePolicy(config.exchange or _DEFAULT_EXCHANGE.get(strategy, "auto"), config.ids_per_step)
     if config.seed is None and _compat.in_multi_worker_mode(strategy):
         # Every worker initialises its own copy: the seed must not be drawn per worker.
@@ -180,6 +214,7 @@ MIRRORED = register(
         transport=transport,
         fit_loop=_mirrored_fit_loop,
         dynamic_devices=dynamic_devices,
+        create_group=create_group,
     ),
     tf.distribute.MirroredStrategy,
 )

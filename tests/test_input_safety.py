@@ -400,6 +400,20 @@ def test_a_malformed_tf_config_is_one_line_naming_it_before_anything_starts():
     assert out == ""
 
 
+def test_mirrored_flags_where_they_cannot_apply_are_refused_in_one_line():
+    usage = " (python -m tf_sharded train --help lists the flags)"
+    cases = {
+        ("--strategy", "multi_worker", "--placement", "sharded"): "error: --placement sharded: tables split over "
+        "the replicas need --strategy mirrored (replicas of one process); received --strategy multi_worker",
+        ("--strategy", "parameter_server", "--placement", "host"): "error: --placement applies to --strategy "
+        "mirrored|multi_worker; received --strategy parameter_server",
+        ("--cpu_replicas", "2"): "error: --cpu_replicas applies to --strategy mirrored; received --strategy default",
+    }
+    for argv, message in cases.items():
+        code, out, err = train(*argv)
+        assert (code, out, one_line(err)) == (2, "", message + usage), argv
+
+
 def test_training_on_from_a_checkpoint_of_another_schema_is_refused_before_reading_data(ratings, tmp_path):
     csv, schema_file, checkpoints = ratings
     with open(schema_file) as f:

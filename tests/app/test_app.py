@@ -65,14 +65,15 @@ class ApplicationTest(tf.test.TestCase):
     def test_each_strategy_trains_and_reports(self):
         cases = (
             ("default", "deepfm", "1"),
-            ("mirrored", "dlrm", "1"),
+            ("mirrored", "dlrm", "1"),  # tables sharded over 2 CPU replicas
             ("multi_worker", "deepfm", "1"),
             ("parameter_server", "dlrm", "3"),  # 2 steps per epoch at 3 per execution: one execution of 2
         )
         ckpts = {strategy: os.path.join(self.get_temp_dir(), strategy) for strategy, _, _ in cases}
+        sharded = ["--cpu_replicas", "2", "--placement", "sharded"]
         commands = [
             train_args("--strategy", strategy, "--model", model, "--steps_per_execution", per_execution,
-                       "--checkpoint_dir", ckpts[strategy])
+                       "--checkpoint_dir", ckpts[strategy], *(sharded if strategy == "mirrored" else []))
             for strategy, model, per_execution in cases
         ]  # fmt: skip
         # Two runs at a time (independent processes): most of a tiny run is start-up and tracing.
@@ -82,6 +83,8 @@ class ApplicationTest(tf.test.TestCase):
             self.assertEqual(proc.returncode, 0, msg=f"{strategy}: {proc.stderr[-3000:]}")
             line = summary(proc)
             self.assertIn(f"{model} | {strategy}", line)
+            if strategy == "mirrored":
+                self.assertIn("mirrored (2 replicas on CPU devices)", line)
             self.assertIn("4 steps", line)
             self.metrics_are_those_of_the_saved_model(proc, model, ckpt)
 

@@ -91,14 +91,14 @@ class BenchmarkSuiteTest(tf.test.TestCase):
         runs = run_python_together(
             [
                 bench + ["e2e", "quantize", "mwprofile"],
-                bench + ["ps", "exchange", "fused", "memory", "dynamic", "plan"],
+                bench + ["ps", "exchange", "fused", "memory", "dynamic", "plan", "sharded"],
             ],
             900,
         )
         for proc in runs:
             self.assertEqual(proc.returncode, 0, msg=proc.stdout + proc.stderr[-3000:])
         proc = subprocess.CompletedProcess(runs[1].args, 0, runs[0].stdout + runs[1].stdout, "")
-        for name in ("ps", "exchange", "fused", "memory", "e2e", "dynamic", "quantize", "mwprofile", "plan"):
+        for name in ("ps", "exchange", "fused", "memory", "e2e", "dynamic", "quantize", "mwprofile", "plan", "sharded"):
             self.assertTrue(os.path.getsize(os.path.join(out, f"{name}.png")) > 1000, name)
         self.assertIn("native/ours", proc.stdout)
         self.check_exchange(out)
@@ -219,6 +219,30 @@ class BenchmarkSuiteTest(tf.test.TestCase):
         self.check_quantize(out)
         self.check_multi_worker_profile(out)
         self.check_plan(out)
+        self.check_sharded(out)
+
+    def check_sharded(self, out):
+        with open(os.path.join(out, "sharded.json")) as f:
+            report = json.load(f)
+        self.assertEqual((report["benchmark"], report["tables"], report["dim"]), ("sharded", 8, 16))
+        (per,) = report["results"]
+        self.assertEqual(per["replicas"], 4)
+        for row in per["results"]:
+            # Each replica holds its quarter of the tables and of their slot (2,000 rows split evenly), a copy per
+            # replica the whole of both.
+            self.assertEqual(row["table_and_slot_bytes"], 8 * row["rows"] * 16 * 4 * 2)
+            self.assertAllClose(row["sharded_vs_even_share"], 1.0)
+            self.assertEqual(row["device_bytes_per_replica"], row["table_and_slot_bytes"])
+            self.assertGreater(row["sharded_step_s"], 0)
+            self.assertAlmostEqual(row["sharded_vs_device_step"], row["sharded_step_s"] / row["device_step_s"])
+        plan = per["plan"]
+        self.assertEqual((plan["placements"], plan["built"]), (["sharded"], ["sharded"]))
+        self.assertEqual(plan["memory_per_replica"], plan["table_and_slot_bytes"] // 3)
+        self.assertLess(plan["losses"][-1], plan["losses"][0])  # the planned layer trains
+        (app,) = report["app"]
+        self.assertEqual(app["replicas"], 4)
+        self.assertGreater(app["sharded_samples_per_s"], 0)
+        self.assertLess(abs(app["auc_difference"]), 0.005)  # the same training, whichever the placement
 
     def check_plan(self, out):
         """B11's schema; which option the plan takes is a function of the sample (timings are not checked here:

@@ -133,6 +133,50 @@ def test_mirrored_exchange_follows_the_cost_model_and_placement_the_memory():
         tfs.plan(three, MIRRORED, memory_per_device=26 << 20)
 
 
+def test_replica_budget_copies_then_shards_then_the_host():
+    """`memory_per_replica`: in table order, a copy per replica while it fits, else (MirroredStrategy) a shard per
+    replica, else the host; a configured device copy that does not fit is an error naming its bytes and the budget."""
+    mb = 2**20
+    rows = {"a": 40_000, "b": 200_000, "c": 2_000_000}  # x 8 floats x (table + 1 slot): 2.4, 12.2, 122 MB
+    tables = {name: {"input_dim": n, "output_dim": 8} for name, n in rows.items()}
+    need = {name: n * 8 * 4 * 2 / mb for name, n in rows.items()}
+    plan = tfs.plan(tables, MIRRORED, memory_per_replica=8 * mb)
+    assert [t.placement for t in plan.tables.values()] == ["device", "sharded", "host"]
+    assert plan.tables["b"].reason.startswith(f"sharded: a copy of {need['b']:,.1f} MB beside {need['a']:,.1f} MB")
+    assert "a shard of 3.1 MB per replica (4) does" in plan.tables["b"].reason
+    assert "no exchange to choose" in plan.tables["b"].reason and plan.tables["b"].exchange is None
+    assert plan.tables["b"].arguments()["placement"] == "sharded"
+    # What one replica then holds: a's copy and a quarter of b (c is on the host).
+    assert need["a"] + need["b"] / 4 <= 8
+    # Across workers there is no sharded placement: the host instead.
+    multi = tfs.plan(tables, {"kind": "multi_worker_mirrored", "replicas": 4, "workers": 2}, memory_per_replica=8 * mb)
+    assert multi.tables["b"].placement == "host"
+    # A large budget copies everything; a configured placement is kept.
+    assert {t.placement for t in tfs.plan(tables, MIRRORED, memory_per_replica=400 * mb).tables.values()} == {"device"}
+    fixed = dict(tables, c={"input_dim": 2_000_000, "output_dim": 8, "placement": "sharded"})
+    assert tfs.plan(fixed, MIRRORED, memory_per_replica=8 * mb).tables["c"].reason.startswith("placement set by")
+    forced = dict(tables, b={"input_dim": 200_000, "output_dim": 8, "placement": "device"})
+    with pytest.raises(ValueError, match=r"Table 'b' with placement='device' needs 12.2 MB \(table and slots\) on "
+                       r"every replica beside 2.4 MB .* `memory_per_replica` is 8.0 MB"):  # fmt: skip
+        tfs.plan(forced, MIRRORED, memory_per_replica=8 * mb)
+    with pytest.raises(ValueError, match="memory_per_replica"):
+        tfs.plan(tables, MIRRORED, memory_per_replica=0)
+
+
+@pytest.mark.mirrored
+def test_collection_applies_a_sharded_plan():
+    strategy = mirrored()
+    tables = {"big": {"input_dim": 20_000, "output_dim": 4, "seed": 1}, "small": {"input_dim": 50, "output_dim": 4}}
+    plan = tfs.plan(tables, strategy, memory_per_replica=300_000)  # big: 640 KB with its slot, a quarter fits
+    assert (plan.tables["big"].placement, plan.tables["small"].placement) == ("sharded", "device")
+    with strategy.scope():
+        layer = tfs.layers.EmbeddingCollection(tables, {"b": "big", "s": "small"}, plan=plan)
+        layer.build()
+    big = layer.tables["big"]
+    assert big.placement == "sharded" and list(big.devices) == list(strategy.extended.worker_devices)
+    assert layer.tables["small"].placement == "device"
+
+
 def test_statistics_instead_of_a_sample_and_the_default_strategy():
     tables = {"t": {"input_dim": 5_000, "output_dim": 8}}
     plan = tfs.plan(tables, MIRRORED, ids={"t": {"ids_per_step": 8192, "distinct_per_step": 1500}})

@@ -10,6 +10,7 @@ from tests.harness.graphs import ROW_OPS, whole_table_reads
 from tests.harness.references import table_values
 from tests.harness.steps import squared_norm_collection_step, squared_norm_step
 from tests.harness.strategies import mirrored, per_replica, uid
+from tf_sharded.table.batched import storage_of
 
 pytestmark = pytest.mark.mirrored
 
@@ -130,10 +131,16 @@ class ShardedPlacementTest(tf.test.TestCase):
             self.assertAllClose(layer.tables[name].numpy(), want, atol=1e-5, msg=name)
 
         graph = step.get_concrete_function(features).graph
+        # Consecutive tables of one width are stored together (a and b): one variable per replica, a slot beside it.
+        storages = {id(storage_of(t) or t): storage_of(t) or t for t in layer.tables.values()}.values()
+        self.assertIs(storage_of(layer.tables["a"]), storage_of(layer.tables["b"]))
+        self.assertLen(storages, 2)
         handles = {}
-        for name in tables:
-            for v in list(layer.tables[name].variables) + [optimizer.table_slot(layer.tables[name], "accumulator")
-                                                          .variables[i] for i in range(4)]:  # fmt: skip
+        for storage in storages:
+            slot = optimizer.table_slot(storage, "accumulator")
+            self.assertEqual(list(storage.devices), list(strategy.extended.worker_devices))
+            self.assertEqual(list(slot.devices), list(strategy.extended.worker_devices))
+            for v in list(storage.variables) + list(slot.variables):
                 handles[id(v.handle)] = v.device
         captured = {internal.name: handles[id(external)] for external, internal in graph.captures if id(external)
                     in handles}  # fmt: skip
@@ -152,7 +159,7 @@ class ShardedPlacementTest(tf.test.TestCase):
                     tf.DeviceSpec.from_string(captured[op.inputs[0].name]).to_string(),
                     msg=op.name,
                 )
-        self.assertLen(writes, 3 * 4 * 2)  # every shard and slot shard of the 3 tables is written ...
+        self.assertLen(writes, 2 * 4 * 2)  # every storage variable (2 widths x 4 owners) and its slot is written ...
         self.assertEqual({len(ops) for ops in writes.values()}, {1})  # ... once per step, not once per replica
         # One payload per owner and row shape carries the three tables: 4 owners x 2 widths, not 4 x 3.
         merges = [op for op in graph.get_operations() if op.type == "Unique" and "tfs_to_owners" in op.name]

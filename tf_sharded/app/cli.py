@@ -125,6 +125,23 @@ def define_flags(values: flags.FlagValues) -> None:
         flag_values=values,
     )
     flags.DEFINE_integer("embedding_dim", 16, "Embedding width.", lower_bound=1, flag_values=values)
+    flags.DEFINE_integer(
+        "cpu_replicas",
+        0,
+        "--strategy mirrored on a machine without accelerators: split the CPU into this many devices, one "
+        "replica each (0: one replica per device TensorFlow finds).",
+        lower_bound=0,
+        flag_values=values,
+    )
+    flags.DEFINE_enum(
+        "placement",
+        None,
+        ["device", "host", "sharded", "auto"],
+        "Where each table lives under --strategy mirrored|multi_worker: a copy per replica (device), one per "
+        "worker in host memory (host), split over the replicas (sharded; mirrored only), or by size (auto). "
+        "Default: the strategy's (auto).",
+        flag_values=values,
+    )
     flags.DEFINE_enum(
         "plan",
         "none",
@@ -153,6 +170,13 @@ def _strategy(args):
     if name == "default":
         return tf.distribute.get_strategy(), "default", 1, None
     if name == "mirrored":
+        if args.cpu_replicas:
+            cpu = tf.config.list_physical_devices("CPU")[0]
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration()] * args.cpu_replicas
+            )
+            s = tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")])
+            return s, f"mirrored ({s.num_replicas_in_sync} replicas on CPU devices)", 1, None
         s = tf.distribute.MirroredStrategy()
         return s, f"mirrored ({s.num_replicas_in_sync} replicas)", 1, None
     if name == "multi_worker":
@@ -261,6 +285,7 @@ def _train(args, strategy, description, workers) -> int:
             args.model,
             plan.schema,
             embedding_dim=args.embedding_dim,
+            table_options={"placement": args.placement} if args.placement else None,
             output_bias=models.output_bias(plan.scanned, binary),
             plan=planner,
         )
@@ -494,6 +519,22 @@ def _stray_cluster_flags(values) -> str:
     )
 
 
+def _placement_problem(values) -> str:
+    """Why `--placement` or `--cpu_replicas` cannot apply ("" when they can): they shape mirrored strategies."""
+    if values.cpu_replicas and values.strategy != "mirrored":
+        return f"--cpu_replicas applies to --strategy mirrored; received --strategy {values.strategy}"
+    if values.placement is None or values.strategy == "mirrored":
+        return ""
+    if values.strategy != "multi_worker":
+        return f"--placement applies to --strategy mirrored|multi_worker; received --strategy {values.strategy}"
+    if values.placement == "sharded":
+        return (
+            "--placement sharded: tables split over the replicas need --strategy mirrored (replicas of one "
+            "process); received --strategy multi_worker"
+        )
+    return ""
+
+
 def main(argv: List[str]) -> int:
     """Entry point for `train`; returns the exit code."""
     values = flags.FlagValues()
@@ -507,7 +548,7 @@ def main(argv: List[str]) -> int:
     except flags.Error as e:
         print(f"error: {e} (python -m tf_sharded train --help lists the flags)", file=sys.stderr)
         return 2
-    stray = _stray_cluster_flags(values)
+    stray = _stray_cluster_flags(values) or _placement_problem(values)
     if stray:
         print(f"error: {stray} (python -m tf_sharded train --help lists the flags)", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ BENCHMARKS = {
     "quantize": ("tf_sharded.benchmarks.quantize", "B9: the demo model served with int8 / int4 tables vs float"),
     "mwprofile": ("tf_sharded.benchmarks.multi_worker_profile", "B10: a multi-worker mirrored step taken apart"),
     "plan": ("tf_sharded.benchmarks.plan", "B11: tfs.plan's choices against the measured options, its constants"),
+    "sharded": ("tf_sharded.benchmarks.sharded", "B12: tables sharded over the replicas vs mirrored copies"),
 }
 # Benchmarks that pick their own cluster (or none): run once, whatever --mode says.
-SINGLE_RUN = ("exchange", "memory", "e2e", "recovery", "quantize", "mwprofile")
+SINGLE_RUN = ("exchange", "memory", "e2e", "recovery", "quantize", "mwprofile", "sharded")

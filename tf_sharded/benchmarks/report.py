@@ -2,7 +2,7 @@
 
 Reads every `*.json` under the bench directory (default `docs/bench`, subdirectories included) and writes
 one Markdown page (default `docs/benchmarks.md`): a section per benchmark of the suite, in the order of
-their ids (B1 ... B11), and in a section one block per JSON file, grouped by the directory it is in (one
+their ids (B1 ... B12), and in a section one block per JSON file, grouped by the directory it is in (one
 run, or one stack, per directory). A block names the command that writes such a file, the run's date,
 machine, library versions and commit where the file records them ("not recorded" where it does not),
 the workload, tables of the figures and ratios, and the suite's plot `NAME.png` when one lies beside the
@@ -69,7 +69,10 @@ How to read the ratios (each benchmark's module docstring, `tf_sharded/benchmark
 * **B10** (`bench mwprofile`): no ratios: milliseconds of a multi-worker step and of its parts, each
   measured alone.
 * **B11** (`bench plan`): `chosen / fastest` is the step time of the plan's option over the fastest
-  option's: 1.00, the plan chose the fastest; it agrees within 1 + the report's noise."""
+  option's: 1.00, the plan chose the fastest; it agrees within 1 + the report's noise.
+* **B12** (`bench sharded`): `/ even share` is the bytes of tables and slots on the fullest replica over
+  (tables + slots) / replicas (goal at most 1.15); `sharded / device` is the step time of tables sharded
+  over the replicas over that of a copy per replica: above 1, copies are faster where both fit."""
 
 
 class ReportError(Exception):
@@ -440,6 +443,41 @@ def _plan(report: Dict) -> List[str]:
     )
 
 
+def _sharded(report: Dict) -> List[str]:
+    lines = _para(
+        f"Workload: {report['tables']} tables x {report['dim']}, {report['ids_per_replica_and_table']} uniform ids "
+        f"per table and replica, a dense head, Adagrad; medians of {report['rounds']} rounds of {report['steps']} "
+        "steps."
+    )
+    table, plans = [], []
+    for per in report["results"]:
+        for r in per["results"]:
+            table.append([
+                str(per["replicas"]), f"{r['rows']:,}", f"{r['sharded_bytes_per_replica'] / 2**20:.1f}",
+                f"{r['sharded_vs_even_share']:.3f}", f"{r['device_bytes_per_replica'] / 2**20:.1f}",
+                _ms(r["sharded_step_s"]), _ms(r["device_step_s"]), f"{r['sharded_vs_device_step']:.2f}",
+            ])  # fmt: skip
+        plan = per["plan"]
+        if plan is None:
+            continue
+        plans.append([str(per["replicas"]), f"{plan['memory_per_replica'] / 2**20:.1f}",
+                      ", ".join(plan["placements"]), ", ".join(plan["built"]), plan["reason"]])  # fmt: skip
+    lines += _table(
+        "replicas | rows per table | sharded MB per replica | / even share | device MB per replica | sharded ms | "
+        "device ms | sharded / device",
+        table,
+    )
+    lines += _para("`tfs.plan` with `memory_per_replica` a third of one table and its slot:")
+    lines += _table("replicas | memory_per_replica MB | planned | built | reason", plans)
+    lines += _para(f"The application, `train --strategy mirrored --cpu_replicas N`, {report['app_steps']} steps:")
+    return lines + _table(
+        "replicas | sharded samples/s | device samples/s | sharded / device | sharded AUC | device AUC",
+        ([str(a["replicas"]), f"{a['sharded_samples_per_s']:,.0f}", f"{a['device_samples_per_s']:,.0f}",
+          f"{a['sharded_vs_device']:.2f}", f"{a['sharded_auc']:.4f}", f"{a['device_auc']:.4f}"]
+         for a in report["app"]),
+    )  # fmt: skip
+
+
 RENDERERS: Dict[str, Callable[[Dict], List[str]]] = {
     "ps": _ps,
     "exchange": _exchange,
@@ -451,6 +489,7 @@ RENDERERS: Dict[str, Callable[[Dict], List[str]]] = {
     "quantize": _quantize,
     "mwprofile": _mwprofile,
     "plan": _plan,
+    "sharded": _sharded,
 }
 
 

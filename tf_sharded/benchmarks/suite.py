@@ -219,6 +219,19 @@ def _plot(name: str, reports: List[Dict], out: str) -> str:
             ax.set_xticks(range(len(rows)), labels, fontsize=7)
             ax.set(ylabel="plan's option / fastest option", title=f"B11: tfs.plan's choices ({report['mode']})")
             ax.legend()
+    elif name == "sharded":
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+        for per in reports[0]["results"]:
+            rows = per["results"]
+            label = f"{per['replicas']} replicas"
+            a.plot([r["rows"] for r in rows], [r["sharded_vs_even_share"] for r in rows], marker="o", label=label)
+            b.plot([r["rows"] for r in rows], [r["sharded_vs_device_step"] for r in rows], marker="o", label=label)
+        a.axhline(1.15, color="gray", linestyle="--", label="goal (1.15)")
+        a.set(xscale="log", xlabel="rows per table", ylabel="bytes per replica / even share", title="B12: memory")
+        b.axhline(1.0, color="gray", linestyle="--")
+        b.set(xscale="log", xlabel="rows per table", ylabel="step time, sharded / device copies", title="B12: step")
+        a.legend()
+        b.legend()
     elif name == "quantize":
         fig, (a, b) = plt.subplots(1, 2, figsize=(9, 4))
         rows = reports[0]["results"]

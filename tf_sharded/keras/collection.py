@@ -56,10 +56,11 @@ class EmbeddingCollection(keras.layers.Layer):
         its own; an int is capped at each table's rows (a 2-row table gets
         2 shards of a default of 8).
       scheme: the default `scheme` of every table that does not set its own.
-      batch_tables: under parameter servers, store consecutive tables of one
-        dtype and row shape together, one variable per ps for all of them
-        (table-batched storage: one gather and one update per ps and step
-        instead of one per shard). Each table keeps its own layout,
+      batch_tables: under parameter servers (and for tables sharded over a
+        mirrored strategy's replicas), store consecutive tables of one
+        dtype and row shape together, one variable per ps (or replica) for
+        all of them (table-batched storage: one gather and one update per
+        ps and step instead of one per shard). Each table keeps its own layout,
         checkpoint key, weight-file entry and export; `layer.weights` are
         the storage variables. Consecutive dynamic tables of one
         `output_dim`, shard count and key dtype, without `max_rows` or a

@@ -8,9 +8,10 @@ with the cost model's estimate of the table's part of a training step:
   where the sample shows "div" would send them to one shard), which tables
   share one storage variable per ps (table-batched storage), and each ps's
   memory;
-* mirrored strategies: where the copy lives (`placement`: a copy per
-  replica device where the worker's memory holds them, else one on the
-  host) and the gradient exchange (all-gather or densified), fixed from the
+* mirrored strategies: where the table lives (`placement`: a copy per
+  replica device where the memory holds them; under MirroredStrategy, split
+  over the replicas where only a shard per replica fits
+  (`memory_per_replica`); else one on the host) and the gradient exchange (all-gather or densified), fixed from the
   sample's distinct ids per replica (`ids_per_step`) instead of decided
   every step;
 * the default strategy: one local table; nothing to decide.
@@ -158,6 +159,7 @@ def plan(
     ids=None,
     slots: int = DEFAULT_SLOTS,
     memory_per_device: Optional[int] = None,
+    memory_per_replica: Optional[int] = None,
 ) -> Plan:
     """An explainable per-table plan for `tables` under `strategy`, from a sample of ids.
 
@@ -184,6 +186,12 @@ def plan(
         worker (mirrored: all its replicas' copies) may hold for tables and
         slots: mirrored tables go to the host where their copies would not
         fit; a table or tables that fit nowhere are an error.
+      memory_per_replica: optional bytes one replica's device may hold for
+        tables and slots (mirrored strategies): in table order, a copy per
+        replica while it fits beside the tables before it, else (under
+        MirroredStrategy) the table sharded over the replicas while a shard
+        fits, else the host. A table whose config says `placement="device"`
+        and whose copy does not fit is an error naming it.
 
     Returns a `Plan`: print it for the table; pass it to
     `EmbeddingCollection(..., plan=plan)` to apply it.
@@ -214,12 +222,9 @@ def plan(
         raise ValueError(f"Argument `ids` names tables that are not in `tables`: {unknown}; tables: {sorted(configs)}")
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
         raise ValueError(f"Argument `slots` must be a non-negative int. Received: slots={slots!r}")
-    if memory_per_device is not None and (
-        isinstance(memory_per_device, bool) or not isinstance(memory_per_device, int) or memory_per_device < 1
-    ):
-        raise ValueError(
-            f"Argument `memory_per_device` must be a positive int (bytes). Received: {memory_per_device!r}"
-        )
+    for arg, value in (("memory_per_device", memory_per_device), ("memory_per_replica", memory_per_replica)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"Argument `{arg}` must be a positive int (bytes). Received: {value!r}")
     stats = {}
     for name, config in configs.items():
         if ids and name in ids:
@@ -227,11 +232,20 @@ def plan(
     planner = {PS: _plan_ps, MIRRORED: _plan_mirrored, MULTI: _plan_mirrored}.get(topology.kind, _plan_default)
     # The storage groups under parameter servers (the collection's runs); else each table alone.
     groups = storage_runs(configs, topology.kind == PS)
-    planned, device_mb = planner(configs, stats, topology, slots, memory_per_device, groups)
+    memory = Memory(memory_per_device, memory_per_replica)
+    planned, device_mb = planner(configs, stats, topology, slots, memory, groups)
     overhead = 0.0
     if topology.kind == PS:
         overhead = PS_DISPATCH_MS + sum(len(g) > 1 for g in groups) * topology.num_ps * PS_VARIABLE_MS
     return Plan(topology, planned, groups, overhead, device_mb)
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """The budgets a plan must keep (bytes, None: no limit): a ps or mirrored worker's, one replica's."""
+
+    per_device: Optional[int] = None
+    per_replica: Optional[int] = None
 
 
 def _table_bytes(config) -> int:
@@ -320,8 +334,8 @@ def _imbalance(loads: list) -> float:
     return max(loads) / mean if mean else 1.0
 
 
-def _plan_ps(configs, stats, topology, slots, memory, groups):
-    num_ps = topology.num_ps
+def _plan_ps(configs, stats, topology, slots, budgets, groups):
+    num_ps, memory = topology.num_ps, budgets.per_device
     group_of = {n: g[0] for g in groups if len(g) > 1 for n in g}
     shards = _shards(configs, stats, num_ps)
     parts = {n: k for n, (k, _) in shards.items()}
@@ -363,12 +377,40 @@ def _plan_ps(configs, stats, topology, slots, memory, groups):
     return out, [load / 2**20 for load in loads]
 
 
-def _plan_mirrored(configs, stats, topology, slots, memory, groups):
+def _replica_placement(name, config, need, held, replicas, in_process, budget):
+    """`(placement, why)` of a table from one replica's budget; None where the config fixes a placement that fits.
+
+    `held`: the bytes one replica holds of the tables placed before this one.
+    """
+    copy_fits = held + need <= budget
+    if config.placement == "device" and not copy_fits:
+        raise ValueError(
+            f"Table '{name}' with placement='device' needs {_mb(need)} (table and slots) on every replica beside "
+            f"{_mb(held)} of the tables before it; argument `memory_per_replica` is {_mb(budget)}. Use "
+            "placement='sharded' or 'auto'."
+        )
+    if config.placement not in (None, "auto"):
+        return None
+    if copy_fits:
+        return "device", f"device: a copy of {_mb(need)} beside {_mb(held)} fits memory_per_replica {_mb(budget)}"
+    shard = need / replicas
+    if in_process and replicas > 1 and held + shard <= budget:
+        return "sharded", (
+            f"sharded: a copy of {_mb(need)} beside {_mb(held)} does not fit memory_per_replica {_mb(budget)}; "
+            f"a shard of {_mb(shard)} per replica ({replicas}) does"
+        )
+    where = "a shard per replica" if in_process and replicas > 1 else "a copy"
+    return "host", f"host: neither {where} nor a copy fits memory_per_replica {_mb(budget)} beside {_mb(held)}"
+
+
+def _plan_mirrored(configs, stats, topology, slots, budgets, groups):
     from tf_sharded.strategy.mirrored import HOST_PLACEMENT_BYTES, resolve_placement
 
     in_process = topology.kind == MIRRORED
     local_replicas = max(1, topology.replicas // topology.workers)
+    memory = budgets.per_device
     out, held = {}, 0.0  # held: the worker's bytes of the tables placed so far
+    held_replica = 0.0  # one replica's
     for name, config in configs.items():
         t = _base(name, config, stats)
         if t.rows is None:
@@ -376,8 +418,15 @@ def _plan_mirrored(configs, stats, topology, slots, memory, groups):
             continue
         nbytes = _table_bytes(config)
         need = nbytes * (1 + slots)
+        by_replica = None
+        if budgets.per_replica is not None:
+            by_replica = _replica_placement(
+                name, config, need, held_replica, local_replicas, in_process, budgets.per_replica
+            )
         if config.placement not in (None, "auto"):
             placement, why = config.placement, "placement set by the table config"
+        elif by_replica is not None:
+            placement, why = by_replica
         elif memory is not None:
             # In table order: a copy per replica while the worker still has room for them, else one on the host.
             placement = "device" if held + need * local_replicas <= memory else "host"
@@ -390,6 +439,7 @@ def _plan_mirrored(configs, stats, topology, slots, memory, groups):
             why = f"{placement}: {_mb(nbytes)} {'>' if placement == 'host' else '<='} {_mb(HOST_PLACEMENT_BYTES)}"
         copies = local_replicas if placement == "device" else 1
         held += need * copies
+        held_replica += {"device": need, "sharded": need / local_replicas}.get(placement, 0.0)
         if memory is not None and held > memory:
             raise ValueError(
                 f"Table '{name}' needs {_mb(need * copies)} with {slots} slot(s) ({copies} cop(ies)) beside "
@@ -397,7 +447,9 @@ def _plan_mirrored(configs, stats, topology, slots, memory, groups):
                 f"{_mb(memory)}. Use parameter servers for these tables."
             )
         exchange, bound, ms = None, None, 0.0
-        if config.exchange not in (None, "auto") or config.ids_per_step is not None:
+        if placement == "sharded":
+            why += "; rows travel to their owners and back: no exchange to choose"
+        elif config.exchange not in (None, "auto") or config.ids_per_step is not None:
             why += "; exchange set by the table config"
         elif t.distinct_per_step is not None:
             bound = max(1, int(math.ceil(t.distinct_per_step)))

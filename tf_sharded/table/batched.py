@@ -1,9 +1,10 @@
 """Table-batched storage: the shards of several tables held in one variable per device.
 
 Tables of one dtype and row shape that an `EmbeddingCollection` creates
-together under parameter servers are stored as one *storage table*: one
-variable per parameter server, holding every shard of those tables that
-lives there, one after another (TorchRec's table-batched layout). Each
+together under parameter servers (or sharded over a mirrored strategy's
+replicas) are stored as one *storage table*: one variable per parameter
+server (or replica), holding every shard of those tables that lives there,
+one after another (TorchRec's table-batched layout). Each
 table is still a `ShardedVariable` with its own layout, whose shards are
 `RowSegment`s of the storage variables, so its logical view is unchanged:
 one full-shape checkpoint key restoring across layouts, `read_value()`,
@@ -86,12 +87,14 @@ def build_batched(
     strategy,
     placement_scope,
     variable_factory=None,
+    mirrored_placement: Optional[str] = None,
 ) -> List[ShardedVariable]:
     """Creates `configs`' tables in one storage table; returns the member tables, in order.
 
     `shard_devices[m][i]` is the index (into `device_names`) of the device holding shard `i` of table `m`;
     the storage has one variable per device, created under `placement_scope(index)` by `variable_factory`
-    (as a table's shards are). Every table must have `configs[0]`'s dtype and row shape.
+    (as a table's shards are). Every table must have `configs[0]`'s dtype and row shape. `mirrored_placement`
+    is recorded on the storage and its members (a mirrored strategy's tables sharded over the replicas).
     """
     inner, dtype = list(configs[0].shape[1:]), configs[0].dtype
     layouts = [spec.bind(config.shape[0]) for config, spec in zip(configs, specs)]
@@ -116,7 +119,14 @@ def build_batched(
     )
     spec = PartitionSpec(len(holding), splits=[used[d] for d in holding])
     placement = ShardPlacement([device_names[d] for d in holding], scope=lambda j: placement_scope(holding[j]))
-    storage = build_sharded_variable(storage_config, spec, strategy, placement, variable_factory=variable_factory)
+    storage = build_sharded_variable(
+        storage_config,
+        spec,
+        strategy,
+        placement,
+        variable_factory=variable_factory,
+        mirrored_placement=mirrored_placement,
+    )
     position = {d: j for j, d in enumerate(holding)}
     members, entry = [], []
     for config, layout, mine in zip(configs, layouts, segments):
@@ -131,7 +141,7 @@ def build_batched(
 
 def _view(storage: ShardedVariable, placed, layout, name: str, shape, strategy) -> ShardedVariable:
     shards = [RowSegment(storage.variables[j], offset, layout.shard_sizes[i]) for i, (j, offset) in enumerate(placed)]
-    return ShardedVariable(shards, layout, name, shape, storage.dtype, strategy)
+    return ShardedVariable(shards, layout, name, shape, storage.dtype, strategy, placement=storage.placement)
 
 
 def slot_views(storage: ShardedVariable, slot: ShardedVariable, slot_name: str) -> List[ShardedVariable]:

@@ -1,0 +1,276 @@
+"""B12: tables sharded over MirroredStrategy's replicas (`placement="sharded"`) against mirrored copies.
+
+At N = 2 and 4 replicas (logical CPUs of one process, `--quick`: N = 4),
+each in its own process:
+
+* **bytes per replica**: the bytes of the variables placed on each
+  replica's device (tables and `tfs.optimizers.Adagrad`'s slot), for an
+  `EmbeddingCollection` of 8 tables sharded, against (tables + slots) / N,
+  the goal (within 15%); and what a mirrored copy per replica holds;
+* **step time**, sharded / mirrored (`placement="device"`), on tables both
+  fit, at several table sizes: 8 tables of `rows` x 16, 512 uniform ids per
+  table and replica, a lookup, a dense head and an Adagrad update per step
+  (median of timed rounds after a traced warm-up). Where the ratio crosses
+  1 is where `tfs.plan` should stop copying; it shards only by memory;
+* **the plan** (from 3 replicas on, where a shard fits a third): with
+  `memory_per_replica` at a third of one table's bytes (table and slot),
+  `tfs.plan` places it sharded, and the layer built from the plan trains.
+
+Then the application, as a user runs it: `python -m tf_sharded train
+--strategy mirrored --cpu_replicas N` with `--placement sharded` and with
+`--placement device` at equal steps: samples/s and held-out AUC.
+
+    python -m tf_sharded bench sharded [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+from tf_sharded.benchmarks import children
+
+TABLES, DIM, IDS = 8, 16, 512
+
+
+def _sizes(quick: bool) -> Dict:
+    if quick:
+        return {"replicas": [4], "rows": [2_000], "memory_rows": 4_000, "steps": 3, "rounds": 2,
+                "app_steps": 20, "app_vocab": 1_000}  # fmt: skip
+    return {"replicas": [2, 4], "rows": [10_000, 100_000, 1_000_000], "memory_rows": 1_000_000, "steps": 20,
+            "rounds": 5, "app_steps": 600, "app_vocab": 100_000}  # fmt: skip
+
+
+def _collection(strategy, rows: int, placement, memory_per_replica=None, count: int = TABLES):
+    import tensorflow as tf
+
+    import tf_sharded as tfs
+
+    tables = {f"t{i}": {"input_dim": rows, "output_dim": DIM, "seed": i} for i in range(count)}
+    plan = None
+    if memory_per_replica is not None:
+        plan = tfs.plan(tables, strategy, memory_per_replica=memory_per_replica)
+    else:
+        tables = {name: dict(t, placement=placement) for name, t in tables.items()}
+    with strategy.scope():
+        layer = tfs.layers.EmbeddingCollection(tables, {name: name for name in tables}, plan=plan)
+        layer.build()
+        head = tf.Variable(tf.ones([count * DIM, 1]) / 100)
+        optimizer = tfs.optimizers.Adagrad(0.05)
+        optimizer.build(layer.trainable_variables + [head])
+    return layer, head, optimizer, plan
+
+
+def _bytes_by_device(variables) -> Dict[str, int]:
+    """Bytes of `variables` per device (a mirrored variable's copies each on their own device)."""
+    import keras
+    import tensorflow as tf
+
+    held: Dict[str, int] = {}
+    for v in variables:
+        v = v.value if isinstance(v, keras.Variable) else v  # a Keras variable's TensorFlow variable
+        copies = v.values if isinstance(v, tf.distribute.DistributedValues) else (v,)
+        for copy in copies:
+            held[copy.device] = held.get(copy.device, 0) + copy.shape.num_elements() * copy.dtype.size
+    return held
+
+
+def _step(strategy, layer, head, optimizer):
+    import tensorflow as tf
+
+    @tf.function
+    def step(features):
+        def fn(features):
+            with tf.GradientTape() as tape:
+                out = layer(features)
+                x = tf.concat([out[name] for name in sorted(out)], axis=1)
+                loss = tf.reduce_mean(tf.square(tf.matmul(x, head) - 1.0))
+            variables = layer.trainable_variables + [head]
+            optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+            return loss
+
+        return strategy.run(fn, args=(features,))
+
+    return step
+
+
+def _features(strategy, rows: int, seed: int, count: int = TABLES):
+    import numpy as np
+    import tensorflow as tf
+
+    def value(ctx):
+        rng = np.random.default_rng(seed * 100 + ctx.replica_id_in_sync_group)
+        return {f"t{i}": tf.constant(rng.integers(0, rows, IDS), tf.int64) for i in range(count)}
+
+    return strategy.experimental_distribute_values_from_function(value)
+
+
+def _time(strategy, rows: int, placement: str, sizes: Dict) -> Dict:
+    layer, head, optimizer, _ = _collection(strategy, rows, placement)
+    step = _step(strategy, layer, head, optimizer)
+    batches = [_features(strategy, rows, s) for s in range(4)]
+    step(batches[0])  # traced
+    rounds = []
+    for _ in range(sizes["rounds"]):
+        start = time.perf_counter()
+        for s in range(sizes["steps"]):
+            loss = step(batches[s % len(batches)])
+        strategy.experimental_local_results(loss)[0].numpy()
+        rounds.append((time.perf_counter() - start) / sizes["steps"])
+    from tf_sharded.table.batched import storage_of
+
+    stored = {id(storage_of(t) or t): storage_of(t) or t for t in layer.tables.values()}.values()
+    slots = [v for table in stored for v in optimizer.table_slot(table, "accumulator").variables]
+    held = _bytes_by_device(layer.trainable_variables + slots)
+    return {"step_s": statistics.median(rounds), "bytes_per_replica": max(held.values()), "devices": len(held)}
+
+
+def _child(replicas: int, quick: bool, out: str) -> int:
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
+    strategy = tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")])
+    sizes = _sizes(quick)
+    rows_out = []
+    for rows in sizes["rows"]:
+        sharded, device = (_time(strategy, rows, p, sizes) for p in ("sharded", "device"))
+        whole = TABLES * rows * DIM * 4 * 2  # tables and one Adagrad slot, float32
+        rows_out.append(
+            {
+                "rows": rows,
+                "table_and_slot_bytes": whole,
+                "sharded_bytes_per_replica": sharded["bytes_per_replica"],
+                "sharded_vs_even_share": sharded["bytes_per_replica"] / (whole / replicas),
+                "device_bytes_per_replica": device["bytes_per_replica"],
+                "sharded_step_s": sharded["step_s"],
+                "device_step_s": device["step_s"],
+                "sharded_vs_device_step": sharded["step_s"] / device["step_s"],
+            }
+        )
+    # The plan: a replica's budget of a third of a table and its slot shards it (a shard per replica fits from
+    # 3 replicas on), and the layer built from the plan trains.
+    one_table, planned = sizes["memory_rows"] * DIM * 4 * 2, None
+    if replicas >= 3:
+        rows = sizes["memory_rows"]
+        layer, head, optimizer, plan = _collection(strategy, rows, None, one_table // 3, count=1)
+        step = _step(strategy, layer, head, optimizer)
+        losses = [float(strategy.reduce("SUM", step(_features(strategy, rows, s, count=1)), None)) for s in range(3)]
+        planned = {
+            "memory_per_replica": one_table // 3,
+            "table_and_slot_bytes": one_table,
+            "placements": sorted({t.placement for t in plan.tables.values()}),
+            "reason": plan.tables["t0"].reason,
+            "built": sorted({t.placement for t in layer.tables.values()}),
+            "losses": losses,
+        }
+    with open(out, "w") as f:
+        json.dump({"replicas": replicas, "results": rows_out, "plan": planned}, f)
+    return 0
+
+
+def _app(replicas: int, placement: str, sizes: Dict) -> Dict:
+    """The application's training job, as a user runs it, with one placement."""
+    command = [sys.executable, "-m", "tf_sharded", "train", "--strategy", "mirrored", "--cpu_replicas",
+               str(replicas), "--placement", placement, "--steps", str(sizes["app_steps"]), "--steps_per_epoch",
+               str(sizes["app_steps"]), "--max_vocab", str(sizes["app_vocab"]), "--eval_steps", "8", "--verbose",
+               "0"]  # fmt: skip
+    proc = subprocess.run(command, env=children.child_env(), capture_output=True, text=True, timeout=3600)
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("summary:")]
+    if proc.returncode != 0 or not summary:
+        raise RuntimeError(f"B12: train --placement {placement} failed:\n{proc.stderr[-3000:]}")
+    rate = re.search(r"\| ([\d,]+) samples/s", summary[0])
+    auc = re.search(r"AUC (\d\.\d+)", summary[0])
+    return {"samples_per_s": float(rate.group(1).replace(",", "")), "auc": float(auc.group(1))}
+
+
+def run(quick: bool = False, timeout: float = 3600.0) -> Dict:
+    """Runs B12 (one process per replica count, then the application); returns the report."""
+    sizes = _sizes(quick)
+    per_replicas = []
+    for replicas in sizes["replicas"]:
+        out = tempfile.mktemp(suffix=f"_sharded_{replicas}.json")
+        command = [sys.executable, "-m", "tf_sharded.benchmarks.sharded", "--replicas", str(replicas), "--out", out]
+        ended = children.run_together([(command + (["--quick"] if quick else []), children.child_env())], timeout)
+        if ended[0][0] != 0 or not os.path.exists(out):
+            raise RuntimeError(f"B12 with {replicas} replicas failed:\n{ended[0][1][-3000:]}")
+        with open(out) as f:
+            per_replicas.append(json.load(f))
+        os.remove(out)
+    app = []
+    for replicas in sizes["replicas"]:
+        sharded, device = (_app(replicas, p, sizes) for p in ("sharded", "device"))
+        app.append({
+            "replicas": replicas,
+            "sharded_samples_per_s": sharded["samples_per_s"],
+            "device_samples_per_s": device["samples_per_s"],
+            "sharded_vs_device": sharded["samples_per_s"] / device["samples_per_s"],
+            "sharded_auc": sharded["auc"],
+            "device_auc": device["auc"],
+            "auc_difference": sharded["auc"] - device["auc"],
+        })  # fmt: skip
+    return {
+        "benchmark": "sharded",
+        "quick": quick,
+        "tables": TABLES,
+        "dim": DIM,
+        "ids_per_replica_and_table": IDS,
+        "steps": sizes["steps"],
+        "rounds": sizes["rounds"],
+        "app_steps": sizes["app_steps"],
+        "app_max_vocab": sizes["app_vocab"],
+        "results": per_replicas,
+        "app": app,
+    }
+
+
+def format_rows(report: Dict) -> List[str]:
+    lines = [
+        f"B12 ({report['tables']} tables x {report['dim']}, {report['ids_per_replica_and_table']} ids per table and "
+        "replica, Adagrad; bytes of tables and slot per replica; step times):",
+        f"{'replicas':>8} {'rows':>10} | {'sharded MB':>10} {'/ even':>7} {'device MB':>10} | {'sharded':>9} "
+        f"{'device':>9} {'sh/dev':>7}",
+    ]
+    for per in report["results"]:
+        for r in per["results"]:
+            lines.append(
+                f"{per['replicas']:>8} {r['rows']:>10,} | {r['sharded_bytes_per_replica'] / 2**20:>10.1f} "
+                f"{r['sharded_vs_even_share']:>7.3f} {r['device_bytes_per_replica'] / 2**20:>10.1f} | "
+                f"{r['sharded_step_s'] * 1e3:>7.1f}ms {r['device_step_s'] * 1e3:>7.1f}ms "
+                f"{r['sharded_vs_device_step']:>7.2f}"
+            )
+        plan = per["plan"]
+        if plan is None:
+            continue
+        lines.append(
+            f"{'':>8} plan with memory_per_replica {plan['memory_per_replica'] / 2**20:.1f} MB (a third of a table "
+            f"and its slot): {plan['placements']}, built {plan['built']}; {plan['reason']}"
+        )
+    for a in report["app"]:
+        lines.append(
+            f"train --strategy mirrored --cpu_replicas {a['replicas']}, {report['app_steps']} steps: sharded "
+            f"{a['sharded_samples_per_s']:,.0f} samples/s (AUC {a['sharded_auc']:.4f}), device "
+            f"{a['device_samples_per_s']:,.0f} (AUC {a['device_auc']:.4f}): {a['sharded_vs_device']:.2f}x"
+        )
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="B12 child: one replica count")
+    parser.add_argument("--replicas", type=int, required=True)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    return _child(args.replicas, args.quick, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
