@@ -22,6 +22,8 @@ CHILD_TESTS = "TF_SHARDED_TEST_CHILD_TESTS"
 _CHILDREN_KEY = pytest.StashKey[list]()
 # Child processes for the tests marked `processes`.
 PROCESS_GROUPS = 2
+# Their scheduling priority, below this process's (and the cluster child's).
+PROCESS_GROUPS_NICENESS = 10
 
 
 @pytest.hookimpl(trylast=True)  # after -m / -k have deselected
@@ -35,7 +37,11 @@ def pytest_collection_modifyitems(session, config, items):
     Tests marked `processes` spend their time waiting on processes they
     start (the commands, clusters of processes, notebooks); they are split
     by file into two groups. The children start as soon as this process has
-    collected and run beside it.
+    collected and run beside it. Those two run (with every process they
+    start) at a lower priority: the in-process tests here are latency-bound
+    (MirroredStrategy's replica threads hand work to one another and wait on
+    each hand-over), and with two cores kept busy by the commands' processes
+    they ran 10 to 100 times slower than alone.
     """
     listed = os.environ.get(CHILD_TESTS)
     if listed:  # a child: exactly the tests the parent gave it
@@ -49,18 +55,21 @@ def pytest_collection_modifyitems(session, config, items):
     rest = [item for item in items if not item.get_closest_marker("ps_cluster")]
     waiting = [item for item in rest if item.get_closest_marker("processes")]
     files = sorted({item.path for item in waiting})
-    groups = [cluster] + [[item for item in waiting if files.index(item.path) % PROCESS_GROUPS == g]
-                          for g in range(PROCESS_GROUPS)]  # fmt: skip
-    groups = [group for group in groups if group]
-    if not groups or (len(groups) == 1 and len(groups[0]) == len(items)):
+    groups = [(cluster, 0)] + [([item for item in waiting if files.index(item.path) % PROCESS_GROUPS == g],
+                                PROCESS_GROUPS_NICENESS) for g in range(PROCESS_GROUPS)]  # fmt: skip
+    groups = [(group, nice) for group, nice in groups if group]
+    if not groups or (len(groups) == 1 and len(groups[0][0]) == len(items)):
         return  # nothing else runs here: no need for a second process
-    moved = {id(item) for group in groups for item in group}
+    moved = {id(item) for group, _ in groups for item in group}
     items[:] = [item for item in items if id(item) not in moved]
-    config.stash[_CHILDREN_KEY] = [_start_child(config, [item.nodeid for item in group]) for group in groups]
+    config.stash[_CHILDREN_KEY] = [
+        _start_child(config, [item.nodeid for item in group], nice) for group, nice in groups
+    ]
 
 
-def _start_child(config, nodeids):
-    """Starts pytest on `nodeids` with this run's arguments; its output goes to a file printed at the end."""
+def _start_child(config, nodeids, nice: int = 0):
+    """Starts pytest on `nodeids` with this run's arguments, `nice` below this process's priority; its output goes
+    to a file printed at the end."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as listed:
         listed.write("\n".join(nodeids))
     output = tempfile.TemporaryFile("w+")
@@ -69,8 +78,15 @@ def _start_child(config, nodeids):
     env = {**os.environ, CHILD_TESTS: listed.name}
     from tests.harness.subprocs import network  # its clusters answer in the run's own network
 
+    join = network()
+
+    def prepare():
+        if join is not None:
+            join()
+        os.nice(nice)
+
     child = subprocess.Popen(
-        args, cwd=config.invocation_params.dir, env=env, stdout=output, stderr=subprocess.STDOUT, preexec_fn=network()
+        args, cwd=config.invocation_params.dir, env=env, stdout=output, stderr=subprocess.STDOUT, preexec_fn=prepare
     )
     return child, output, listed.name, nodeids
 

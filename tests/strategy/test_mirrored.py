@@ -149,10 +149,12 @@ class MirroredCheckpointAndArgumentTest(tf.test.TestCase):
     def test_checkpoints_cross_strategies(self):
         strategy = mirrored()
         values = table_values(17, 3)
-        for placement in PLACEMENTS:
+        for placement in PLACEMENTS + ("sharded",):
+            # A sharded table has a shard per replica; the others 2 shards.
+            parts = None if placement == "sharded" else 2
             with strategy.scope():
                 table = strategy.create_sharded_variable(
-                    uid("ck"), [17, 3], initializer=values, partitions=2, scheme="balanced", placement=placement
+                    uid("ck"), [17, 3], initializer=values, partitions=parts, scheme="balanced", placement=placement
                 )
             path = tf.train.Checkpoint(t=table).save(self.get_temp_dir() + f"/{uid('m')}")
             local = tfs.create_sharded_variable(uid("l"), [17, 3], initializer="zeros", partitions=3, scheme="mod")
@@ -165,7 +167,7 @@ class MirroredCheckpointAndArgumentTest(tf.test.TestCase):
             self.assertIn("PS restored OK", proc.stdout)
             with strategy.scope():
                 back = strategy.create_sharded_variable(
-                    uid("b"), [17, 3], initializer="zeros", partitions=1, placement=placement
+                    uid("b"), [17, 3], initializer="zeros", partitions=None if parts is None else 1, placement=placement
                 )
             tf.train.Checkpoint(t=back).restore(tf.train.latest_checkpoint(back_path))
             self.assertAllEqual(back.numpy(), values * 3)
