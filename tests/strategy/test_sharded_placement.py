@@ -55,6 +55,7 @@ class ShardedPlacementTest(tf.test.TestCase):
             slot = optimizer.table_slot(table, "accumulator")
             self.assertEqual(list(slot.devices), devices, msg=scheme)
 
+    @pytest.mark.slow  # over 4 s here
     def test_keras_and_lazy_optimizers_match_one_device(self):
         strategy = mirrored()
         ids, y = data()
@@ -165,6 +166,23 @@ class ShardedPlacementTest(tf.test.TestCase):
         merges = [op for op in graph.get_operations() if op.type == "Unique" and "tfs_to_owners" in op.name]
         self.assertLen(merges, 4 * 2)
 
+    def test_keras_optimizers_with_slots_are_refused_by_tfs_fit(self):
+        strategy = mirrored()
+        ids, y = data(16)
+        for placement in ("sharded", "host"):
+            with strategy.scope():
+                layer = tfs.layers.Embedding(ROWS, DIM, seed=3, placement=placement)
+                model = build(layer, keras.optimizers.Adam(0.05))
+            before = layer.embeddings.numpy()
+            with self.assertRaisesRegex(
+                ValueError,
+                rf"\(placement='{placement}'\) needs a tfs.optimizers optimizer.* "
+                r"Received: optimizer=keras.src.optimizers.adam.Adam. Use tfs.optimizers.Adam",
+            ):
+                tfs.fit(model, tf.data.Dataset.from_tensor_slices((ids, y)).batch(8), epochs=1, verbose=0)
+            self.assertAllEqual(layer.embeddings.numpy(), before)  # refused before anything ran
+            self.assertEqual(int(model.optimizer.iterations.numpy()), 0)
+
     def test_bad_arguments(self):
         strategy = mirrored()
         with strategy.scope():
@@ -177,6 +195,7 @@ class ShardedPlacementTest(tf.test.TestCase):
 
 
 class ShardedTrainingFunctionsTest(tf.test.TestCase):
+    @pytest.mark.slow  # over 4 s here
     def test_fit_evaluate_predict_and_export_match_one_device(self):
         strategy = mirrored()
         ids, y = data()

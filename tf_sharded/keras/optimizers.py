@@ -60,16 +60,31 @@ def _touched(gradient, dtype, unique_rows: bool = False) -> Tuple[tf.Tensor, tf.
     return rows, tf.cast(tf.gather(gradient, rows), dtype)
 
 
+def _builds_slots(optimizer) -> bool:
+    """Whether a Keras optimizer keeps per-variable slots (all but plain SGD)."""
+    return not (isinstance(optimizer, keras.optimizers.SGD) and not optimizer.momentum)
+
+
 def check_trains_tables(optimizer, variables) -> None:
-    """Refuses an optimizer that cannot train a dynamic table among `variables`, naming the table.
+    """Refuses an optimizer that cannot train a table among `variables`, naming the table.
 
     Keras's own optimizers build each slot with the shape its variable has
-    when they are built; a dynamic table's row pools grow afterwards.
+    when they are built; a dynamic table's row pools grow afterwards. And
+    they build a slot beside each variable through the strategy, which under
+    a mirrored strategy refuses the single plain variable of a host-placed
+    or sharded table's shard.
     """
     if isinstance(optimizer, _TableSlots):
         return
     for variable in variables:
         tag = owner_of(variable)
+        if tag is not None and tag[0].placement in ("host", "sharded") and _builds_slots(optimizer):
+            raise ValueError(
+                f"Table '{tag[0].name}' (placement='{tag[0].placement}') needs a tfs.optimizers optimizer: Keras's "
+                f"own build their slots as copies on every replica, which its single-copy shards cannot have. "
+                f"Received: optimizer={type(optimizer).__module__}.{type(optimizer).__name__}. Use tfs.optimizers."
+                f"{type(optimizer).__name__} with the same arguments (Keras's SGD without momentum also works)."
+            )
         if tag is not None and tag[0].shape[0] is None:
             tables = logical_tables(tag[0])  # the tables sharing row pools, where they do
             names, many = ", ".join(f"'{t.name}'" for t in tables), len(tables) > 1
