@@ -38,9 +38,12 @@ def as_dataset(data: Data) -> tf.data.Dataset:
     return data if isinstance(data, tf.data.Dataset) else data(tf.distribute.InputContext())
 
 
-def has_ragged(dataset: tf.data.Dataset) -> bool:
-    """Whether `dataset` has ragged components, where Keras 3 fails under MirroredStrategy."""
-    return any(isinstance(s, tf.RaggedTensorSpec) for s in tf.nest.flatten(dataset.element_spec))
+def keras_fails_on(dataset: tf.data.Dataset) -> bool:
+    """Whether Keras 3 fails on `dataset` under MirroredStrategy: ragged components ("'RaggedTensor' object has
+    no attribute 'device'"), or string ones (Keras builds the model from the first batch averaged over the
+    replicas, and strings cannot be averaged)."""
+    specs = tf.nest.flatten(dataset.element_spec)
+    return any(isinstance(s, tf.RaggedTensorSpec) or getattr(s, "dtype", None) == tf.string for s in specs)
 
 
 def _check(model, data, steps, needs_compiled: bool, names=("data", "steps")):
@@ -83,7 +86,7 @@ def _keras_path(model, strategy, data) -> Optional[tf.data.Dataset]:
     if family.fit_loop(strategy, 1) != FitLoop.KERAS:
         return None
     dataset = as_dataset(data)
-    if family.mirrors_tables and has_ragged(dataset):
+    if family.mirrors_tables and keras_fails_on(dataset):
         return None
     return dataset
 

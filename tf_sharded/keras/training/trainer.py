@@ -166,10 +166,10 @@ def fit(
     per_execution = getattr(model, "steps_per_execution", 1) or 1
     loop = family_of(strategy).fit_loop(strategy, per_execution)
     data = evaluation.as_dataset(dataset) if loop == FitLoop.KERAS else None
-    if loop == FitLoop.KERAS and family_of(strategy).mirrors_tables and evaluation.has_ragged(data):
-        # Keras 3's model.fit fails on ragged inputs under MirroredStrategy ("'RaggedTensor' object has no
-        # attribute 'device'"): the replica loop runs them.
-        loop = FitLoop.REPLICAS
+    if loop == FitLoop.KERAS and family_of(strategy).mirrors_tables and evaluation.keras_fails_on(data):
+        loop = (
+            FitLoop.REPLICAS
+        )  # Keras 3's model.fit fails on ragged or string inputs there: the replica loop runs them
     if loop == FitLoop.KERAS and max_steps is not None and per_execution > 1:
         loop = FitLoop.REPLICAS  # Keras runs whole groups of steps_per_execution steps: it could pass max_steps
     if loop != FitLoop.KERAS:
