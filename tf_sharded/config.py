@@ -109,6 +109,11 @@ class Placement(_Choice):
     SHARDED = "sharded"
 
 
+# Placements whose shards are one plain variable each (on the worker's host, or on the replica owning the rows):
+# an optimizer updates each once, on its device, and builds its slots beside it.
+SINGLE_COPY_PLACEMENTS = (Placement.HOST, Placement.SHARDED)
+
+
 class Combiner(_Choice):
     """How the rows of one example's multi-hot ids are combined.
 

@@ -22,16 +22,15 @@ from typing import Dict, List, Tuple
 
 import tensorflow as tf
 
+from tf_sharded.config import Placement
 from tf_sharded.exchange.transports import hash_merge, offsets, split_by_offsets
 from tf_sharded.table.protocol import owner_of
-
-SHARDED = "sharded"
 
 
 def sharded_owner(variable):
     """`(table, shard)` of a shard of a table sharded over the replicas, else None."""
     tag = owner_of(variable)
-    return tag if tag is not None and tag[0].placement == SHARDED else None
+    return tag if tag is not None and tag[0].placement == Placement.SHARDED else None
 
 
 def _as_slices(grad, rows: int) -> Tuple[tf.Tensor, tf.Tensor]:

@@ -26,6 +26,7 @@ import keras
 import tensorflow as tf
 
 from tf_sharded import _compat, trace
+from tf_sharded.config import SINGLE_COPY_PLACEMENTS
 from tf_sharded.table.batched import logical_tables, members_of, slot_views
 from tf_sharded.table.protocol import Table, owner_of, update_exclusively
 
@@ -78,7 +79,7 @@ def check_trains_tables(optimizer, variables) -> None:
         return
     for variable in variables:
         tag = owner_of(variable)
-        if tag is not None and tag[0].placement in ("host", "sharded") and _builds_slots(optimizer):
+        if tag is not None and tag[0].placement in SINGLE_COPY_PLACEMENTS and _builds_slots(optimizer):
             raise ValueError(
                 f"Table '{tag[0].name}' (placement='{tag[0].placement}') needs a tfs.optimizers optimizer: Keras's "
                 f"own build their slots as copies on every replica, which its single-copy shards cannot have. "

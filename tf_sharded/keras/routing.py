@@ -17,12 +17,10 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tf_sharded import _compat
+from tf_sharded.config import SINGLE_COPY_PLACEMENTS
 from tf_sharded.exchange.reduce import all_reduce_gradients
 from tf_sharded.table.dynamic.lock import grouped_updates
 from tf_sharded.table.protocol import owner_of
-
-# Placements whose shards are one plain variable each: updated once, on the shard's device.
-SINGLE_COPY = ("host", "sharded")
 
 
 def apply_updates(optimizer, distribution, grads_and_vars, learning_rate, fallback) -> None:
@@ -36,7 +34,7 @@ def apply_updates(optimizer, distribution, grads_and_vars, learning_rate, fallba
     host, rest = [], []
     for g, v in grads_and_vars:
         tag = owner_of(v)
-        is_host = tag is not None and tag[0].placement in SINGLE_COPY and g is not None
+        is_host = tag is not None and tag[0].placement in SINGLE_COPY_PLACEMENTS and g is not None
         (host if is_host else rest).append((g, v))
     # A dynamic table's writes take its device's lock: one critical section per device for the whole step.
     with grouped_updates():
