@@ -64,19 +64,25 @@ def resolve_placement(placement, table_bytes: int) -> str:
 
 def _sharded_devices(strategy, config, num_shards: int) -> list:
     """The replica device of each shard of a `placement="sharded"` table; refuses what cannot be sharded so."""
-    if _compat.in_multi_worker_mode(strategy) or not _compat.uses_merge_call(strategy):
+    if not _compat.uses_merge_call(strategy) and not _compat.in_multi_worker_mode(strategy):
         raise ValueError(
-            f"Argument `placement` of table '{config.name}': placement='sharded' needs replicas that are devices "
-            f"of this process (MirroredStrategy); across workers it is not available. Received: "
-            f"placement='sharded' under {type(strategy).__name__} with "
-            f"{list(strategy.extended.worker_devices)} on this worker. Use placement='device' or 'host'."
+            f"Argument `placement` of table '{config.name}': placement='sharded' needs MirroredStrategy or "
+            f"MultiWorkerMirroredStrategy with its replicas meeting in merge_call or collectives. Received: "
+            f"placement='sharded' under {type(strategy).__name__} with {list(strategy.extended.worker_devices)}"
+        )
+    if _compat.in_multi_worker_mode(strategy) and len(strategy.extended.worker_devices) != 1:
+        raise ValueError(
+            f"Argument `placement` of table '{config.name}': placement='sharded' under "
+            f"MultiWorkerMirroredStrategy needs one replica per worker (each worker holds one shard). Received: "
+            f"{len(strategy.extended.worker_devices)} local devices {list(strategy.extended.worker_devices)}; "
+            f"use one device per worker process, or placement='device' or 'host'."
         )
     if config.exchange is not None:
         raise ValueError(
             f"Argument `exchange` of table '{config.name}' does not apply to placement='sharded': each shard's "
             f"gradient rows are summed on the replica that owns it. Received: exchange={config.exchange.value!r}"
         )
-    devices = list(strategy.extended.worker_devices)
+    devices = _replica_devices(strategy)
     wanted = min(len(devices), config.shape[0])
     if num_shards != wanted:
         raise ValueError(
@@ -85,6 +91,22 @@ def _sharded_devices(strategy, config, num_shards: int) -> list:
             f"None). Received: partitions={config.partitions!r} ({num_shards} shards)"
         )
     return devices[:num_shards]
+
+
+def _replica_devices(strategy) -> list:
+    """The device of every replica in sync, in replica order (across workers: one per worker)."""
+    if not _compat.in_multi_worker_mode(strategy):
+        return list(strategy.extended.worker_devices)
+    return _compat.cluster_workers(strategy)[1]
+
+
+def _remote(strategy, devices):
+    """`remote(i)` for the shards on `devices`: the device of shard `i` if another worker holds it, else None
+    (None altogether within one process)."""
+    if not _compat.in_multi_worker_mode(strategy):
+        return None
+    me = _compat.cluster_workers(strategy)[0]
+    return lambda i: None if i == me else devices[i]
 
 
 def _placement_of(config) -> str:
@@ -111,30 +133,35 @@ def create_group(strategy, configs, name, variable_factory=None):
         spec, devices = _sharded_layout(strategy, config)
         specs.append(spec)
         shard_devices.append(list(range(len(devices))))
-    devices = list(strategy.extended.worker_devices)
+    devices = _replica_devices(strategy)
     with strategy.scope():
         return build_batched(
-            name, configs, specs, shard_devices, devices, strategy,
+            name, _seeded(strategy, configs), specs, shard_devices, devices, strategy,
             lambda d: colocate_scope(_compat.single_device(devices[d])), variable_factory=variable_factory,
-            mirrored_placement="sharded",
+            mirrored_placement="sharded", remote_device=_remote(strategy, devices),
         )  # fmt: skip
+
+
+def _seeded(strategy, configs):
+    """Across workers every worker initialises its own shards or copy: the seed must not be drawn per worker."""
+    if not _compat.in_multi_worker_mode(strategy):
+        return list(configs)
+    return [c if c.seed is not None else dataclasses.replace(c, seed=zlib.crc32(c.name.encode())) for c in configs]
 
 
 def create(strategy, config, variable_factory=None):
     placement = _placement_of(config)
+    (config,) = _seeded(strategy, [config])
     if placement == "sharded":
         spec, devices = _sharded_layout(strategy, config)
         on_replica = lambda i: colocate_scope(_compat.single_device(devices[i]))  # noqa: E731
-        shards = ShardPlacement([None] * spec.num_shards, scope=on_replica)
+        shards = ShardPlacement([None] * spec.num_shards, scope=on_replica, remote=_remote(strategy, devices))
         with strategy.scope():
             return build_sharded_variable(
                 config, spec, strategy, shards, variable_factory=variable_factory, mirrored_placement=placement
             )
     spec = resolve_spec(config.partitions, config.shape, config.dtype, config.scheme, default_shards=1)
     policy = ExchangePolicy(config.exchange or _DEFAULT_EXCHANGE.get(strategy, "auto"), config.ids_per_step)
-    if config.seed is None and _compat.in_multi_worker_mode(strategy):
-        # Every worker initialises its own copy: the seed must not be drawn per worker.
-        config = dataclasses.replace(config, seed=zlib.crc32(config.name.encode()))
     if placement == "host":
         host = _compat.single_device(host_device(strategy))
         shards = ShardPlacement([None] * spec.num_shards, scope=lambda i: colocate_scope(host))
@@ -246,6 +273,7 @@ MULTI_WORKER = register(
         transport=transport,
         fit_loop=lambda strategy, steps_per_execution: FitLoop.REPLICAS,
         dynamic_devices=multi_worker_dynamic_devices,
+        create_group=create_group,
     ),
     tf.distribute.MultiWorkerMirroredStrategy,
 )

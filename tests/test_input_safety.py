@@ -403,8 +403,8 @@ def test_a_malformed_tf_config_is_one_line_naming_it_before_anything_starts():
 def test_mirrored_flags_where_they_cannot_apply_are_refused_in_one_line():
     usage = " (python -m tf_sharded train --help lists the flags)"
     cases = {
-        ("--strategy", "multi_worker", "--placement", "sharded"): "error: --placement sharded: tables split over "
-        "the replicas need --strategy mirrored (replicas of one process); received --strategy multi_worker",
+        ("--strategy", "default", "--placement", "sharded"): "error: --placement applies to --strategy "
+        "mirrored|multi_worker; received --strategy default",
         ("--strategy", "parameter_server", "--placement", "host"): "error: --placement applies to --strategy "
         "mirrored|multi_worker; received --strategy parameter_server",
         ("--cpu_replicas", "2"): "error: --cpu_replicas applies to --strategy mirrored; received --strategy default",

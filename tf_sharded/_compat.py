@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import tensorflow as tf
 from tensorflow.python.checkpoint import restore as _restore
@@ -324,6 +324,19 @@ def single_device(device: str) -> Any:
 def in_multi_worker_mode(strategy) -> bool:
     """Whether a mirrored strategy spans several workers."""
     return bool(strategy.extended._in_multi_worker_mode())
+
+
+def cluster_workers(strategy) -> Tuple[int, List[str]]:
+    """`(this worker's position, every worker's first device)` of a MultiWorkerMirroredStrategy, in its order
+    of replicas: the chief first, then the workers by index (TensorFlow's `id_in_cluster`)."""
+    extended = strategy.extended
+    spec = extended._cluster_spec.as_dict() if extended._cluster_spec is not None else {}
+    local = tf.DeviceSpec.from_string(extended.worker_devices[0])
+    tasks = [("chief", i) for i in range(len(spec.get("chief", [])))]
+    tasks += [("worker", i) for i in range(len(spec.get("worker", [])))]
+    devices = [local.replace(job=job, replica=0, task=index).to_string() for job, index in tasks]
+    devices = devices or [extended.worker_devices[0]]
+    return int(extended._id_in_cluster), devices
 
 
 @contextlib.contextmanager

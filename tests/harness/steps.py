@@ -10,12 +10,15 @@ import tf_sharded as tfs
 def squared_norm_step(strategy, table, optimizer):
     """A `tf.function` training `table` on `sum(rows ** 2)` with a Keras optimizer, per replica."""
 
+    # The shards this process trains (a table sharded over workers lists the others' as stand-ins).
+    variables = list(getattr(table, "held_variables", table.variables))
+
     @tf.function
     def step(ids):
         def fn(ids):
             with tf.GradientTape() as tape:
                 loss = tf.reduce_sum(tfs.embedding_lookup(table, ids) ** 2)
-            optimizer.apply_gradients(zip(tape.gradient(loss, list(table.variables)), table.variables))
+            optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
             return loss
 
         return strategy.run(fn, args=(ids,))
@@ -28,7 +31,7 @@ def squared_norm_tables_step(strategy, tables: dict, optimizer, ids_for=None):
 
     `ids_for(name, ids)` maps the step's ids to each table's (default: the same ids for all).
     """
-    variables = [v for t in tables.values() for v in t.variables]
+    variables = [v for t in tables.values() for v in getattr(t, "held_variables", t.variables)]
     ids_for = ids_for or (lambda name, ids: ids)
 
     @tf.function

@@ -134,8 +134,9 @@ def test_mirrored_exchange_follows_the_cost_model_and_placement_the_memory():
 
 
 def test_replica_budget_copies_then_shards_then_the_host():
-    """`memory_per_replica`: in table order, a copy per replica while it fits, else (MirroredStrategy) a shard per
-    replica, else the host; a configured device copy that does not fit is an error naming its bytes and the budget."""
+    """`memory_per_replica`: in table order, a copy per replica while it fits, else a shard per replica (one
+    process, or one replica per worker), else the host; a configured device copy that does not fit is an error
+    naming its bytes and the budget."""
     mb = 2**20
     rows = {"a": 40_000, "b": 200_000, "c": 2_000_000}  # x 8 floats x (table + 1 slot): 2.4, 12.2, 122 MB
     tables = {name: {"input_dim": n, "output_dim": 8} for name, n in rows.items()}
@@ -148,7 +149,15 @@ def test_replica_budget_copies_then_shards_then_the_host():
     assert plan.tables["b"].arguments()["placement"] == "sharded"
     # What one replica then holds: a's copy and a quarter of b (c is on the host).
     assert need["a"] + need["b"] / 4 <= 8
-    # Across workers there is no sharded placement: the host instead.
+    # Across workers a table is sharded over one replica per worker (4 workers: a quarter each, as above) ...
+    four = {"kind": "multi_worker_mirrored", "replicas": 4, "workers": 4}
+    workers = tfs.plan(tables, four, memory_per_replica=8 * mb)
+    assert [t.placement for t in workers.tables.values()] == ["device", "sharded", "host"]
+    assert "a shard of 3.1 MB per replica (4) does" in workers.tables["b"].reason
+    # ... and a worker holds its quarter of b, not all of it (a: its copy; c: on its host).
+    np.testing.assert_allclose(workers.tables["b"].memory_mb, need["b"] / 4)
+    np.testing.assert_allclose(plan.tables["b"].memory_mb, need["b"])  # one process holds all 4 shards
+    # ... but not over several replicas per worker: the host instead.
     multi = tfs.plan(tables, {"kind": "multi_worker_mirrored", "replicas": 4, "workers": 2}, memory_per_replica=8 * mb)
     assert multi.tables["b"].placement == "host"
     # A large budget copies everything; a configured placement is kept.

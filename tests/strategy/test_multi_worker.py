@@ -76,6 +76,165 @@ print("MWMS OK", flush=True)
 """
 
 
+# placement="sharded": each worker holds one shard of each table (and of its slots), ids and rows travel by
+# collectives. Every figure against the same optimizer on one device in the same process.
+SHARDED_WORKER = (
+    """
+CHECKPOINTS = %r
+"""
+    + """import os
+import numpy as np, tensorflow as tf, keras
+import tf_sharded as tfs
+from tests.harness.graphs import whole_table_reads
+from tests.harness.steps import squared_norm_collection_step
+from tf_sharded.table.protocol import owner_of
+
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+task, workers = int(os.environ["TASK"]), strategy.num_replicas_in_sync
+assert workers == 2
+ROWS, DIM = 50, 4
+rng = np.random.RandomState(0)
+ids = rng.randint(0, ROWS, (32, 3))
+ids[:6] = 7  # duplicates inside and across the workers' halves
+y = rng.rand(32, 1).astype(np.float32)
+data = tf.data.Dataset.from_tensor_slices((ids, y)).batch(8)
+
+
+def build(embedding, optimizer):
+    inp = keras.Input((3,), dtype="int64")
+    x = keras.layers.GlobalAveragePooling1D()(embedding(inp))
+    model = keras.Model(inp, keras.layers.Dense(1, kernel_initializer="ones")(x))
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+# Keras's SGD and every lazy optimizer through tfs.fit, against the same optimizer on one device in this process.
+cases = [
+    (keras.optimizers.SGD, dict(learning_rate=0.5), "div", None),
+    (tfs.optimizers.SGD, dict(learning_rate=0.3, momentum=0.9), "mod", "momentum"),
+    (tfs.optimizers.Adagrad, dict(learning_rate=0.3), "balanced", "accumulator"),
+    (tfs.optimizers.Adam, dict(learning_rate=0.05), "mod", "velocity"),
+    (tfs.optimizers.Ftrl, dict(learning_rate=0.3), "div", "linear"),
+]
+checkpoint_dir = os.path.join(CHECKPOINTS, f"worker{task}")
+for k, (cls, cfg, scheme, slot_name) in enumerate(cases):
+    msg = f"{cls.__module__}.{cls.__name__} {scheme}"
+    with strategy.scope():
+        layer = tfs.layers.Embedding(ROWS, DIM, scheme=scheme, seed=3, placement="sharded")
+        model = build(layer, cls(**cfg))
+    table = layer.embeddings
+    table0 = table.numpy()
+    # Each worker holds its shard only: the other is a stand-in without memory.
+    (held,) = table.held_variables
+    assert table.variables[task] is held and held.shape[0] == table.layout.shard_sizes[task], msg
+    assert sum(int(np.prod(v.shape)) for v in model.variables if v.shape[0] == ROWS) == 0, msg
+    history = tfs.fit(model, data, epochs=2, verbose=0, checkpoint_dir=checkpoint_dir if k == 2 else None)
+    if cls is keras.optimizers.SGD:
+        single = keras.layers.Embedding(ROWS, DIM, embeddings_initializer=keras.initializers.Constant(table0))
+    else:
+        single = tfs.layers.Embedding(ROWS, DIM, partitions=1, embeddings_initializer=table0)
+    reference = build(single, cls(**cfg))
+    want = reference.fit(ids, y, epochs=2, batch_size=8, shuffle=False, verbose=0)
+    err = float(np.abs(table.numpy() - single.embeddings.numpy()).max())
+    assert err < 2e-5, (msg, err)
+    assert np.allclose(model.layers[-1].kernel.numpy(), reference.layers[-1].kernel.numpy(), atol=2e-5), msg
+    assert np.allclose(history.history["loss"], want.history["loss"], atol=1e-5), msg
+    if slot_name is not None:
+        slot = model.optimizer.table_slot(table, slot_name)
+        assert [v.shape for v in slot.held_variables] == [held.shape], msg  # the slot beside its shard only
+        want_slot = reference.optimizer.table_slot(single.embeddings, slot_name).numpy()
+        assert np.allclose(slot.numpy(), want_slot, atol=2e-5), msg
+    if k == 2:  # tfs.evaluate / predict, and the checkpoint read back on one device, slots included
+        assert abs(tfs.evaluate(model, data) - reference.evaluate(ids, y, batch_size=8, verbose=0)) < 1e-5
+        got = tfs.predict(model, tf.data.Dataset.from_tensor_slices(ids).batch(8))
+        assert np.allclose(got, reference.predict(ids, batch_size=8, verbose=0), atol=1e-5)
+        reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(checkpoint_dir))
+        keys = reader.get_variable_to_shape_map()
+        key = next(k for k in keys if k.startswith("model/") and keys[k] == [ROWS, DIM] and "OPTIMIZER" not in k)
+        assert np.allclose(reader.get_tensor(key), table.numpy(), atol=0), key
+        # A rerun under the same strategy restores into new shards and resumes at the checkpoint's step.
+        with strategy.scope():
+            layer2 = tfs.layers.Embedding(ROWS, DIM, scheme=scheme, seed=11, placement="sharded")
+            model2 = build(layer2, cls(**cfg))
+        tfs.fit(model2, data, epochs=2, verbose=0, checkpoint_dir=checkpoint_dir)
+        assert np.array_equal(layer2.embeddings.numpy(), table.numpy()), "restored"
+        restored_slot = model2.optimizer.table_slot(layer2.embeddings, slot_name).numpy()
+        assert np.array_equal(restored_slot, model.optimizer.table_slot(table, slot_name).numpy())
+    print(f"worker {task} {msg} max error {err:.2e}", flush=True)
+
+# Saves gather the shards over collectives: a time interval (each worker's own clock) is refused before any step.
+try:
+    tfs.fit(model, data, epochs=1, verbose=0, checkpoint_dir=checkpoint_dir + "_secs", checkpoint_secs=5)
+    raise AssertionError("checkpoint_secs was accepted")
+except ValueError as e:
+    assert "Argument `checkpoint_secs` cannot apply to table" in str(e) and "checkpoint_every" in str(e), e
+assert not os.path.exists(checkpoint_dir + "_secs")
+
+# A collection of mixed widths, ragged ids with a combiner, tables batched in one storage per width and worker:
+# one step against NumPy on the global batch.
+rows = 1009
+tables = {
+    "a": {"input_dim": rows, "output_dim": 4, "placement": "sharded"},
+    "b": {"input_dim": rows + 2, "output_dim": 4, "placement": "sharded"},
+    "c": {"input_dim": rows + 5, "output_dim": 8, "placement": "sharded"},
+}
+features = {"fa": "a", "fb": "b", "fc": {"table": "c", "combiner": "mean"}}
+with strategy.scope():
+    layer = tfs.layers.EmbeddingCollection(tables, features, name="owners")
+    layer.build()
+    optimizer = tfs.optimizers.Adagrad(0.1)
+    optimizer.build(layer.trainable_variables)
+reference = {name: layer.tables[name].numpy() for name in tables}
+step = squared_norm_collection_step(strategy, layer, optimizer)
+arrays = {
+    "fa": [np.array([1, 2, 2]), np.array([1, 700, 1000])],
+    "fb": [np.array([0, 5]), np.array([1010, 5])],
+    "fc": [tf.ragged.constant([[1, 1], [1000], []]), tf.ragged.constant([[3, 4, 1013], [1]])],
+}
+
+
+def per_worker(values):
+    return strategy.experimental_distribute_values_from_function(lambda ctx: values[ctx.replica_id_in_sync_group])
+
+
+# A second step in which feature fc has no id on any worker: its exchange still completes.
+steps = [arrays, {"fa": [np.array([3]), np.array([4, 4])], "fb": [np.array([1]), np.array([2])],
+                  "fc": [tf.ragged.constant([[], []], dtype=tf.int32), tf.ragged.constant([[]], dtype=tf.int32)]}]
+accumulators = {name: np.full_like(reference[name], 0.1) for name in tables}
+want = {name: reference[name].copy() for name in tables}
+for arrays_k in steps:
+    inputs = {k: per_worker(v) for k, v in arrays_k.items()}
+    step(inputs)
+    grads = {name: np.zeros_like(reference[name]) for name in tables}
+    for name, feature in (("a", "fa"), ("b", "fb")):
+        for batch in arrays_k[feature]:
+            np.add.at(grads[name], batch, 2 * want[name][batch])
+    for bag in arrays_k["fc"]:
+        for bag_ids in bag.to_list():
+            if bag_ids:
+                np.add.at(grads["c"], bag_ids, 2 * want["c"][bag_ids].mean(axis=0) / len(bag_ids))
+    for name in tables:
+        touched = np.any(grads[name] != 0, axis=1)
+        accumulators[name][touched] += grads[name][touched] ** 2
+        want[name] = want[name] - 0.1 * grads[name] / np.sqrt(accumulators[name])
+for name in tables:
+    err = float(np.abs(layer.tables[name].numpy() - want[name]).max())
+    assert err < 1e-5, (name, err)
+# One storage variable per width here (a and b together), each with one slot: this worker's rows only.
+shard = {name: layer.tables[name].layout.shard_sizes[task] for name in tables}
+assert sorted(int(v.shape[0]) for v in layer.trainable_variables) == sorted([shard["a"] + shard["b"], shard["c"]])
+for storage in {id(v): v for v in layer.trainable_variables}.values():
+    slot = optimizer.table_slot(owner_of(storage)[0], "accumulator")
+    assert [v.shape for v in slot.held_variables] == [storage.shape], slot
+inputs = {k: per_worker(v) for k, v in arrays.items()}
+problems = [p for p in whole_table_reads(step.get_concrete_function(inputs), rows) if "produces" in p]
+assert problems == [], problems
+print(f"worker {task} collection matches NumPy", flush=True)
+print("SHARDED OK", flush=True)
+"""
+)
+
+
 class MultiWorkerMirroredTest(tf.test.TestCase):
     def test_two_workers_match_single_device_reference(self):
         outputs = run_multi_worker(WORKER, num_workers=2)
@@ -84,6 +243,13 @@ class MultiWorkerMirroredTest(tf.test.TestCase):
             self.assertIn("MWMS OK", out)
             self.assertIn("auto/host", out)
             self.assertIn("tfs.fit max error", out)
+
+    def test_tables_sharded_over_two_workers_match_one_device(self):
+        outputs = run_multi_worker(SHARDED_WORKER % self.get_temp_dir(), num_workers=2)
+        for rc, out, err in outputs:
+            self.assertEqual(rc, 0, msg=out + err[-3000:])
+            self.assertIn("SHARDED OK", out)
+            self.assertEqual(out.count("max error"), 5, msg=out)
 
 
 if __name__ == "__main__":

@@ -138,7 +138,7 @@ def define_flags(values: flags.FlagValues) -> None:
         None,
         ["device", "host", "sharded", "auto"],
         "Where each table lives under --strategy mirrored|multi_worker: a copy per replica (device), one per "
-        "worker in host memory (host), split over the replicas (sharded; mirrored only), or by size (auto). "
+        "worker in host memory (host), split over the replicas (sharded), or by size (auto). "
         "Default: the strategy's (auto).",
         flag_values=values,
     )
@@ -527,11 +527,6 @@ def _placement_problem(values) -> str:
         return ""
     if values.strategy != "multi_worker":
         return f"--placement applies to --strategy mirrored|multi_worker; received --strategy {values.strategy}"
-    if values.placement == "sharded":
-        return (
-            "--placement sharded: tables split over the replicas need --strategy mirrored (replicas of one "
-            "process); received --strategy multi_worker"
-        )
     return ""
 
 

@@ -79,7 +79,8 @@ def all_reduce_gradients(
     Call it in replica context (inside `strategy.run`) where you would call
     `ReplicaContext.all_reduce(SUM, grads)`. Keras 3 optimizers call it for you
     (`tf_sharded.keras.routing`). Shards of tables sharded over the replicas
-    are summed on the replica that owns them (`tfs.exchange.owners`).
+    are summed on the replica that owns them (`tfs.exchange.owners`; across workers already in the
+    lookup's backward pass, `tfs.exchange.workers`).
 
     Args:
       grads_and_vars: `(gradient, variable)` pairs; `None` gradients pass through.
@@ -103,7 +104,9 @@ def all_reduce_gradients(
     for i, (g, v) in enumerate(pairs):
         tag = sharded_owner(v) if g is not None else None
         if tag is not None:
-            sharded.append((i, tag))
+            # Spread over workers, a shard's gradient was summed on its owner in the lookup's backward pass.
+            if not tag[0].spread:
+                sharded.append((i, tag))
             continue
         tag = owner(v) if g is not None else None
         (ours if tag is not None else others).append((i, tag))

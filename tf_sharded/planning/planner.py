@@ -188,9 +188,10 @@ def plan(
         fit; a table or tables that fit nowhere are an error.
       memory_per_replica: optional bytes one replica's device may hold for
         tables and slots (mirrored strategies): in table order, a copy per
-        replica while it fits beside the tables before it, else (under
-        MirroredStrategy) the table sharded over the replicas while a shard
-        fits, else the host. A table whose config says `placement="device"`
+        replica while it fits beside the tables before it, else the table
+        sharded over the replicas while a shard fits (MirroredStrategy, or
+        MultiWorkerMirroredStrategy with one replica per worker), else the
+        host. A table whose config says `placement="device"`
         and whose copy does not fit is an error naming it.
 
     Returns a `Plan`: print it for the table; pass it to
@@ -377,10 +378,11 @@ def _plan_ps(configs, stats, topology, slots, budgets, groups):
     return out, [load / 2**20 for load in loads]
 
 
-def _replica_placement(name, config, need, held, replicas, in_process, budget):
+def _replica_placement(name, config, need, held, replicas, budget):
     """`(placement, why)` of a table from one replica's budget; None where the config fixes a placement that fits.
 
-    `held`: the bytes one replica holds of the tables placed before this one.
+    `held`: the bytes one replica holds of the tables placed before this one; `replicas`: how many replicas a
+    sharded table would be split over (1: it cannot be).
     """
     copy_fits = held + need <= budget
     if config.placement == "device" and not copy_fits:
@@ -394,12 +396,12 @@ def _replica_placement(name, config, need, held, replicas, in_process, budget):
     if copy_fits:
         return "device", f"device: a copy of {_mb(need)} beside {_mb(held)} fits memory_per_replica {_mb(budget)}"
     shard = need / replicas
-    if in_process and replicas > 1 and held + shard <= budget:
+    if replicas > 1 and held + shard <= budget:
         return "sharded", (
             f"sharded: a copy of {_mb(need)} beside {_mb(held)} does not fit memory_per_replica {_mb(budget)}; "
             f"a shard of {_mb(shard)} per replica ({replicas}) does"
         )
-    where = "a shard per replica" if in_process and replicas > 1 else "a copy"
+    where = "a shard per replica" if replicas > 1 else "a copy"
     return "host", f"host: neither {where} nor a copy fits memory_per_replica {_mb(budget)} beside {_mb(held)}"
 
 
@@ -408,6 +410,8 @@ def _plan_mirrored(configs, stats, topology, slots, budgets, groups):
 
     in_process = topology.kind == MIRRORED
     local_replicas = max(1, topology.replicas // topology.workers)
+    # A table is sharded over every replica: those of one process, or across workers one replica per worker.
+    shard_over = topology.replicas if in_process or local_replicas == 1 else 1
     memory = budgets.per_device
     out, held = {}, 0.0  # held: the worker's bytes of the tables placed so far
     held_replica = 0.0  # one replica's
@@ -420,9 +424,7 @@ def _plan_mirrored(configs, stats, topology, slots, budgets, groups):
         need = nbytes * (1 + slots)
         by_replica = None
         if budgets.per_replica is not None:
-            by_replica = _replica_placement(
-                name, config, need, held_replica, local_replicas, in_process, budgets.per_replica
-            )
+            by_replica = _replica_placement(name, config, need, held_replica, shard_over, budgets.per_replica)
         if config.placement not in (None, "auto"):
             placement, why = config.placement, "placement set by the table config"
         elif by_replica is not None:
@@ -437,9 +439,10 @@ def _plan_mirrored(configs, stats, topology, slots, budgets, groups):
         else:
             placement = resolve_placement(None, nbytes)
             why = f"{placement}: {_mb(nbytes)} {'>' if placement == 'host' else '<='} {_mb(HOST_PLACEMENT_BYTES)}"
-        copies = local_replicas if placement == "device" else 1
+        # Copies of the table this worker holds: one per replica, one on the host, or its replicas' shards.
+        copies = {"device": local_replicas, "sharded": local_replicas / max(1, shard_over)}.get(placement, 1)
         held += need * copies
-        held_replica += {"device": need, "sharded": need / local_replicas}.get(placement, 0.0)
+        held_replica += {"device": need, "sharded": need / max(1, shard_over)}.get(placement, 0.0)
         if memory is not None and held > memory:
             raise ValueError(
                 f"Table '{name}' needs {_mb(need * copies)} with {slots} slot(s) ({copies} cop(ies)) beside "

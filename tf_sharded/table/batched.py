@@ -88,6 +88,7 @@ def build_batched(
     placement_scope,
     variable_factory=None,
     mirrored_placement: Optional[str] = None,
+    remote_device=None,
 ) -> List[ShardedVariable]:
     """Creates `configs`' tables in one storage table; returns the member tables, in order.
 
@@ -95,6 +96,8 @@ def build_batched(
     the storage has one variable per device, created under `placement_scope(index)` by `variable_factory`
     (as a table's shards are). Every table must have `configs[0]`'s dtype and row shape. `mirrored_placement`
     is recorded on the storage and its members (a mirrored strategy's tables sharded over the replicas).
+    `remote_device(index)`: the device of another worker that holds that device's storage, which this process
+    then does not create (None: every device is this process's).
     """
     inner, dtype = list(configs[0].shape[1:]), configs[0].dtype
     layouts = [spec.bind(config.shape[0]) for config, spec in zip(configs, specs)]
@@ -118,7 +121,10 @@ def build_batched(
         name=name, shape=[sum(used)] + inner, dtype=dtype, initializer=stacked, trainable=configs[0].trainable, seed=0
     )
     spec = PartitionSpec(len(holding), splits=[used[d] for d in holding])
-    placement = ShardPlacement([device_names[d] for d in holding], scope=lambda j: placement_scope(holding[j]))
+    remote = (lambda j: remote_device(holding[j])) if remote_device is not None else None
+    placement = ShardPlacement(
+        [device_names[d] for d in holding], scope=lambda j: placement_scope(holding[j]), remote=remote
+    )
     storage = build_sharded_variable(
         storage_config,
         spec,

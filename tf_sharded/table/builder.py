@@ -19,6 +19,7 @@ import tensorflow as tf
 from tf_sharded import initializers
 from tf_sharded.config import TableConfig
 from tf_sharded.layout import PartitionSpec
+from tf_sharded.table.remote import RemoteShard
 from tf_sharded.table.sharded_variable import ShardedVariable
 
 # Shards above this many elements are initialised chunk by chunk. The random generator's temporaries are several
@@ -70,11 +71,15 @@ class ShardPlacement:
     """Where a hook puts each shard: a device per shard (None: the strategy's default) and an optional scope.
 
     `scope(i)` is a context manager entered around the creation of shard `i`
-    (hooks use it to colocate). Slots of the table are placed the same way.
+    (hooks use it to colocate). `remote(i)`, if given, names the device of
+    another worker that holds shard `i`: this process then creates no
+    variable for it, only a `RemoteShard`. Slots of the table are placed the
+    same way.
     """
 
     devices: List[Optional[str]]
     scope: Optional[Callable[[int], Any]] = None
+    remote: Optional[Callable[[int], Optional[str]]] = None
 
     def enter(self, i: int):
         stack = contextlib.ExitStack()
@@ -110,6 +115,10 @@ def build_sharded_variable(
     with tf.init_scope():
         for i in range(spec.num_shards):
             shard_shape = [layout.shard_sizes[i]] + full_shape[1:]
+            elsewhere = placement.remote(i) if placement.remote is not None else None
+            if elsewhere is not None:
+                shards.append(RemoteShard(shard_shape, dtype, elsewhere, config.trainable, f"{config.name}/part_{i}"))
+                continue
             chunks = init.chunks(layout, i, full_shape, dtype, chunk_rows)
             whole = len(chunks) == 1 and chunks[0].whole
             with placement.enter(i):

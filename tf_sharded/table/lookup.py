@@ -16,12 +16,14 @@ from typing import Any, Dict, Optional, Sequence, Union
 
 import tensorflow as tf
 
-from tf_sharded import trace
+from tf_sharded import _compat, trace
 from tf_sharded.config import Combiner
+from tf_sharded.exchange.workers import exchange_rows, gather_everywhere
 from tf_sharded.table.batched import storage_of
 from tf_sharded.table.dynamic.table import DynamicTable
 from tf_sharded.table.dynamic.table import lookup_many as dynamic_lookup_many
 from tf_sharded.table.protocol import is_table
+from tf_sharded.table.remote import is_remote
 from tf_sharded.table.segment import physical
 from tf_sharded.table.sharded_variable import gather_rows
 
@@ -97,11 +99,12 @@ def _lookup_group(members, max_norm):
     distinct local rows (`_assemble`).
     """
     tables = list({id(t): t for t, _ in members}.values())  # first-appearance order
-    bases, starts, shards, total = {}, [], [], 0
+    bases, starts, shards, owners, total = {}, [], [], [], 0
     for table in tables:
         bases[id(table)] = total
         starts.extend(total + o for o in table.layout.offsets[:-1])
         shards.extend(table.variables)
+        owners.extend(range(table.num_shards))  # spread over workers: replica `i` holds shard `i`
         total += table.shape[0]
     counts = {}
     for table, flat_ids in members:
@@ -117,6 +120,8 @@ def _lookup_group(members, max_norm):
     storage = list({id(v): v for v, _ in placed}.values())
     _note_storage_lookups(tables, counts)
     shift = [start - offset for start, (_, offset) in zip(starts, placed)]  # key - shift = row in its variable
+    if any(is_remote(v) for v in storage):
+        return _split(_spread_rows(tables, uniq, starts, owners, shift, placed, max_norm), idx, members)
     if len(shards) == 1:
         shard = tf.zeros_like(uniq, tf.int32)
         local = uniq - shift[0] if shift[0] else uniq
@@ -150,13 +155,41 @@ def _lookup_group(members, max_norm):
         with tf.device(device):
             rows = _device_rows(variables, local_d, slot_d)
         parts.append(_clip_rows(rows, max_norm, inner_axes) if clip else rows)
-    rows = _assemble(parts, positions, device_of, idx, tf.size(uniq))
+    return _split(_assemble(parts, positions, device_of, idx, tf.size(uniq)), None, members)
+
+
+def _split(rows, idx, members) -> list:
+    """Each member's rows from the group's rows (at the distinct keys' positions `idx` if given)."""
+    if idx is not None:
+        rows = tf.gather(rows, idx)
     if len(members) == 1:
         return [rows]
     sizes = [flat_ids.shape[0] for _, flat_ids in members]
     if any(n is None for n in sizes):
         sizes = tf.stack([tf.size(flat_ids, out_type=tf.int32) for _, flat_ids in members])
     return tf.split(rows, sizes, num=len(members))
+
+
+def _spread_rows(tables, uniq, starts, owners, shift, placed, max_norm):
+    """Rows at a group's distinct keys `uniq` when its shards are spread over workers (`tfs.exchange.workers`)."""
+    held = list({id(v): v for v, _ in placed if not is_remote(v)}.values())
+    position = {id(v): i for i, v in enumerate(held)}
+    slot = tf.constant([position.get(id(v), 0) for v, _ in placed], tf.int32)
+    row_shape = tables[0].shape[1:].as_list()
+
+    def read_held(shard, row):
+        if not held:
+            return tf.zeros(tf.concat([tf.shape(row), tf.constant(row_shape, tf.int32)], 0), tables[0].dtype)
+        with tf.device(held[0].device):
+            rows = _device_rows(held, row, tf.gather(slot, shard))
+        return _clip_rows(rows, max_norm, list(range(1, len(row_shape) + 1))) if max_norm is not None else rows
+
+    strategy = tables[0].strategy
+    ctx = tf.distribute.get_replica_context()
+    if ctx is not None and ctx.strategy is strategy:
+        return exchange_rows(uniq, starts, owners, shift, read_held, row_shape, tables[0].dtype)
+    me = _compat.cluster_workers(strategy)[0]
+    return gather_everywhere(uniq, starts, owners, shift, read_held, row_shape, strategy, me)
 
 
 def _note_storage_lookups(tables, counts) -> None:
@@ -192,7 +225,9 @@ def lookup_many(pairs, max_norm: Optional[float] = None, training: bool = True) 
             inner_axes = list(range(1, table.shape.rank))
             results[i] = _clip_rows(rows, max_norm, inner_axes) if max_norm is not None else rows
             continue
-        groups.setdefault((table.dtype, tuple(table.shape[1:].as_list())), []).append(i)
+        # Tables spread over workers are looked up by their own exchange, apart from the others.
+        key = (table.dtype, tuple(table.shape[1:].as_list()), getattr(table, "spread", False))
+        groups.setdefault(key, []).append(i)
     for members in groups.values():
         for i, rows in zip(members, _lookup_group([pairs[i] for i in members], max_norm)):
             results[i] = rows

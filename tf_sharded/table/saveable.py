@@ -37,7 +37,7 @@ class TableSaveable(_compat.SaveableObject):
                     slice_spec(table.shape, start, stop - start),
                     name,
                     table.dtype,
-                    table.variables[shard].device,
+                    table.slice_device(shard),
                 )
             )
         self._table = table

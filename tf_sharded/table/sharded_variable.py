@@ -19,6 +19,7 @@ from tf_sharded.layout import Layout, PartitionSpec
 from tf_sharded.table import saveable
 from tf_sharded.table.ids import check_ids
 from tf_sharded.table.protocol import MAX_IDS_RANK, implements_table, register_shards
+from tf_sharded.table.remote import collective_rows, is_remote, own_shard
 from tf_sharded.table.segment import RowSegment
 
 
@@ -89,6 +90,13 @@ class ShardedVariable(_compat.Trackable):
         return self._variables
 
     @property
+    def held_variables(self) -> tuple:
+        """The shard variables held by this process: all of them, except for a table sharded over the workers
+        of MultiWorkerMirroredStrategy, where `variables` lists the other workers' shards as `RemoteShard`s
+        (metadata, no memory) and this is the one shard to train here."""
+        return tuple(v for v in self._variables if not is_remote(v))
+
+    @property
     def shape(self) -> tf.TensorShape:
         """Full logical shape."""
         return self._shape
@@ -133,6 +141,11 @@ class ShardedVariable(_compat.Trackable):
     def exchange(self):
         """The `tfs.exchange.ExchangePolicy` of a mirrored table (None elsewhere)."""
         return self._exchange
+
+    @property
+    def spread(self) -> bool:
+        """Whether some shards are held by other workers (`placement="sharded"` across processes)."""
+        return any(is_remote(v) for v in self._variables)
 
     @property
     def placement(self):
@@ -186,6 +199,8 @@ class ShardedVariable(_compat.Trackable):
 
     def _gather_rows(self, rows: tf.Tensor) -> tf.Tensor:
         """Rows of the table at int64 logical ids (no gradient bookkeeping)."""
+        if self.spread:  # every worker asks for the same rows; each gives those it holds
+            return collective_rows(self._strategy, self._held_rows(rows))
         _, locals_, positions = self._partition_rows(rows)
         parts = []
         for v, local in zip(self._variables, locals_):
@@ -194,6 +209,19 @@ class ShardedVariable(_compat.Trackable):
         if len(parts) == 1:
             return parts[0]
         return tf.dynamic_stitch(positions, parts)
+
+    def _held_rows(self, rows: tf.Tensor) -> tf.Tensor:
+        """A spread table's rows at `rows` that this worker holds, zeros for the others'."""
+        shape = tf.concat([tf.shape(rows, out_type=tf.int64), tf.constant(self._shape[1:].as_list(), tf.int64)], 0)
+        mine = own_shard(self._variables)
+        if mine is None:
+            return tf.zeros(shape, self._dtype)
+        shard, local = self._layout.route(rows)
+        where = tf.where(tf.equal(shard, mine))[:, 0]
+        v = self._variables[mine]
+        with tf.device(v.device):
+            held = gather_rows(v, tf.gather(local, where))
+        return tf.scatter_nd(where[:, None], held, shape)
 
     def sparse_read(self, ids, name: Optional[str] = None) -> tf.Tensor:
         """Rows at `ids` (any shape); same as `tfs.embedding_lookup(self, ids)` (dispatched by TensorFlow)."""
@@ -224,6 +252,8 @@ class ShardedVariable(_compat.Trackable):
             # Split the values where they are; each shard receives only its rows.
             parts = tf.dynamic_partition(values, shard, self.num_shards) if self.num_shards > 1 else [values]
         for v, local, part in zip(self._variables, locals_, parts):
+            if is_remote(v):  # its owner applies its part
+                continue
             with tf.device(v.device):
                 getattr(v, method)(tf.IndexedSlices(part, local, v.shape), use_locking=use_locking)
         return self
@@ -271,6 +301,8 @@ class ShardedVariable(_compat.Trackable):
     def _assign_full(self, method: str, value, use_locking=False, read_value=True):
         value = self._check_full(value)
         for i, v in enumerate(self._variables):
+            if is_remote(v):  # its owner assigns its rows
+                continue
             with tf.device(v.device):
                 getattr(v, method)(self._shard_rows_of(value, i), use_locking=use_locking)
         return self.read_value() if read_value else self
@@ -292,6 +324,8 @@ class ShardedVariable(_compat.Trackable):
 
     def read_value(self) -> tf.Tensor:
         """The whole table in logical row order: an explicit, full materialisation."""
+        if self.spread:
+            return self._gather_rows(tf.range(int(self._shape[0]), dtype=tf.int64))
         parts = [tf.convert_to_tensor(v) for v in self._variables]
         if len(parts) == 1:
             return parts[0]
@@ -327,7 +361,18 @@ class ShardedVariable(_compat.Trackable):
         even = PartitionSpec(self.num_shards).bind(int(self._shape[0]))
         return [(o, o + s, i) for i, (o, s) in enumerate(zip(even.offsets, even.shard_sizes))]
 
+    def slice_device(self, shard: int) -> str:
+        """Where the checkpoint slice of `shard` is read: the shard's device, or for a shard held by another
+        worker, this worker's (which gathers it over the collectives)."""
+        v = self._variables[shard]
+        if not is_remote(v):
+            return v.device
+        mine = own_shard(self._variables)
+        return self._variables[mine].device if mine is not None else ""
+
     def read_slice(self, start: int, stop: int, shard: int) -> tf.Tensor:
+        if self.spread:
+            return self._gather_rows(tf.range(start, stop, dtype=tf.int64))
         v = self._variables[shard]
         with tf.device(v.device):
             if self._layout.scheme == "div" or self.num_shards == 1:
@@ -345,6 +390,8 @@ class ShardedVariable(_compat.Trackable):
         for (start, stop, shard), value in zip(self.checkpoint_slices(), values):
             if self._layout.scheme == "div" or self.num_shards == 1:
                 v = self._variables[shard]
+                if is_remote(v):
+                    continue
                 with tf.device(v.device):
                     ops.append(v.assign(value, read_value=False))
                 continue
@@ -352,6 +399,8 @@ class ShardedVariable(_compat.Trackable):
             shard_ids, locals_, _ = self._partition_rows(rows)
             parts = tf.dynamic_partition(value, shard_ids, self.num_shards)
             for v, local, part in zip(self._variables, locals_, parts):
+                if is_remote(v):
+                    continue
                 with tf.device(v.device):
                     ops.append(v.scatter_update(tf.IndexedSlices(part, local, v.shape)))
         return ops

@@ -26,6 +26,7 @@ from tf_sharded.keras.training import evaluation
 from tf_sharded.keras.training.checkpoints import Checkpoints, PeriodicCheckpoint
 from tf_sharded.keras.training.loop import Loop
 from tf_sharded.strategy import FitLoop, family_of
+from tf_sharded.table.protocol import owner_of
 
 # Seconds `tfs.fit` waits for a failed parameter server to come back before it gives up.
 RESTART_TIMEOUT = 300.0
@@ -39,6 +40,19 @@ def _first_batch(source: DatasetSource):
 
 def _batch_size(x) -> tf.Tensor:
     return tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+
+
+def _check_saves_together(model) -> None:
+    """Refuses `checkpoint_secs` for a model with tables sharded over workers: each save gathers their rows over
+    collectives, which every worker must join at the same step, and each worker's clock would choose its own."""
+    for variable in model.trainable_variables:
+        tag = owner_of(variable)
+        if tag is not None and getattr(tag[0], "spread", False):
+            raise ValueError(
+                f"Argument `checkpoint_secs` cannot apply to table '{tag[0].name}', sharded over the workers: every "
+                "worker must save at the same step, and a time interval is measured by each worker's clock. Use "
+                "checkpoint_every (steps) instead."
+            )
 
 
 def fit(
@@ -157,6 +171,8 @@ def fit(
         checkpoint_every = positive_int("checkpoint_every", checkpoint_every)
     if checkpoint_secs is not None and not (isinstance(checkpoint_secs, (int, float)) and checkpoint_secs > 0):
         raise ValueError(f"Argument `checkpoint_secs` must be a positive number. Received: {checkpoint_secs!r}")
+    if checkpoint_secs is not None:
+        _check_saves_together(model)
     if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
         raise ValueError(f"Argument `max_restarts` must be an int >= 0. Received: {max_restarts!r}")
     if max_steps is not None:

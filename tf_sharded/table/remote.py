@@ -1,0 +1,80 @@
+"""Shards held by other workers: a table sharded over the replicas of several processes.
+
+Under MultiWorkerMirroredStrategy a `placement="sharded"` table has one shard
+per worker, and each worker creates only its own. The others are
+`RemoteShard`s: they answer what a table asks of a shard's metadata (shape,
+dtype, device, trainable, name) and hold no memory. Every worker runs the
+same program, so what needs another worker's rows is done by all of them at
+once, over the strategy's collectives:
+
+* a whole-table read (`read_value`, a checkpoint slice) sums each worker's
+  contribution, its own rows in place and zeros elsewhere (`collective_rows`);
+* a write (assign, scatter, restore) applies, on each worker, the part that
+  its own shard holds, and skips the rest;
+* a lookup goes through `tf_sharded.table.spread`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import tensorflow as tf
+
+from tf_sharded.table.segment import RowSegment
+
+
+class RemoteShard:
+    """Shard of a table held by another worker: its metadata only."""
+
+    def __init__(self, shape, dtype, device: str, trainable: bool, name: str):
+        self._shape = tf.TensorShape(shape)
+        self._dtype = tf.as_dtype(dtype)
+        self._device = device
+        self._trainable = bool(trainable)
+        self._name = name
+
+    @property
+    def shape(self) -> tf.TensorShape:
+        return self._shape
+
+    @property
+    def dtype(self) -> tf.DType:
+        return self._dtype
+
+    @property
+    def device(self) -> str:
+        """The owner's device (another process's; nothing here is placed on it)."""
+        return self._device
+
+    @property
+    def trainable(self) -> bool:
+        return self._trainable
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def __repr__(self):
+        return f"<RemoteShard '{self._name}' shape={self._shape.as_list()} on {self._device}>"
+
+
+def is_remote(shard) -> bool:
+    """Whether `shard` (a variable, a segment of one, or a stand-in) lives in another worker."""
+    if isinstance(shard, RowSegment):
+        shard = shard.storage
+    return isinstance(shard, RemoteShard)
+
+
+def own_shard(variables) -> Optional[int]:
+    """Index of the one shard held here among a spread table's `variables` (None: it holds none)."""
+    held = [i for i, v in enumerate(variables) if not is_remote(v)]
+    return held[0] if held else None
+
+
+def collective_rows(strategy, contribution: tf.Tensor) -> tf.Tensor:
+    """The sum over the workers of `contribution`: every worker must call it, in the same order.
+
+    Each worker passes the rows it holds and zeros for the others, so the sum
+    is the rows themselves, on every worker.
+    """
+    return strategy.reduce(tf.distribute.ReduceOp.SUM, contribution, axis=None)
