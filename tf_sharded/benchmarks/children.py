@@ -41,6 +41,11 @@ def worker_commands(
 def run_together(commands: List[Command], timeout: float) -> List[Tuple[int, str]]:
     """Starts every command at once and waits for all; `(exit code, stderr)` each. Any still running after
     `timeout` seconds is killed."""
+    return [(code, err) for code, _, err in run_together_output(commands, timeout)]
+
+
+def run_together_output(commands: List[Command], timeout: float) -> List[Tuple[int, str, str]]:
+    """`run_together`, keeping each command's standard output: `(exit code, stdout, stderr)` each."""
     procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c, e in commands]
     try:
         outputs = [p.communicate(timeout=timeout) for p in procs]
@@ -48,4 +53,4 @@ def run_together(commands: List[Command], timeout: float) -> List[Tuple[int, str
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    return [(p.returncode, err) for p, (_, err) in zip(procs, outputs)]
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]

@@ -33,6 +33,7 @@ import sys
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from tf_sharded.benchmarks.catalog import BENCHMARKS, SINGLE_RUN
+from tf_sharded.benchmarks.sharded import app_label, replicas_label
 
 NOT_RECORDED = "not recorded"
 
@@ -453,7 +454,7 @@ def _sharded(report: Dict) -> List[str]:
     for per in report["results"]:
         for r in per["results"]:
             table.append([
-                str(per["replicas"]), f"{r['rows']:,}", f"{r['sharded_bytes_per_replica'] / 2**20:.1f}",
+                replicas_label(per), f"{r['rows']:,}", f"{r['sharded_bytes_per_replica'] / 2**20:.1f}",
                 f"{r['sharded_vs_even_share']:.3f}", f"{r['device_bytes_per_replica'] / 2**20:.1f}",
                 _ms(r["sharded_step_s"]), _ms(r["device_step_s"]), f"{r['sharded_vs_device_step']:.2f}",
             ])  # fmt: skip
@@ -469,10 +470,10 @@ def _sharded(report: Dict) -> List[str]:
     )
     lines += _para("`tfs.plan` with `memory_per_replica` a third of one table and its slot:")
     lines += _table("replicas | memory_per_replica MB | planned | built | reason", plans)
-    lines += _para(f"The application, `train --strategy mirrored --cpu_replicas N`, {report['app_steps']} steps:")
+    lines += _para(f"The application, `python -m tf_sharded train`, {report['app_steps']} steps:")
     return lines + _table(
-        "replicas | sharded samples/s | device samples/s | sharded / device | sharded AUC | device AUC",
-        ([str(a["replicas"]), f"{a['sharded_samples_per_s']:,.0f}", f"{a['device_samples_per_s']:,.0f}",
+        "strategy | sharded samples/s | device samples/s | sharded / device | sharded AUC | device AUC",
+        ([f"`{app_label(a)}`", f"{a['sharded_samples_per_s']:,.0f}", f"{a['device_samples_per_s']:,.0f}",
           f"{a['sharded_vs_device']:.2f}", f"{a['sharded_auc']:.4f}", f"{a['device_auc']:.4f}"]
          for a in report["app"]),
     )  # fmt: skip

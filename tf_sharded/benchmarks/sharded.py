@@ -1,7 +1,8 @@
-"""B12: tables sharded over MirroredStrategy's replicas (`placement="sharded"`) against mirrored copies.
+"""B12: tables sharded over the replicas (`placement="sharded"`) against mirrored copies.
 
 At N = 2 and 4 replicas (logical CPUs of one process, `--quick`: N = 4),
-each in its own process:
+each in its own process, and over 2 workers of MultiWorkerMirroredStrategy
+(a process each, one replica per worker):
 
 * **bytes per replica**: the bytes of the variables placed on each
   replica's device (tables and `tfs.optimizers.Adagrad`'s slot), for an
@@ -17,8 +18,9 @@ each in its own process:
   `tfs.plan` places it sharded, and the layer built from the plan trains.
 
 Then the application, as a user runs it: `python -m tf_sharded train
---strategy mirrored --cpu_replicas N` with `--placement sharded` and with
-`--placement device` at equal steps: samples/s and held-out AUC.
+--strategy mirrored --cpu_replicas N`, and `--strategy multi_worker` on 2
+worker processes, with `--placement sharded` and with `--placement device`
+at equal steps: samples/s and held-out AUC.
 
     python -m tf_sharded bench sharded [--quick]
 """
@@ -30,15 +32,15 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from tf_sharded.benchmarks import children
 
 TABLES, DIM, IDS = 8, 16, 512
+WORKERS = 2  # MultiWorkerMirroredStrategy's case: one replica per worker process
 
 
 def _sizes(quick: bool) -> Dict:
@@ -128,17 +130,25 @@ def _time(strategy, rows: int, placement: str, sizes: Dict) -> Dict:
     from tf_sharded.table.batched import storage_of
 
     stored = {id(storage_of(t) or t): storage_of(t) or t for t in layer.tables.values()}.values()
-    slots = [v for table in stored for v in optimizer.table_slot(table, "accumulator").variables]
+    slots = [v for table in stored for v in optimizer.table_slot(table, "accumulator").held_variables]
     held = _bytes_by_device(layer.trainable_variables + slots)
     return {"step_s": statistics.median(rounds), "bytes_per_replica": max(held.values()), "devices": len(held)}
 
 
-def _child(replicas: int, quick: bool, out: str) -> int:
+def _child(replicas: int, quick: bool, out: Optional[str]) -> int:
+    """One replica count: N logical CPUs of this process, or (`replicas` 0) this worker of a
+    MultiWorkerMirroredStrategy cluster named by `TF_CONFIG`, one replica per worker; `out`: where the report
+    goes (None: another worker writes it)."""
     import tensorflow as tf
 
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
-    strategy = tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")])
+    if replicas:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
+        strategy = tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")])
+    else:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    workers = 0 if replicas else strategy.num_replicas_in_sync
+    replicas = strategy.num_replicas_in_sync
     sizes = _sizes(quick)
     rows_out = []
     for rows in sizes["rows"]:
@@ -172,21 +182,26 @@ def _child(replicas: int, quick: bool, out: str) -> int:
             "built": sorted({t.placement for t in layer.tables.values()}),
             "losses": losses,
         }
-    with open(out, "w") as f:
-        json.dump({"replicas": replicas, "results": rows_out, "plan": planned}, f)
+    if out is not None:
+        with open(out, "w") as f:
+            json.dump({"replicas": replicas, "workers": workers, "results": rows_out, "plan": planned}, f)
     return 0
 
 
-def _app(replicas: int, placement: str, sizes: Dict) -> Dict:
-    """The application's training job, as a user runs it, with one placement."""
-    command = [sys.executable, "-m", "tf_sharded", "train", "--strategy", "mirrored", "--cpu_replicas",
-               str(replicas), "--placement", placement, "--steps", str(sizes["app_steps"]), "--steps_per_epoch",
-               str(sizes["app_steps"]), "--max_vocab", str(sizes["app_vocab"]), "--eval_steps", "8", "--verbose",
-               "0"]  # fmt: skip
-    proc = subprocess.run(command, env=children.child_env(), capture_output=True, text=True, timeout=3600)
-    summary = [line for line in proc.stdout.splitlines() if line.startswith("summary:")]
-    if proc.returncode != 0 or not summary:
-        raise RuntimeError(f"B12: train --placement {placement} failed:\n{proc.stderr[-3000:]}")
+def _app(replicas: int, placement: str, sizes: Dict, workers: int = 0) -> Dict:
+    """The application's training job, as a user runs it, with one placement: `--strategy mirrored
+    --cpu_replicas N`, or with `workers` `--strategy multi_worker` in a process each (each its `TF_CONFIG`)."""
+    command = [sys.executable, "-m", "tf_sharded", "train", "--placement", placement, "--steps",
+               str(sizes["app_steps"]), "--steps_per_epoch", str(sizes["app_steps"]), "--max_vocab",
+               str(sizes["app_vocab"]), "--eval_steps", "8", "--verbose", "0"]  # fmt: skip
+    if workers:
+        commands = children.worker_commands(command + ["--strategy", "multi_worker"], children.child_env(), workers)
+    else:
+        commands = [(command + ["--strategy", "mirrored", "--cpu_replicas", str(replicas)], children.child_env())]
+    code, stdout, stderr = children.run_together_output(commands, 3600)[0]  # the chief's summary
+    summary = [line for line in stdout.splitlines() if line.startswith("summary:")]
+    if code != 0 or not summary:
+        raise RuntimeError(f"B12: train --placement {placement} failed:\n{stderr[-3000:]}")
     rate = re.search(r"\| ([\d,]+) samples/s", summary[0])
     auc = re.search(r"AUC (\d\.\d+)", summary[0])
     return {"samples_per_s": float(rate.group(1).replace(",", "")), "auc": float(auc.group(1))}
@@ -205,11 +220,23 @@ def run(quick: bool = False, timeout: float = 3600.0) -> Dict:
         with open(out) as f:
             per_replicas.append(json.load(f))
         os.remove(out)
+    # Across processes: WORKERS workers of MultiWorkerMirroredStrategy, one replica each (worker 0 reports).
+    out = tempfile.mktemp(suffix="_sharded_workers.json")
+    command = [sys.executable, "-m", "tf_sharded.benchmarks.sharded", "--replicas", "0"]
+    command += ["--quick"] if quick else []
+    workers = children.worker_commands(command, children.child_env(), WORKERS, ["--out", out])
+    ended = children.run_together(workers, timeout)
+    if any(code != 0 for code, _ in ended) or not os.path.exists(out):
+        raise RuntimeError(f"B12 with {WORKERS} workers failed:\n{[err[-3000:] for _, err in ended]}")
+    with open(out) as f:
+        per_replicas.append(json.load(f))
+    os.remove(out)
     app = []
-    for replicas in sizes["replicas"]:
-        sharded, device = (_app(replicas, p, sizes) for p in ("sharded", "device"))
+    for replicas, workers in [(n, 0) for n in sizes["replicas"]] + [(WORKERS, WORKERS)]:
+        sharded, device = (_app(replicas, p, sizes, workers) for p in ("sharded", "device"))
         app.append({
             "replicas": replicas,
+            "workers": workers,
             "sharded_samples_per_s": sharded["samples_per_s"],
             "device_samples_per_s": device["samples_per_s"],
             "sharded_vs_device": sharded["samples_per_s"] / device["samples_per_s"],
@@ -232,6 +259,18 @@ def run(quick: bool = False, timeout: float = 3600.0) -> Dict:
     }
 
 
+def replicas_label(row: Dict) -> str:
+    """`4` (replicas of one process) or `2 workers` (MultiWorkerMirroredStrategy, one replica each)."""
+    return f"{row['workers']} workers" if row.get("workers") else str(row["replicas"])
+
+
+def app_label(row: Dict) -> str:
+    """The application's strategy flags of one B12 run."""
+    if row.get("workers"):
+        return f"--strategy multi_worker ({row['workers']} workers)"
+    return f"--strategy mirrored --cpu_replicas {row['replicas']}"
+
+
 def format_rows(report: Dict) -> List[str]:
     lines = [
         f"B12 ({report['tables']} tables x {report['dim']}, {report['ids_per_replica_and_table']} ids per table and "
@@ -242,7 +281,7 @@ def format_rows(report: Dict) -> List[str]:
     for per in report["results"]:
         for r in per["results"]:
             lines.append(
-                f"{per['replicas']:>8} {r['rows']:>10,} | {r['sharded_bytes_per_replica'] / 2**20:>10.1f} "
+                f"{replicas_label(per):>8} {r['rows']:>10,} | {r['sharded_bytes_per_replica'] / 2**20:>10.1f} "
                 f"{r['sharded_vs_even_share']:>7.3f} {r['device_bytes_per_replica'] / 2**20:>10.1f} | "
                 f"{r['sharded_step_s'] * 1e3:>7.1f}ms {r['device_step_s'] * 1e3:>7.1f}ms "
                 f"{r['sharded_vs_device_step']:>7.2f}"
@@ -256,7 +295,7 @@ def format_rows(report: Dict) -> List[str]:
         )
     for a in report["app"]:
         lines.append(
-            f"train --strategy mirrored --cpu_replicas {a['replicas']}, {report['app_steps']} steps: sharded "
+            f"train {app_label(a)}, {report['app_steps']} steps: sharded "
             f"{a['sharded_samples_per_s']:,.0f} samples/s (AUC {a['sharded_auc']:.4f}), device "
             f"{a['device_samples_per_s']:,.0f} (AUC {a['device_auc']:.4f}): {a['sharded_vs_device']:.2f}x"
         )
@@ -267,7 +306,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="B12 child: one replica count")
     parser.add_argument("--replicas", type=int, required=True)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     return _child(args.replicas, args.quick, args.out)
 

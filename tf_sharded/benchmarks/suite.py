@@ -223,7 +223,7 @@ def _plot(name: str, reports: List[Dict], out: str) -> str:
         fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
         for per in reports[0]["results"]:
             rows = per["results"]
-            label = f"{per['replicas']} replicas"
+            label = f"{per['workers']} workers" if per.get("workers") else f"{per['replicas']} replicas"
             a.plot([r["rows"] for r in rows], [r["sharded_vs_even_share"] for r in rows], marker="o", label=label)
             b.plot([r["rows"] for r in rows], [r["sharded_vs_device_step"] for r in rows], marker="o", label=label)
         a.axhline(1.15, color="gray", linestyle="--", label="goal (1.15)")
