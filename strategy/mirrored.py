@@ -15,7 +15,9 @@ Placement:
   them and gets their rows back; each shard's gradient rows from every
   replica are summed on its owner (`tfs.exchange.owners`), and the optimizer
   updates each row once, there. A table can then use every replica's memory;
-* `"auto"`: `"host"` for tables above `HOST_PLACEMENT_BYTES`, else `"device"`.
+* `"auto"`: in one process, `"sharded"` for a table whose copy (with a slot)
+  does not fit a replica's memory but whose shard does (`replica_memory`);
+  otherwise `"host"` for tables above `HOST_PLACEMENT_BYTES`, else `"device"`.
 
 Sparse gradients of every mirrored shard are summed by the table's `ExchangePolicy`
 (`tfs.exchange`): in one process (MirroredStrategy) the replicas' slices are
@@ -29,8 +31,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import weakref
 import zlib
+from typing import Optional
 
 import tensorflow as tf
 
@@ -43,6 +47,8 @@ from tf_sharded.table.batched import build_batched
 from tf_sharded.table.builder import ShardPlacement, build_sharded_variable, colocate_scope
 
 HOST_PLACEMENT_BYTES = 256 << 20
+# Optimizer slots counted beside a table when "auto" asks whether it fits a replica (Adagrad's one; as tfs.plan).
+AUTO_SLOTS = 1
 
 # Per strategy: the exchange of tables created without `exchange=`, and a forced transport.
 _DEFAULT_EXCHANGE = weakref.WeakKeyDictionary()
@@ -109,8 +115,42 @@ def _remote(strategy, devices):
     return lambda i: None if i == me else devices[i]
 
 
-def _placement_of(config) -> str:
+def replica_memory(strategy) -> Optional[int]:
+    """Bytes one replica's device can hold, where this process can tell (None where it cannot).
+
+    GPU replicas: the smallest `memory_limit` configured for their logical
+    devices (TensorFlow reports no total otherwise). CPU replicas (logical
+    devices of one host): the host's physical memory, shared by the replicas.
+    """
+    devices = [tf.DeviceSpec.from_string(d) for d in strategy.extended.worker_devices]
+    if all(d.device_type == "GPU" for d in devices):
+        limits = []
+        for gpu in tf.config.list_physical_devices("GPU"):
+            configured = tf.config.get_logical_device_configuration(gpu) or []
+            limits += [c.memory_limit for c in configured]
+        if not limits or None in limits:
+            return None
+        return int(min(limits)) << 20
+    if all(d.device_type == "CPU" for d in devices):
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // len(devices)
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
+
+
+def _placement_of(strategy, config) -> str:
+    """A table's placement; "auto" (or none given) in one process shards a table whose copy with a slot does not
+    fit a replica's memory but whose shard does, else keeps the size rule (`resolve_placement`)."""
     table_bytes = config.dtype.size * int(tf.TensorShape(config.shape).num_elements())
+    # Across workers each would measure its own memory and might decide otherwise: tfs.plan decides for all.
+    one_process = _compat.uses_merge_call(strategy) and not _compat.in_multi_worker_mode(strategy)
+    if config.placement in (None, "auto") and one_process:
+        replicas = min(strategy.num_replicas_in_sync, config.shape[0])
+        budget = replica_memory(strategy) if replicas > 1 else None
+        need = table_bytes * (1 + AUTO_SLOTS)
+        if budget is not None and need > budget:
+            return "sharded" if need / replicas <= budget else "host"
     return resolve_placement(config.placement, table_bytes)
 
 
@@ -126,7 +166,7 @@ def create_group(strategy, configs, name, variable_factory=None):
     """Tables sharded over the replicas, of one dtype and row shape, in one storage variable per replica
     (table-batched storage: one gather per replica and owner, one update per owner and step); None (each
     table its own variables) unless every table is sharded."""
-    if any(_placement_of(config) != "sharded" for config in configs):
+    if any(_placement_of(strategy, config) != "sharded" for config in configs):
         return None
     specs, shard_devices = [], []
     for config in configs:
@@ -150,7 +190,7 @@ def _seeded(strategy, configs):
 
 
 def create(strategy, config, variable_factory=None):
-    placement = _placement_of(config)
+    placement = _placement_of(strategy, config)
     (config,) = _seeded(strategy, [config])
     if placement == "sharded":
         spec, devices = _sharded_layout(strategy, config)

@@ -418,6 +418,27 @@ def test_every_compat_name_is_exercised():
     assert not missing, f"_compat names with no test in tests/test_compat.py: {missing}"
 
 
+@exercises("cluster_workers")
+def test_cluster_workers_orders_the_chief_first():
+    """The order of TensorFlow's `id_in_cluster` on a cluster spec with a chief; `test_multi_worker` checks a
+    real two-worker MultiWorkerMirroredStrategy's attributes with it."""
+    from types import SimpleNamespace
+
+    spec = tf.train.ClusterSpec({"worker": ["w0:1", "w1:1"], "chief": ["c:1"]})
+    extended = SimpleNamespace(
+        _cluster_spec=spec, _id_in_cluster=2, worker_devices=("/job:worker/replica:0/task:1/device:CPU:0",)
+    )
+    me, devices = _compat.cluster_workers(SimpleNamespace(extended=extended))
+    assert me == 2
+    assert devices == [
+        "/job:chief/replica:0/task:0/device:CPU:0",
+        "/job:worker/replica:0/task:0/device:CPU:0",
+        "/job:worker/replica:0/task:1/device:CPU:0",
+    ]
+    local = SimpleNamespace(_cluster_spec=None, _id_in_cluster=0, worker_devices=("/device:CPU:0",))
+    assert _compat.cluster_workers(SimpleNamespace(extended=local)) == (0, ["/device:CPU:0"])
+
+
 @exercises("plain_variable")
 def test_plain_variable_skips_the_strategy_creator():
     strategy = tf.distribute.MirroredStrategy(["/cpu:0"])

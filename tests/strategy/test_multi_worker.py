@@ -87,11 +87,15 @@ import numpy as np, tensorflow as tf, keras
 import tf_sharded as tfs
 from tests.harness.graphs import whole_table_reads
 from tests.harness.steps import squared_norm_collection_step
+from tf_sharded import _compat
 from tf_sharded.table.protocol import owner_of
 
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
 task, workers = int(os.environ["TASK"]), strategy.num_replicas_in_sync
 assert workers == 2
+# Replica r is worker r: the owner of shard r.
+me, devices = _compat.cluster_workers(strategy)
+assert (me, devices) == (task, [f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in range(2)]), devices
 ROWS, DIM = 50, 4
 rng = np.random.RandomState(0)
 ids = rng.randint(0, ROWS, (32, 3))

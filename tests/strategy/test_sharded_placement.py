@@ -1,5 +1,7 @@
 """Tables sharded over MirroredStrategy's replicas (`placement="sharded"`), against single-device references."""
 
+from unittest import mock
+
 import keras
 import numpy as np
 import pytest
@@ -191,6 +193,21 @@ class ShardedPlacementTest(tf.test.TestCase):
                 strategy.create_sharded_variable("y", [40, 2], exchange="dense", placement="sharded")
         with self.assertRaisesRegex(ValueError, "Argument `placement`"):
             tfs.create_sharded_variable("z", [40, 2], placement="sharded")  # the default strategy: no replicas
+
+    def test_auto_shards_a_table_whose_copy_does_not_fit_a_replica(self):
+        strategy = mirrored()
+        family = tfs.strategy.mirrored
+        need = ROWS * DIM * 4 * 2  # the table and one slot
+        # The replica's memory is measured: a real host holds this small table's copy (the size rule: device).
+        self.assertGreater(family.replica_memory(strategy), need)
+        cases = [(need // 2, "sharded"), (need // 8, "host"), (None, "device")]  # a quarter fits / does not
+        for budget, want in cases:
+            with mock.patch.object(family, "replica_memory", return_value=budget), strategy.scope():
+                table = strategy.create_sharded_variable(uid("auto"), [ROWS, DIM], placement="auto")
+                layer = tfs.layers.Embedding(ROWS, DIM)  # no placement given: the same rule
+                layer.build()
+            self.assertEqual((table.placement, layer.embeddings.placement), (want, want), msg=budget)
+        self.assertEqual(list(table.devices)[0], strategy.extended.worker_devices[0])
 
 
 class ShardedTrainingFunctionsTest(tf.test.TestCase):

@@ -18,9 +18,9 @@ each in its own process, and over 2 workers of MultiWorkerMirroredStrategy
   `tfs.plan` places it sharded, and the layer built from the plan trains.
 
 Then the application, as a user runs it: `python -m tf_sharded train
---strategy mirrored --cpu_replicas N`, and `--strategy multi_worker` on 2
-worker processes, with `--placement sharded` and with `--placement device`
-at equal steps: samples/s and held-out AUC.
+--strategy mirrored --cpu_replicas N` (not with `--quick`), and `--strategy
+multi_worker` on 2 worker processes, with `--placement sharded` and with
+`--placement device` at equal steps: samples/s and held-out AUC.
 
     python -m tf_sharded bench sharded [--quick]
 """
@@ -232,7 +232,9 @@ def run(quick: bool = False, timeout: float = 3600.0) -> Dict:
         per_replicas.append(json.load(f))
     os.remove(out)
     app = []
-    for replicas, workers in [(n, 0) for n in sizes["replicas"]] + [(WORKERS, WORKERS)]:
+    # --quick: the application across workers only (the tests run it in one process with --cpu_replicas).
+    runs = [(n, 0) for n in sizes["replicas"] if not quick] + [(WORKERS, WORKERS)]
+    for replicas, workers in runs:
         sharded, device = (_app(replicas, p, sizes, workers) for p in ("sharded", "device"))
         app.append({
             "replicas": replicas,
