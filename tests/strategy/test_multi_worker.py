@@ -152,6 +152,10 @@ for k, (cls, cfg, scheme, slot_name) in enumerate(cases):
         assert abs(tfs.evaluate(model, data) - reference.evaluate(ids, y, batch_size=8, verbose=0)) < 1e-5
         got = tfs.predict(model, tf.data.Dataset.from_tensor_slices(ids).batch(8))
         assert np.allclose(got, reference.predict(ids, batch_size=8, verbose=0), atol=1e-5)
+        # Every worker exports (the table is gathered over the collectives): one plain table, served alone.
+        served = tf.saved_model.load(tfs.export(model, os.path.join(CHECKPOINTS, f"export{task}")))
+        out = list(served.signatures["serving_default"](tf.constant(ids[:8], tf.int64)).values())[0]
+        assert np.allclose(out, reference.predict(ids[:8], verbose=0), atol=1e-5)
         reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(checkpoint_dir))
         keys = reader.get_variable_to_shape_map()
         key = next(k for k in keys if k.startswith("model/") and keys[k] == [ROWS, DIM] and "OPTIMIZER" not in k)
