@@ -28,8 +28,7 @@ PROCESS_GROUPS_NICENESS = 10
 
 @pytest.hookimpl(trylast=True)  # after -m / -k have deselected
 def pytest_collection_modifyitems(session, config, items):
-    """Tests marked `ps_cluster` run in one child process; those marked `processes` in two others, except those
-    also marked `lockstep`, which join the first.
+    """Tests marked `ps_cluster` run in one child process; those marked `processes` in two others.
 
     Connecting a process to a cluster renames its job: a MirroredStrategy
     created before then stops resolving its devices, and one created after
@@ -42,11 +41,7 @@ def pytest_collection_modifyitems(session, config, items):
     start) at a lower priority: the in-process tests here are latency-bound
     (MirroredStrategy's replica threads hand work to one another and wait on
     each hand-over), and with two cores kept busy by the commands' processes
-    they ran 10 to 100 times slower than alone. The `lockstep` tests start
-    clusters of processes that wait on one another at every step (collectives
-    of MultiWorkerMirroredStrategy) and are as latency-bound: they run at
-    normal priority, in the first child (they start processes and connect
-    nothing themselves).
+    they ran 10 to 100 times slower than alone.
     """
     listed = os.environ.get(CHILD_TESTS)
     if listed:  # a child: exactly the tests the parent gave it
@@ -56,11 +51,11 @@ def pytest_collection_modifyitems(session, config, items):
         return
     if config.option.collectonly:
         return
-    first = [item for item in items if item.get_closest_marker("ps_cluster") or item.get_closest_marker("lockstep")]
-    taken = {id(item) for item in first}
-    waiting = [item for item in items if id(item) not in taken and item.get_closest_marker("processes")]
+    cluster = [item for item in items if item.get_closest_marker("ps_cluster")]
+    rest = [item for item in items if not item.get_closest_marker("ps_cluster")]
+    waiting = [item for item in rest if item.get_closest_marker("processes")]
     files = sorted({item.path for item in waiting})
-    groups = [(first, 0)] + [([item for item in waiting if files.index(item.path) % PROCESS_GROUPS == g],
+    groups = [(cluster, 0)] + [([item for item in waiting if files.index(item.path) % PROCESS_GROUPS == g],
                                 PROCESS_GROUPS_NICENESS) for g in range(PROCESS_GROUPS)]  # fmt: skip
     groups = [(group, nice) for group, nice in groups if group]
     if not groups or (len(groups) == 1 and len(groups[0][0]) == len(items)):

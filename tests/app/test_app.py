@@ -70,10 +70,14 @@ class ApplicationTest(tf.test.TestCase):
             ("parameter_server", "dlrm", "3"),  # 2 steps per epoch at 3 per execution: one execution of 2
         )
         ckpts = {strategy: os.path.join(self.get_temp_dir(), strategy) for strategy, _, _ in cases}
-        sharded = ["--cpu_replicas", "2", "--placement", "sharded"]
+        # Tables sharded over the replicas: 2 CPU replicas; the one worker of a multi-worker run without TF_CONFIG.
+        sharded = {
+            "mirrored": ["--cpu_replicas", "2", "--placement", "sharded"],
+            "multi_worker": ["--placement", "sharded"],
+        }
         commands = [
             train_args("--strategy", strategy, "--model", model, "--steps_per_execution", per_execution,
-                       "--checkpoint_dir", ckpts[strategy], *(sharded if strategy == "mirrored" else []))
+                       "--checkpoint_dir", ckpts[strategy], *sharded.get(strategy, []))
             for strategy, model, per_execution in cases
         ]  # fmt: skip
         # Two runs at a time (independent processes): most of a tiny run is start-up and tracing.

@@ -225,12 +225,12 @@ class BenchmarkSuiteTest(tf.test.TestCase):
         with open(os.path.join(out, "sharded.json")) as f:
             report = json.load(f)
         self.assertEqual((report["benchmark"], report["tables"], report["dim"]), ("sharded", 8, 16))
-        per, workers = report["results"]
-        self.assertEqual((per["replicas"], per["workers"]), (4, 0))
-        self.assertEqual((workers["replicas"], workers["workers"], workers["plan"]), (2, 2, None))
-        for row in per["results"] + workers["results"]:
-            # Each replica holds its share of the tables and of their slot (2,000 rows split evenly: a quarter of
-            # 4 devices of one process, a half on each of 2 workers), a copy per replica the whole of both.
+        # The quick form: 4 replicas of one process (tests/strategy/test_multi_worker.py shards over workers).
+        (per,) = report["results"]
+        self.assertEqual((per["replicas"], per["workers"], report["app"]), (4, 0, []))
+        for row in per["results"]:
+            # Each replica holds its quarter of the tables and of their slot (2,000 rows split evenly), a copy per
+            # replica the whole of both.
             self.assertEqual(row["table_and_slot_bytes"], 8 * row["rows"] * 16 * 4 * 2)
             self.assertAllClose(row["sharded_vs_even_share"], 1.0)
             self.assertEqual(row["device_bytes_per_replica"], row["table_and_slot_bytes"])
@@ -240,10 +240,6 @@ class BenchmarkSuiteTest(tf.test.TestCase):
         self.assertEqual((plan["placements"], plan["built"]), (["sharded"], ["sharded"]))
         self.assertEqual(plan["memory_per_replica"], plan["table_and_slot_bytes"] // 3)
         self.assertLess(plan["losses"][-1], plan["losses"][0])  # the planned layer trains
-        self.assertEqual([(a["replicas"], a["workers"]) for a in report["app"]], [(2, 2)])
-        for app in report["app"]:
-            self.assertGreater(app["sharded_samples_per_s"], 0)
-            self.assertLess(abs(app["auc_difference"]), 0.005)  # the same training, whichever the placement
 
     def check_plan(self, out):
         """B11's schema; which option the plan takes is a function of the sample (timings are not checked here:

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import tf_sharded as tfs
 from tests.harness.graphs import ROW_OPS, whole_table_reads
-from tests.harness.references import table_values
+from tests.harness.references import mixed_width_collection, squared_norm_adagrad_collection, table_values
 from tests.harness.steps import squared_norm_collection_step, squared_norm_step
 from tests.harness.strategies import mirrored, per_replica, uid
 from tf_sharded.table.batched import storage_of
@@ -94,12 +94,7 @@ class ShardedPlacementTest(tf.test.TestCase):
     def test_each_row_is_updated_on_its_owner_once_and_no_step_reads_a_whole_table(self):
         strategy = mirrored()
         rows = 1009
-        tables = {
-            "a": {"input_dim": rows, "output_dim": 4, "placement": "sharded"},
-            "b": {"input_dim": rows + 2, "output_dim": 4, "placement": "sharded"},
-            "c": {"input_dim": rows + 5, "output_dim": 8, "placement": "sharded"},
-        }
-        features = {"fa": "a", "fb": "b", "fc": {"table": "c", "combiner": "mean"}}
+        tables, features = mixed_width_collection(rows, "sharded")
         with strategy.scope():
             layer = tfs.layers.EmbeddingCollection(tables, features, name=uid("owners"))
             layer.build()
@@ -116,21 +111,9 @@ class ShardedPlacementTest(tf.test.TestCase):
         features = {k: per_replica(strategy, v) for k, v in arrays.items()}
         step(features)
         # The same step on one device, summed over the replicas' batches.
-        accumulators = {name: np.full_like(reference[name], 0.1) for name in tables}
-        grads = {name: np.zeros_like(reference[name]) for name in tables}
-        for name, feature in (("a", "fa"), ("b", "fb")):
-            for ids in arrays[feature]:
-                np.add.at(grads[name], ids, 2 * reference[name][ids])
-        for bag in arrays["fc"]:
-            for ids in bag.to_list():
-                if ids:
-                    mean = reference["c"][ids].mean(axis=0)
-                    np.add.at(grads["c"], ids, 2 * mean / len(ids))
+        want = squared_norm_adagrad_collection(reference, [arrays])
         for name in tables:
-            touched = np.any(grads[name] != 0, axis=1)
-            accumulators[name][touched] += grads[name][touched] ** 2
-            want = reference[name] - 0.1 * grads[name] / np.sqrt(accumulators[name])
-            self.assertAllClose(layer.tables[name].numpy(), want, atol=1e-5, msg=name)
+            self.assertAllClose(layer.tables[name].numpy(), want[name], atol=1e-5, msg=name)
 
         graph = step.get_concrete_function(features).graph
         # Consecutive tables of one width are stored together (a and b): one variable per replica, a slot beside it.

@@ -1,8 +1,9 @@
 """B12: tables sharded over the replicas (`placement="sharded"`) against mirrored copies.
 
-At N = 2 and 4 replicas (logical CPUs of one process, `--quick`: N = 4),
-each in its own process, and over 2 workers of MultiWorkerMirroredStrategy
-(a process each, one replica per worker):
+At N = 2 and 4 replicas (logical CPUs of one process), each in its own
+process, and over 2 workers of MultiWorkerMirroredStrategy (a process each,
+one replica per worker); `--quick`: N = 4 only, without the application (the
+tests run the multi-worker case and the application on their own):
 
 * **bytes per replica**: the bytes of the variables placed on each
   replica's device (tables and `tfs.optimizers.Adagrad`'s slot), for an
@@ -18,8 +19,8 @@ each in its own process, and over 2 workers of MultiWorkerMirroredStrategy
   `tfs.plan` places it sharded, and the layer built from the plan trains.
 
 Then the application, as a user runs it: `python -m tf_sharded train
---strategy mirrored --cpu_replicas N` (not with `--quick`), and `--strategy
-multi_worker` on 2 worker processes, with `--placement sharded` and with
+--strategy mirrored --cpu_replicas N`, and `--strategy multi_worker` on 2
+worker processes, with `--placement sharded` and with
 `--placement device` at equal steps: samples/s and held-out AUC.
 
     python -m tf_sharded bench sharded [--quick]
@@ -220,10 +221,11 @@ def run(quick: bool = False, timeout: float = 3600.0) -> Dict:
         with open(out) as f:
             per_replicas.append(json.load(f))
         os.remove(out)
+    if quick:  # the tests run the multi-worker case (tests/strategy/test_multi_worker.py) and the application
+        return _report(quick, sizes, per_replicas, [])
     # Across processes: WORKERS workers of MultiWorkerMirroredStrategy, one replica each (worker 0 reports).
     out = tempfile.mktemp(suffix="_sharded_workers.json")
     command = [sys.executable, "-m", "tf_sharded.benchmarks.sharded", "--replicas", "0"]
-    command += ["--quick"] if quick else []
     workers = children.worker_commands(command, children.child_env(), WORKERS, ["--out", out])
     ended = children.run_together(workers, timeout)
     if any(code != 0 for code, _ in ended) or not os.path.exists(out):
@@ -232,9 +234,7 @@ def run(quick: bool = False, timeout: float = 3600.0) -> Dict:
         per_replicas.append(json.load(f))
     os.remove(out)
     app = []
-    # --quick: the application across workers only (the tests run it in one process with --cpu_replicas).
-    runs = [(n, 0) for n in sizes["replicas"] if not quick] + [(WORKERS, WORKERS)]
-    for replicas, workers in runs:
+    for replicas, workers in [(n, 0) for n in sizes["replicas"]] + [(WORKERS, WORKERS)]:
         sharded, device = (_app(replicas, p, sizes, workers) for p in ("sharded", "device"))
         app.append({
             "replicas": replicas,
@@ -246,6 +246,10 @@ def run(quick: bool = False, timeout: float = 3600.0) -> Dict:
             "device_auc": device["auc"],
             "auc_difference": sharded["auc"] - device["auc"],
         })  # fmt: skip
+    return _report(quick, sizes, per_replicas, app)
+
+
+def _report(quick: bool, sizes: Dict, per_replicas: List[Dict], app: List[Dict]) -> Dict:
     return {
         "benchmark": "sharded",
         "quick": quick,

@@ -16,6 +16,7 @@ once, over the strategy's collectives:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import tensorflow as tf
@@ -23,39 +24,22 @@ import tensorflow as tf
 from tf_sharded.table.segment import RowSegment
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
 class RemoteShard:
-    """Shard of a table held by another worker: its metadata only."""
+    """Shard of a table held by another worker: its metadata only.
 
-    def __init__(self, shape, dtype, device: str, trainable: bool, name: str):
-        self._shape = tf.TensorShape(shape)
-        self._dtype = tf.as_dtype(dtype)
-        self._device = device
-        self._trainable = bool(trainable)
-        self._name = name
+    `device` is the owner's (another process's; nothing here is placed on it).
+    """
 
-    @property
-    def shape(self) -> tf.TensorShape:
-        return self._shape
+    shape: tf.TensorShape
+    dtype: tf.DType
+    device: str
+    trainable: bool
+    name: str
 
-    @property
-    def dtype(self) -> tf.DType:
-        return self._dtype
-
-    @property
-    def device(self) -> str:
-        """The owner's device (another process's; nothing here is placed on it)."""
-        return self._device
-
-    @property
-    def trainable(self) -> bool:
-        return self._trainable
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    def __repr__(self):
-        return f"<RemoteShard '{self._name}' shape={self._shape.as_list()} on {self._device}>"
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tf.TensorShape(self.shape))
+        object.__setattr__(self, "dtype", tf.as_dtype(self.dtype))
 
 
 def is_remote(shard) -> bool:
