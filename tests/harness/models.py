@@ -114,3 +114,47 @@ def assert_matches_lora_reference(test, model, table0, a0, b0, steps):
     test.assertAllClose(layer.lora_embeddings_a.numpy(), a, atol=1e-5)
     test.assertAllClose(layer.lora_embeddings_b.numpy(), b, atol=1e-5)
     test.assertAllClose(model.get_layer("dense").kernel.numpy(), kernel, atol=1e-5)
+
+
+def pooled_model(embedding, optimizer):
+    """`embedding` (a layer over 3 ids per example), averaged, under a dense unit; compiled with MSE."""
+    inp = keras.Input((3,), dtype="int64")
+    x = keras.layers.GlobalAveragePooling1D()(embedding(inp))
+    model = keras.Model(inp, keras.layers.Dense(1, kernel_initializer="ones")(x))
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+def optimizer_cases():
+    """`(optimizer class, its arguments, scheme, slot name)`: Keras's SGD and each lazy optimizer, over the
+    schemes."""
+    return [
+        (keras.optimizers.SGD, dict(learning_rate=0.5), "div", None),
+        (tfs.optimizers.SGD, dict(learning_rate=0.3, momentum=0.9), "mod", "momentum"),
+        (tfs.optimizers.Adagrad, dict(learning_rate=0.3), "balanced", "accumulator"),
+        (tfs.optimizers.Adam, dict(learning_rate=0.05), "mod", "velocity"),
+        (tfs.optimizers.Ftrl, dict(learning_rate=0.3), "div", "linear"),
+    ]
+
+
+def one_device_embedding(optimizer_class, table0):
+    """The reference of an optimizer case on one device: Keras's own layer for Keras's optimizer, else the same
+    lazy optimizer's tf_sharded layer in one shard; both start from `table0`."""
+    rows, dim = table0.shape
+    if optimizer_class is keras.optimizers.SGD:
+        return keras.layers.Embedding(rows, dim, embeddings_initializer=keras.initializers.Constant(table0))
+    return tfs.layers.Embedding(rows, dim, partitions=1, embeddings_initializer=table0)
+
+
+def mixed_width_layer(strategy, rows: int, name: str, placement: str = "sharded"):
+    """`mixed_width_collection`'s layer built under `strategy` with a built `tfs.optimizers.Adagrad(0.1)`:
+    `(layer, optimizer, {table: its starting values})`."""
+    from tests.harness.references import mixed_width_collection
+
+    tables, features = mixed_width_collection(rows, placement)
+    with strategy.scope():
+        layer = tfs.layers.EmbeddingCollection(tables, features, name=name)
+        layer.build()
+        optimizer = tfs.optimizers.Adagrad(0.1)
+        optimizer.build(layer.trainable_variables)
+    return layer, optimizer, {table: layer.tables[table].numpy() for table in tables}

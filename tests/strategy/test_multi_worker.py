@@ -86,7 +86,8 @@ CHECKPOINTS = %r
 import numpy as np, tensorflow as tf, keras
 import tf_sharded as tfs
 from tests.harness.graphs import whole_table_reads
-from tests.harness.references import mixed_width_collection, squared_norm_adagrad_collection
+from tests.harness.models import mixed_width_layer, one_device_embedding, optimizer_cases, pooled_model
+from tests.harness.references import squared_norm_adagrad_collection
 from tests.harness.steps import squared_norm_collection_step
 from tf_sharded import _compat
 from tf_sharded.table.protocol import owner_of
@@ -105,28 +106,13 @@ y = rng.rand(32, 1).astype(np.float32)
 data = tf.data.Dataset.from_tensor_slices((ids, y)).batch(8)
 
 
-def build(embedding, optimizer):
-    inp = keras.Input((3,), dtype="int64")
-    x = keras.layers.GlobalAveragePooling1D()(embedding(inp))
-    model = keras.Model(inp, keras.layers.Dense(1, kernel_initializer="ones")(x))
-    model.compile(optimizer=optimizer, loss="mse")
-    return model
-
-
 # Keras's SGD and every lazy optimizer through tfs.fit, against the same optimizer on one device in this process.
-cases = [
-    (keras.optimizers.SGD, dict(learning_rate=0.5), "div", None),
-    (tfs.optimizers.SGD, dict(learning_rate=0.3, momentum=0.9), "mod", "momentum"),
-    (tfs.optimizers.Adagrad, dict(learning_rate=0.3), "balanced", "accumulator"),
-    (tfs.optimizers.Adam, dict(learning_rate=0.05), "mod", "velocity"),
-    (tfs.optimizers.Ftrl, dict(learning_rate=0.3), "div", "linear"),
-]
 checkpoint_dir = os.path.join(CHECKPOINTS, f"worker{task}")
-for k, (cls, cfg, scheme, slot_name) in enumerate(cases):
+for k, (cls, cfg, scheme, slot_name) in enumerate(optimizer_cases()):
     msg = f"{cls.__module__}.{cls.__name__} {scheme}"
     with strategy.scope():
         layer = tfs.layers.Embedding(ROWS, DIM, scheme=scheme, seed=3, placement="sharded")
-        model = build(layer, cls(**cfg))
+        model = pooled_model(layer, cls(**cfg))
     table = layer.embeddings
     table0 = table.numpy()
     # Each worker holds its shard only: the other is a stand-in without memory.
@@ -134,11 +120,8 @@ for k, (cls, cfg, scheme, slot_name) in enumerate(cases):
     assert table.variables[task] is held and held.shape[0] == table.layout.shard_sizes[task], msg
     assert sum(int(np.prod(v.shape)) for v in model.variables if v.shape[0] == ROWS) == 0, msg
     history = tfs.fit(model, data, epochs=2, verbose=0, checkpoint_dir=checkpoint_dir if k == 2 else None)
-    if cls is keras.optimizers.SGD:
-        single = keras.layers.Embedding(ROWS, DIM, embeddings_initializer=keras.initializers.Constant(table0))
-    else:
-        single = tfs.layers.Embedding(ROWS, DIM, partitions=1, embeddings_initializer=table0)
-    reference = build(single, cls(**cfg))
+    single = one_device_embedding(cls, table0)
+    reference = pooled_model(single, cls(**cfg))
     want = reference.fit(ids, y, epochs=2, batch_size=8, shuffle=False, verbose=0)
     err = float(np.abs(table.numpy() - single.embeddings.numpy()).max())
     assert err < 2e-5, (msg, err)
@@ -164,7 +147,7 @@ for k, (cls, cfg, scheme, slot_name) in enumerate(cases):
         # A rerun under the same strategy restores into new shards and resumes at the checkpoint's step.
         with strategy.scope():
             layer2 = tfs.layers.Embedding(ROWS, DIM, scheme=scheme, seed=11, placement="sharded")
-            model2 = build(layer2, cls(**cfg))
+            model2 = pooled_model(layer2, cls(**cfg))
         tfs.fit(model2, data, epochs=2, verbose=0, checkpoint_dir=checkpoint_dir)
         assert np.array_equal(layer2.embeddings.numpy(), table.numpy()), "restored"
         restored_slot = model2.optimizer.table_slot(layer2.embeddings, slot_name).numpy()
@@ -182,13 +165,7 @@ assert not os.path.exists(checkpoint_dir + "_secs")
 # A collection of mixed widths, ragged ids with a combiner, tables batched in one storage per width and worker:
 # two steps against NumPy on the global batch.
 rows = 1009
-tables, features = mixed_width_collection(rows, "sharded")
-with strategy.scope():
-    layer = tfs.layers.EmbeddingCollection(tables, features, name="owners")
-    layer.build()
-    optimizer = tfs.optimizers.Adagrad(0.1)
-    optimizer.build(layer.trainable_variables)
-reference = {name: layer.tables[name].numpy() for name in tables}
+layer, optimizer, reference = mixed_width_layer(strategy, rows, "owners")
 step = squared_norm_collection_step(strategy, layer, optimizer)
 arrays = {
     "fa": [np.array([1, 2, 2]), np.array([1, 700, 1000])],
@@ -207,11 +184,11 @@ steps = [arrays, {"fa": [np.array([3]), np.array([4, 4])], "fb": [np.array([1]),
 for arrays_k in steps:
     step({k: per_worker(v) for k, v in arrays_k.items()})
 want = squared_norm_adagrad_collection(reference, steps)
-for name in tables:
+for name in reference:
     err = float(np.abs(layer.tables[name].numpy() - want[name]).max())
     assert err < 1e-5, (name, err)
 # One storage variable per width here (a and b together), each with one slot: this worker's rows only.
-shard = {name: layer.tables[name].layout.shard_sizes[task] for name in tables}
+shard = {name: layer.tables[name].layout.shard_sizes[task] for name in reference}
 assert sorted(int(v.shape[0]) for v in layer.trainable_variables) == sorted([shard["a"] + shard["b"], shard["c"]])
 for storage in {id(v): v for v in layer.trainable_variables}.values():
     slot = optimizer.table_slot(owner_of(storage)[0], "accumulator")

@@ -9,7 +9,8 @@ import tensorflow as tf
 
 import tf_sharded as tfs
 from tests.harness.graphs import ROW_OPS, whole_table_reads
-from tests.harness.references import mixed_width_collection, squared_norm_adagrad_collection, table_values
+from tests.harness.models import mixed_width_layer, one_device_embedding, optimizer_cases, pooled_model
+from tests.harness.references import squared_norm_adagrad_collection, table_values
 from tests.harness.steps import squared_norm_collection_step, squared_norm_step
 from tests.harness.strategies import mirrored, per_replica, uid
 from tf_sharded.table.batched import storage_of
@@ -26,14 +27,6 @@ def data(n=64):
     ids = rng.randint(0, ROWS, (n, 3))
     ids[:8] = 7  # duplicates inside and across replicas' batches
     return ids, rng.rand(n, 1).astype(np.float32)
-
-
-def build(embedding, optimizer):
-    inp = keras.Input((3,), dtype="int64")
-    x = keras.layers.GlobalAveragePooling1D()(embedding(inp))
-    model = keras.Model(inp, keras.layers.Dense(1, kernel_initializer="ones")(x))
-    model.compile(optimizer=optimizer, loss="mse")
-    return model
 
 
 class ShardedPlacementTest(tf.test.TestCase):
@@ -61,26 +54,16 @@ class ShardedPlacementTest(tf.test.TestCase):
     def test_keras_and_lazy_optimizers_match_one_device(self):
         strategy = mirrored()
         ids, y = data()
-        cases = [
-            (keras.optimizers.SGD, dict(learning_rate=0.5), "div", None),
-            (tfs.optimizers.SGD, dict(learning_rate=0.3, momentum=0.9), "mod", "momentum"),
-            (tfs.optimizers.Adagrad, dict(learning_rate=0.3), "balanced", "accumulator"),
-            (tfs.optimizers.Adam, dict(learning_rate=0.05), "mod", "velocity"),
-            (tfs.optimizers.Ftrl, dict(learning_rate=0.3), "div", "linear"),
-        ]
-        for cls, cfg, scheme, slot_name in cases:
+        for cls, cfg, scheme, slot_name in optimizer_cases():
             msg = f"{cls.__module__}.{cls.__name__} {scheme}"
             with strategy.scope():
                 layer = tfs.layers.Embedding(ROWS, DIM, scheme=scheme, seed=3, placement="sharded")
-                model = build(layer, cls(**cfg))
+                model = pooled_model(layer, cls(**cfg))
             table0 = layer.embeddings.numpy()
             model.fit(ids, y, epochs=2, batch_size=16, shuffle=False, verbose=0)
             self.assertEqual(layer.embeddings.placement, "sharded")
-            if cls is keras.optimizers.SGD:  # Keras's own optimizer and layer on one device
-                single = keras.layers.Embedding(ROWS, DIM, embeddings_initializer=keras.initializers.Constant(table0))
-            else:  # the same lazy optimizer on one device
-                single = tfs.layers.Embedding(ROWS, DIM, partitions=1, embeddings_initializer=table0)
-            reference = build(single, cls(**cfg))
+            single = one_device_embedding(cls, table0)
+            reference = pooled_model(single, cls(**cfg))
             reference.fit(ids, y, epochs=2, batch_size=16, shuffle=False, verbose=0)
             self.assertAllClose(layer.embeddings.numpy(), single.embeddings.numpy(), atol=2e-5, msg=msg)
             self.assertAllClose(model.layers[-1].kernel.numpy(), reference.layers[-1].kernel.numpy(), atol=2e-5)
@@ -94,13 +77,7 @@ class ShardedPlacementTest(tf.test.TestCase):
     def test_each_row_is_updated_on_its_owner_once_and_no_step_reads_a_whole_table(self):
         strategy = mirrored()
         rows = 1009
-        tables, features = mixed_width_collection(rows, "sharded")
-        with strategy.scope():
-            layer = tfs.layers.EmbeddingCollection(tables, features, name=uid("owners"))
-            layer.build()
-            optimizer = tfs.optimizers.Adagrad(0.1)
-            optimizer.build(layer.trainable_variables)
-        reference = {name: layer.tables[name].numpy() for name in tables}
+        layer, optimizer, reference = mixed_width_layer(strategy, rows, uid("owners"))
         step = squared_norm_collection_step(strategy, layer, optimizer)
         arrays = {
             "fa": [np.array([1, 2, 2]), np.array([1, 700]), np.array([1000]), np.array([3, 3])],
@@ -112,7 +89,7 @@ class ShardedPlacementTest(tf.test.TestCase):
         step(features)
         # The same step on one device, summed over the replicas' batches.
         want = squared_norm_adagrad_collection(reference, [arrays])
-        for name in tables:
+        for name in reference:
             self.assertAllClose(layer.tables[name].numpy(), want[name], atol=1e-5, msg=name)
 
         graph = step.get_concrete_function(features).graph
@@ -156,7 +133,7 @@ class ShardedPlacementTest(tf.test.TestCase):
         for placement in ("sharded", "host"):
             with strategy.scope():
                 layer = tfs.layers.Embedding(ROWS, DIM, seed=3, placement=placement)
-                model = build(layer, keras.optimizers.Adam(0.05))
+                model = pooled_model(layer, keras.optimizers.Adam(0.05))
             before = layer.embeddings.numpy()
             with self.assertRaisesRegex(
                 ValueError,
