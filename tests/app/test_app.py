@@ -404,44 +404,79 @@ class OwnDataTest(tf.test.TestCase):
 
 class KillAndResumeTest(tf.test.TestCase):
     """A run killed with SIGKILL and rerun ends where an uninterrupted run ends: the restore is exact and the
-    input resumes at the batch after the checkpoint (one worker: the same batches in the same order)."""
+    input resumes at the batch after the checkpoint (the same batches in the same order)."""
 
-    FLAGS = ["--strategy", "parameter_server", "--num_workers", "1", "--steps", "60", "--steps_per_epoch", "15",
-             "--batch_size", "256", "--max_vocab", "1000", "--eval_steps", "8", "--verbose", "0"]  # fmt: skip
+    COMMON = ["--steps_per_epoch", "15", "--batch_size", "256", "--max_vocab", "1000", "--eval_steps", "8",
+              "--verbose", "0"]  # fmt: skip
 
     def test_killed_run_resumes_to_the_uninterrupted_result(self):
-        whole, killed = (os.path.join(self.get_temp_dir(), name) for name in ("whole", "killed"))
-        uninterrupted = run_python(["-m", "tf_sharded", "train", *self.FLAGS, "--checkpoint_dir", whole])
-        self.assertEqual(uninterrupted.returncode, 0, uninterrupted.stderr[-3000:])
+        self._kill_and_resume(["--strategy", "parameter_server", "--num_workers", "1", "--steps", "60"], 60, 30)
 
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tf_sharded", "train", *self.FLAGS, "--checkpoint_dir", killed],
-            cwd=ROOT,
-            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+    def test_killed_two_worker_run_resumes_to_the_uninterrupted_result(self):
+        # tfs.fit's own replica loop over two worker processes sharing one --checkpoint_dir, with the tables
+        # sharded over them; both workers are killed, as a multi-worker mirrored job restarts as a whole.
+        flags = ["--strategy", "multi_worker", "--placement", "sharded", "--steps", "45"]
+        self._kill_and_resume(flags, 45, 15, workers=2)
+
+    def _start(self, flags, directory, workers):
+        """The run's processes: one, or a worker each under one `TF_CONFIG` cluster."""
+        ports = [portpicker.pick_unused_port() for _ in range(workers)] if workers > 1 else []
+        cluster = {"worker": [f"localhost:{port}" for port in ports]}
+        envs = [{"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})}
+                for i in range(workers)] if workers > 1 else [{}]  # fmt: skip
+        return [
+            subprocess.Popen([sys.executable, "-m", "tf_sharded", "train", *flags, *self.COMMON,
+                              "--checkpoint_dir", directory], cwd=ROOT,
+                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **env}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=network())
+            for env in envs
+        ]  # fmt: skip
+
+    def _finish(self, procs) -> str:
+        """The chief's output once every process ended well."""
+        outputs = []
+        try:
+            for proc in procs:
+                out, err = proc.communicate(timeout=300)
+                self.assertEqual(proc.returncode, 0, err[-3000:])
+                outputs.append(out)
+        finally:
+            self._kill(procs)
+        return outputs[0]
+
+    @staticmethod
+    def _kill(procs):
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+    def _kill_and_resume(self, flags, steps, kill_after, workers=1):
+        whole, killed = (os.path.join(self.get_temp_dir(), name) for name in ("whole", "killed"))
+        uninterrupted = self._finish(self._start(flags, whole, workers))
+
+        procs = self._start(flags, killed, workers)
         try:
             deadline = time.time() + 240
-            while not os.path.exists(os.path.join(killed, "ckpt-30.index")) and time.time() < deadline:
-                self.assertIsNone(proc.poll(), "the run ended before it could be killed")
+            while not os.path.exists(os.path.join(killed, f"ckpt-{kill_after}.index")) and time.time() < deadline:
+                self.assertTrue(all(p.poll() is None for p in procs), "the run ended before it could be killed")
                 time.sleep(0.05)
         finally:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            self._kill(procs)
         done = int(tf.train.latest_checkpoint(killed).rsplit("-", 1)[1])
-        self.assertBetween(done, 15, 45)  # killed mid-run (ckpt-30 may not be recorded yet)
+        self.assertBetween(done, kill_after - 15, kill_after + 15)  # killed mid-run (the last one may be unrecorded)
+        self.assertLess(done, steps)
 
-        resumed = run_python(["-m", "tf_sharded", "train", *self.FLAGS, "--checkpoint_dir", killed])
-        self.assertEqual(resumed.returncode, 0, resumed.stderr[-3000:])
-        self.assertIn(f"60 steps ({60 - done} this run)", summary(resumed))
+        resumed = self._finish(self._start(flags, killed, workers))
+        self.assertIn(f"{steps} steps ({steps - done} this run)", resumed)
         a, b = (tf.train.load_checkpoint(tf.train.latest_checkpoint(d)) for d in (whole, killed))
         tables = [k for k in a.get_variable_to_shape_map() if k.startswith("model/") and "tables_" in k]
         self.assertLen(tables, 26)
         for key in tables:
             self.assertAllClose(b.get_tensor(key), a.get_tensor(key), atol=1e-5, msg=key)
-        auc = [float(re.search(r"held-out AUC (\d\.\d{4})", p.stdout).group(1)) for p in (uninterrupted, resumed)]
+        # Only the chief's checkpoints are left in the directory.
+        self.assertEqual([f for f in os.listdir(killed) if f.startswith("workertemp")], [])
+        auc = [float(re.search(r"held-out AUC (\d\.\d{4})", out).group(1)) for out in (uninterrupted, resumed)]
         self.assertAllClose(auc[1], auc[0], atol=2e-4)
         self.assertGreater(auc[0], 0.6)
 

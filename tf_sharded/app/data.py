@@ -103,7 +103,9 @@ def synthetic_dataset(
     (['C1', 'C10', 'C11'], TensorShape([4, 13]), TensorShape([4, 1]))
     """
     vocab = vocab_sizes(max_vocab)
-    indices = tf.data.Dataset.range(start, start + num_batches) if num_batches else tf.data.Dataset.range(start, 2**62)
+    # Without `num_batches` the stream is infinite (not merely long): `tfs.fit` positions a finite Dataset
+    # itself on resume, and the caller has positioned this one with `start` already.
+    indices = tf.data.Dataset.range(start, start + num_batches) if num_batches else tf.data.Dataset.counter(start)
     return indices.map(lambda i: synthetic_batch(i, batch_size, vocab, seed), num_parallel_calls=tf.data.AUTOTUNE)
 
 

@@ -42,7 +42,7 @@ class Checkpoints:
     """
 
     def __init__(self, model, directory: Optional[str], max_to_keep: int = 3, step=None, several_tasks=False):
-        self.manager = None
+        self.manager = self.started_from = None
         if directory is None:
             return
         # Every checkpoint holds the step count as `step`, whatever the strategy, so that a run resumes under
@@ -53,17 +53,26 @@ class Checkpoints:
             step = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfs_fit_step_copy")
         self.checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, step=step)
         self.directory = directory
-        self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=max_to_keep)
+        # Every worker of a multi-worker mirrored job takes part in a save (its reads are collectives), but
+        # only the chief's lands in `directory`: another worker writes to a directory of its own, removed
+        # after each save, as TensorFlow's multi-worker checkpointing does. Every worker restores the chief's.
+        strategy = model.distribute_strategy
+        self._scratch = None
+        if not strategy.extended.should_checkpoint:
+            self._scratch = os.path.join(directory, f"workertemp_{_compat.cluster_workers(strategy)[0]}")
+        self.manager = tf.train.CheckpointManager(self.checkpoint, self._scratch or directory, max_to_keep=max_to_keep)
         self._max_to_keep = max_to_keep
         self._writers = {} if several_tasks else None
         self._model, self._step = model, step
-        if self.manager.latest_checkpoint:
+        # Read once, so that every worker decides alike whether to save before the first step.
+        self.started_from = tf.train.latest_checkpoint(directory)
+        if self.started_from:
             if model.built and not model.optimizer.built:
                 # As Keras builds it (`model.fit`, `compile_from_config`): its variables exist before the
                 # restore, so they are compared with the checkpoint's too, not restored later on their own.
                 with model.distribute_strategy.scope():
                     model.optimizer.build(model.trainable_variables)
-            self._restore(self.manager.latest_checkpoint)
+            self._restore(self.started_from)
 
     def _restore(self, path: str) -> None:
         found = differences(self.checkpoint, path, self._model)
@@ -97,6 +106,9 @@ class Checkpoints:
             path = self.manager.save(checkpoint_number=step)
         else:
             path = self._traced_save(step)
+        if self._scratch is not None:
+            tf.io.gfile.rmtree(self._scratch)
+            return os.path.join(self.directory, os.path.basename(path))
         write_layouts(self.checkpoint, self.directory)
         return path
 

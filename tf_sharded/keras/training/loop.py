@@ -172,7 +172,7 @@ class Loop:
         self.runner = Runner(strategy, dataset, make_step(), self.global_step - self.first_step)
         self.last_save = time.monotonic()
         self._awaiting_first = None
-        if checkpoints.manager is not None and checkpoints.manager.latest_checkpoint is None:
+        if checkpoints.manager is not None and checkpoints.started_from is None:
             self.save()  # what a parameter-server failure before the first periodic save restores
 
     def position(self) -> int:

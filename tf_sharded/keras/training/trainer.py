@@ -89,7 +89,10 @@ def fit(
         there at the start, at every epoch end, every `checkpoint_every` steps
         and every `checkpoint_secs` seconds, and a rerun restores the latest
         checkpoint and continues from its step (its own loop also from that
-        input position, see below).
+        input position, see below). Under `MultiWorkerMirroredStrategy`
+        every worker passes the same directory and saves, but only the
+        chief's checkpoint lands there (the others write to a scratch
+        directory inside it, removed after each save).
       checkpoint_every: optional step interval between checkpoints.
       verbose: 0 (silent) or 1 (progress bar).
       log_every: under `ParameterServerStrategy` and
