@@ -107,7 +107,7 @@ data = tf.data.Dataset.from_tensor_slices((ids, y)).batch(8)
 
 
 # Keras's SGD and every lazy optimizer through tfs.fit, against the same optimizer on one device in this process.
-checkpoint_dir = os.path.join(CHECKPOINTS, f"worker{task}")
+checkpoint_dir = os.path.join(CHECKPOINTS, "shared")  # one directory for both workers: the chief writes it
 for k, (cls, cfg, scheme, slot_name) in enumerate(optimizer_cases()):
     msg = f"{cls.__module__}.{cls.__name__} {scheme}"
     with strategy.scope():
@@ -152,6 +152,15 @@ for k, (cls, cfg, scheme, slot_name) in enumerate(optimizer_cases()):
         assert np.array_equal(layer2.embeddings.numpy(), table.numpy()), "restored"
         restored_slot = model2.optimizer.table_slot(layer2.embeddings, slot_name).numpy()
         assert np.array_equal(restored_slot, model.optimizer.table_slot(table, slot_name).numpy())
+        # Workers that find different checkpoints (directories not shared) are refused together, unrestored.
+        own = checkpoint_dir if task == 0 else os.path.join(CHECKPOINTS, "unshared")
+        before = layer2.embeddings.numpy()
+        try:
+            tfs.fit(model2, data, epochs=3, verbose=0, checkpoint_dir=own)
+            raise AssertionError("workers with different checkpoints were accepted")
+        except ValueError as e:
+            assert "must be one directory that every worker reads" in str(e), e
+        assert np.array_equal(layer2.embeddings.numpy(), before)
     print(f"worker {task} {msg} max error {err:.2e}", flush=True)
 
 # Saves gather the shards over collectives: a time interval (each worker's own clock) is refused before any step.

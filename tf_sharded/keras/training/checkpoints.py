@@ -66,6 +66,7 @@ class Checkpoints:
         self._model, self._step = model, step
         # Read once, so that every worker decides alike whether to save before the first step.
         self.started_from = tf.train.latest_checkpoint(directory)
+        _check_workers_agree(strategy, directory, self.started_from)
         if self.started_from:
             if model.built and not model.optimizer.built:
                 # As Keras builds it (`model.fit`, `compile_from_config`): its variables exist before the
@@ -132,6 +133,26 @@ class Checkpoints:
         kept = kept[-self._max_to_keep :]
         _record_state(self.directory, prefix, kept)
         return prefix
+
+
+def _check_workers_agree(strategy, directory: str, latest: Optional[str]) -> None:
+    """Refuses, on every worker at once, a multi-worker mirrored job whose workers found different latest
+    checkpoints (directories that are not one shared directory): a worker that restored and one that did
+    not would wait for each other in different collectives."""
+    if not _compat.in_multi_worker_mode(strategy):
+        return
+    step = float(latest.rsplit("-", 1)[1]) if latest else -1.0
+    # Equal steps on every replica exactly when count * sum of squares == square of the sum.
+    count, total, squares = strategy.reduce(
+        tf.distribute.ReduceOp.SUM, tf.constant([1.0, step, step * step], tf.float64), axis=None
+    ).numpy()
+    if count * squares != total * total:
+        found = f"its latest checkpoint {latest}" if latest else "no checkpoint"
+        raise ValueError(
+            f"Argument `checkpoint_dir` must be one directory that every worker reads (the chief writes it); "
+            f"this worker found {found} in {directory}, and another worker found another. Received: "
+            f"checkpoint_dir={directory!r}"
+        )
 
 
 def _write(checkpoint, prefix):
