@@ -139,12 +139,34 @@ def replica_memory(strategy) -> Optional[int]:
     return None
 
 
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB"
+
+
+def _budget_source(strategy) -> str:
+    """Where `replica_memory` took its figure from, for messages."""
+    if all(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in strategy.extended.worker_devices):
+        return "the smallest GPU memory_limit configured"
+    return f"the host's physical memory over {len(strategy.extended.worker_devices)} replica(s)"
+
+
 def _placement_of(strategy, config) -> str:
     """A table's placement; "auto" (or none given) in one process shards a table whose copy with a slot does not
-    fit a replica's memory but whose shard does, else keeps the size rule (`resolve_placement`)."""
+    fit a replica's memory but whose shard does, else keeps the size rule (`resolve_placement`). In one process,
+    an explicit "device" whose copy alone exceeds a replica's memory is refused before anything is created."""
     table_bytes = config.dtype.size * int(tf.TensorShape(config.shape).num_elements())
     # Across workers each would measure its own memory and might decide otherwise: tfs.plan decides for all.
     one_process = _compat.uses_merge_call(strategy) and not _compat.in_multi_worker_mode(strategy)
+    if config.placement == "device" and one_process:
+        budget = replica_memory(strategy)
+        if budget is not None and table_bytes > budget:
+            replicas = min(strategy.num_replicas_in_sync, config.shape[0])
+            instead = f"placement='sharded' ({_mib(table_bytes / replicas)} per replica), " if replicas > 1 else ""
+            raise ValueError(
+                f"Argument `placement` of table '{config.name}': placement='device' puts a copy of "
+                f"{_mib(table_bytes)} (the table alone, before optimizer slots) on every replica, and a replica "
+                f"holds {_mib(budget)} ({_budget_source(strategy)}). Use {instead}'host' or 'auto'."
+            )
     if config.placement in (None, "auto") and one_process:
         replicas = min(strategy.num_replicas_in_sync, config.shape[0])
         budget = replica_memory(strategy) if replicas > 1 else None

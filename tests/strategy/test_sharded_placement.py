@@ -169,6 +169,40 @@ class ShardedPlacementTest(tf.test.TestCase):
             self.assertEqual((table.placement, layer.embeddings.placement), (want, want), msg=budget)
         self.assertEqual(list(table.devices)[0], strategy.extended.worker_devices[0])
 
+    def test_explicit_device_placement_whose_copy_cannot_fit_is_refused_before_creation(self):
+        strategy = mirrored()
+        family = tfs.strategy.mirrored
+        table_bytes = ROWS * DIM * 4
+        name = uid("big")
+        # A replica holding half the table: its copy cannot fit, whatever the optimizer.
+        created = []
+
+        def record(next_creator, **kwargs):
+            created.append(kwargs.get("name"))
+            return next_creator(**kwargs)
+
+        with mock.patch.object(family, "replica_memory", return_value=table_bytes // 2), strategy.scope():
+            layer = tfs.layers.Embedding(ROWS, DIM, placement="device")
+            with tf.variable_creator_scope(record):
+                with self.assertRaises(ValueError) as raised:
+                    strategy.create_sharded_variable(name, [ROWS, DIM], placement="device")
+                with self.assertRaisesRegex(ValueError, "placement='device' puts a copy of"):
+                    layer.build()
+            self.assertEqual(created, [])  # refused before any variable was created
+            # A table that fits is created (through the same recording scope).
+            with tf.variable_creator_scope(record):
+                fits = strategy.create_sharded_variable(uid("fits"), [ROWS // 4, DIM], placement="device")
+            self.assertNotEqual(created, [])
+        message = str(raised.exception)
+        mib = f"{table_bytes / 2**20:,.1f} MiB"
+        self.assertIn(f"Argument `placement` of table '{name}'", message)
+        self.assertIn(f"a copy of {mib} (the table alone", message)
+        self.assertIn(f"a replica holds {table_bytes / 2 / 2**20:,.1f} MiB", message)
+        self.assertIn("placement='sharded'", message)
+        self.assertEqual(len(message.splitlines()), 1)
+        self.assertEqual(layer.weights, [])
+        self.assertEqual(fits.placement, "device")
+
 
 class ShardedTrainingFunctionsTest(tf.test.TestCase):
     @pytest.mark.slow  # over 4 s here
