@@ -24,6 +24,8 @@ _CHILDREN_KEY = pytest.StashKey[list]()
 PROCESS_GROUPS = 2
 # Their scheduling priority, below this process's (and the cluster child's).
 PROCESS_GROUPS_NICENESS = 10
+# Seconds assumed for a file marked `processes` without a `cost`.
+DEFAULT_PROCESS_COST = 30
 
 
 @pytest.hookimpl(trylast=True)  # after -m / -k have deselected
@@ -36,8 +38,8 @@ def pytest_collection_modifyitems(session, config, items):
     else, and each process runs its tests in whatever order it is given.
     Tests marked `processes` spend their time waiting on processes they
     start (the commands, clusters of processes, notebooks); they are split
-    by file into two groups. The children start as soon as this process has
-    collected and run beside it. Those two run (with every process they
+    by file into two groups of about equal cost (`_balanced_groups`). The
+    children start as soon as this process has collected and run beside it. Those two run (with every process they
     start) at a lower priority: the in-process tests here are latency-bound
     (MirroredStrategy's replica threads hand work to one another and wait on
     each hand-over), and with two cores kept busy by the commands' processes
@@ -54,9 +56,9 @@ def pytest_collection_modifyitems(session, config, items):
     cluster = [item for item in items if item.get_closest_marker("ps_cluster")]
     rest = [item for item in items if not item.get_closest_marker("ps_cluster")]
     waiting = [item for item in rest if item.get_closest_marker("processes")]
-    files = sorted({item.path for item in waiting})
-    groups = [(cluster, 0)] + [([item for item in waiting if files.index(item.path) % PROCESS_GROUPS == g],
-                                PROCESS_GROUPS_NICENESS) for g in range(PROCESS_GROUPS)]  # fmt: skip
+    group_of = _balanced_groups(waiting)
+    groups = [(cluster, 0)] + [([item for item in waiting if group_of[item.path] == g], PROCESS_GROUPS_NICENESS)
+                               for g in range(PROCESS_GROUPS)]  # fmt: skip
     groups = [(group, nice) for group, nice in groups if group]
     if not groups or (len(groups) == 1 and len(groups[0][0]) == len(items)):
         return  # nothing else runs here: no need for a second process
@@ -65,6 +67,21 @@ def pytest_collection_modifyitems(session, config, items):
     config.stash[_CHILDREN_KEY] = [
         _start_child(config, [item.nodeid for item in group], nice) for group, nice in groups
     ]
+
+
+def _balanced_groups(items) -> dict:
+    """The group of each file of `items` (tests marked `processes`): files by their `cost` (the marker's
+    argument: the file's seconds in a full run here, DEFAULT_PROCESS_COST if not given), largest first, each
+    to the group with the least cost so far, so that the groups end together."""
+    cost = {}
+    for item in items:
+        marker = item.get_closest_marker("processes")
+        cost[item.path] = max(cost.get(item.path, 0), marker.kwargs.get("cost", DEFAULT_PROCESS_COST))
+    loads, group_of = [0] * PROCESS_GROUPS, {}
+    for path in sorted(cost, key=lambda p: (-cost[p], str(p))):
+        group_of[path] = loads.index(min(loads))
+        loads[group_of[path]] += cost[path]
+    return group_of
 
 
 def _start_child(config, nodeids, nice: int = 0):
