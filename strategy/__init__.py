@@ -53,6 +53,9 @@ class StrategyFamily:
       dynamic_devices: `dynamic_devices(strategy, num_shards or None)` -> the
         device of each shard of a dynamic table (None: the current device);
         None when the family has no dynamic tables yet.
+      sharded_dynamic: `sharded_dynamic(strategy, name)` -> `(device of each
+        shard, whether each is another worker's)` of a dynamic table with
+        `placement="sharded"`; None: the family cannot shard one so.
       create_group: `create_group(strategy, configs, name, variable_factory)`
         -> tables of one dtype and row shape stored together (table-batched
         storage, `tf_sharded.table.batched`); None: each table has its own
@@ -68,6 +71,7 @@ class StrategyFamily:
     dataset_function: bool = False
     dynamic_devices: Optional[Callable[[Any, Optional[int]], list]] = None
     create_group: Optional[Callable[..., list]] = None
+    sharded_dynamic: Optional[Callable[[Any, str], tuple]] = None
 
 
 _FAMILIES: Dict[type, StrategyFamily] = {}

@@ -326,6 +326,15 @@ def multi_worker_dynamic_devices(strategy, num_shards):
     return dynamic_devices(strategy, num_shards)
 
 
+def sharded_dynamic(strategy, name: str) -> tuple:
+    """A dynamic table sharded over the workers: shard `r` on worker `r`'s host (in the order of replicas), the
+    others' shards stand-ins here (one worker: one shard, held here). One replica per worker."""
+    multi_worker_dynamic_devices(strategy, None)  # refuses several replicas per worker
+    me, firsts = _compat.cluster_workers(strategy)
+    hosts = [tf.DeviceSpec.from_string(d).replace(device_type="CPU", device_index=0).to_string() for d in firsts]
+    return hosts, [r != me for r in range(len(hosts))]
+
+
 # Keras 3's model.fit fails before the first step under MultiWorkerMirroredStrategy (keras-team/keras#20585).
 MULTI_WORKER = register(
     StrategyFamily(
@@ -336,6 +345,7 @@ MULTI_WORKER = register(
         fit_loop=lambda strategy, steps_per_execution: FitLoop.REPLICAS,
         dynamic_devices=multi_worker_dynamic_devices,
         create_group=create_group,
+        sharded_dynamic=sharded_dynamic,
     ),
     tf.distribute.MultiWorkerMirroredStrategy,
 )

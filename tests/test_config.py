@@ -190,6 +190,10 @@ class TableConfigFamilyTest(tf.test.TestCase):
                 DynamicTableConfig.from_layer_config("u", {"output_dim": 4, arg: value})
         with self.assertRaisesRegex(ValueError, "Argument `placement` must be one of"):
             DynamicTableConfig("u", 4, placement="gpu")
+        # A shard per worker under MultiWorkerMirroredStrategy is the one placement a dynamic table takes.
+        self.assertEqual(DynamicTableConfig("u", 4, placement="sharded").placement, "sharded")
+        self.assertEqual(DynamicTableConfig.from_layer_config("u", {"output_dim": 4, "placement": "sharded"}).placement,
+                         "sharded")  # fmt: skip
         with self.assertRaisesRegex(ValueError, "Argument `dim` must be a positive integer"):
             DynamicTableConfig("u", 0)
 

@@ -403,6 +403,15 @@ def test_a_malformed_tf_config_is_one_line_naming_it_before_anything_starts():
 def test_mirrored_flags_where_they_cannot_apply_are_refused_in_one_line():
     usage = " (python -m tf_sharded train --help lists the flags)"
     cases = {
+        (
+            "--strategy",
+            "mirrored",
+            "--placement",
+            "sharded",
+            "--vocabulary",
+            "dynamic",
+        ): "error: --placement sharded with --vocabulary dynamic needs --strategy multi_worker (a shard per "
+        "worker); under --strategy mirrored a dynamic table is one copy on the host",
         ("--strategy", "default", "--placement", "sharded"): "error: --placement applies to --strategy "
         "mirrored|multi_worker; received --strategy default",
         ("--strategy", "parameter_server", "--placement", "host"): "error: --placement applies to --strategy "

@@ -466,8 +466,9 @@ class DynamicTableConfig(BaseTableConfig, vocabulary="dynamic"):
 
     An `EmbeddingCollection` table dict with `"vocabulary": "dynamic"` gives
     one. Its shards follow the strategy, which also decides where a mirrored
-    copy lives and how its gradients travel: `exchange` and `placement` other
-    than None are refused.
+    copy lives and how its gradients travel: `exchange` other than None is
+    refused, and `placement` but for "sharded" (under
+    MultiWorkerMirroredStrategy, a shard per worker instead of a copy).
 
     Attributes (beside `BaseTableConfig`'s):
       key_dtype: "int64" or "string".
@@ -499,10 +500,16 @@ class DynamicTableConfig(BaseTableConfig, vocabulary="dynamic"):
         "eviction": "eviction",
         "max_rows": "max_rows",
     }
-    FIXED_BY_STRATEGY: ClassVar[Tuple[str, ...]] = ("exchange", "placement")
+    FIXED_BY_STRATEGY: ClassVar[Tuple[str, ...]] = ("exchange",)
 
     def __post_init__(self):
         super().__post_init__()
+        if self.placement not in (None, Placement.SHARDED):
+            raise ValueError(
+                "Argument `placement` does not apply to a dynamic table: the strategy decides it (under mirrored "
+                "strategies one copy on each worker's host, gradients all-gathered), but for 'sharded' (a shard "
+                f"per worker under MultiWorkerMirroredStrategy). Received: placement={self.placement!r}."
+            )
         if self.key_dtype not in ("int64", "string"):
             raise TypeError(f"Argument `key_dtype` must be 'int64' or 'string'. Received: key_dtype={self.key_dtype!r}")
         self._set(partitions=optional_positive_int("partitions", self.partitions))

@@ -145,6 +145,7 @@ def create_dynamic_table(
     trainable: bool = True,
     max_rows: Optional[int] = None,
     growth: float = GROWTH,
+    placement: Optional[str] = None,
 ) -> DynamicTable:
     """Creates a `tfs.DynamicTable` (raw int64 or string keys) under the current `tf.distribute` strategy.
 
@@ -172,6 +173,9 @@ def create_dynamic_table(
       max_rows: None (grow without bound) or the most live keys it may hold;
         an insert past it fails with an error naming the table.
       growth: factor by which a shard's row pool grows when full.
+      placement: None (the strategy's layout) or "sharded": under
+        MultiWorkerMirroredStrategy, shard `r` (the keys whose hash lands
+        there, their rows and optimizer columns) on worker `r` only.
 
     Returns:
       A `tfs.DynamicTable`.
@@ -188,8 +192,14 @@ def create_dynamic_table(
     ([3, 4], 2)
     """
     strategy = tf.distribute.get_strategy()
+    if placement not in (None, "auto", "sharded"):
+        raise ValueError(
+            f"Argument `placement` of dynamic table '{name}' must be None or 'sharded' (the strategy places a "
+            f"dynamic table otherwise). Received: placement={placement!r}"
+        )
     return create_dynamic_in(strategy, name, dim, key_dtype, initializer, partitions, seed, admission, eviction,
-                             dtype=dtype, trainable=trainable, max_rows=max_rows, growth=growth)  # fmt: skip
+                             dtype=dtype, trainable=trainable, max_rows=max_rows, growth=growth,
+                             placement=None if placement == "auto" else placement)  # fmt: skip
 
 
 def create_dynamic_in(strategy, name, dim, key_dtype, initializer, partitions, seed, admission, eviction, **options):
@@ -199,6 +209,24 @@ def create_dynamic_in(strategy, name, dim, key_dtype, initializer, partitions, s
         raise UnsupportedStrategyError(strategy, dynamic_strategies(), what="dynamic tables")
     if partitions is not None:
         partitions = positive_int("partitions", getattr(partitions, "num_shards", partitions))
+    if options.get("placement") == "sharded":
+        if family.sharded_dynamic is None:
+            raise ValueError(
+                f"Argument `placement` of dynamic table '{name}': placement='sharded' needs "
+                f"MultiWorkerMirroredStrategy (a shard per worker). Received: {type(strategy).__name__}"
+            )
+        if partitions is not None:
+            raise ValueError(
+                f"Argument `partitions` of dynamic table '{name}' does not apply to placement='sharded' (a shard per "
+                f"worker). Received: partitions={partitions}"
+            )
+        devices, remote = family.sharded_dynamic(strategy, name)
+        seed = draw_seed() if seed is None else seed
+        with strategy.scope():
+            return DynamicTable(name, dim, key_dtype, initializer=initializer, seed=seed, devices=devices,
+                                strategy=strategy, admission=admission, eviction=eviction, remote=remote,
+                                **options)  # fmt: skip
+    options.pop("placement", None)
     devices = family.dynamic_devices(strategy, partitions)
     if family.mirrors_tables:
         # One host copy shared by the replicas; their gradients (rows of that copy) are all-gathered and
@@ -219,7 +247,8 @@ def create_dynamic_group(strategy, name: str, tables, dtype, trainable: bool):
     `eviction`); all of one `dim` and `partitions`, none bounded.
     """
     family = family_of(strategy)
-    if family.dynamic_devices is None:
+    # Tables sharded over workers keep a pool each (their shards hold different keys on each worker).
+    if family.dynamic_devices is None or any(t.get("placement") == "sharded" for t in tables):
         return None
     partitions = tables[0]["partitions"]
     devices = family.dynamic_devices(strategy, None if partitions is None else positive_int("partitions", partitions))

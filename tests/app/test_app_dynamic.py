@@ -56,7 +56,8 @@ class DynamicVocabularyAppTest(tf.test.TestCase):
                                     train + ["--data", parquet, "--strategy", strategies[0]]])  # fmt: skip
         # Mirrored on 2 replicas: string keys in the batches (Keras's model.fit averages the first batch over the
         # replicas, which strings cannot be; tfs.fit runs its own replica loop there).
-        replicas = {"mirrored": ["--cpu_replicas", "2"], "multi_worker": []}
+        # Multi-worker (one worker without TF_CONFIG): the dynamic tables sharded over the workers.
+        replicas = {"mirrored": ["--cpu_replicas", "2"], "multi_worker": ["--placement", "sharded"]}
         runs += run_python_together(
             [train + ["--data", parquet, "--strategy", s, *replicas[s]] for s in strategies[1:]]
         )

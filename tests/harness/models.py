@@ -42,10 +42,12 @@ def single_device_reference(table0, steps):
 RAW_KEYS = np.array([(-1) ** i * (2**55 + 977 * i) for i in range(ROWS)], np.int64)
 
 
-def make_dynamic_model(partitions=None, seed=5):
+def make_dynamic_model(partitions=None, seed=5, placement=None):
     """`make_model` with a `tfs.layers.DynamicEmbedding` over raw int64 keys instead of ids."""
     inp = keras.Input((3,), dtype="int64", name="ids")
-    x = tfs.layers.DynamicEmbedding(DIM, combiner="mean", partitions=partitions, seed=seed, name="emb")(inp)
+    emb = tfs.layers.DynamicEmbedding(DIM, combiner="mean", partitions=partitions, seed=seed, placement=placement,
+                                      name="emb")  # fmt: skip
+    x = emb(inp)
     out = keras.layers.Dense(1, kernel_initializer="ones", name="dense")(x)
     model = keras.Model(inp, out)
     model.compile(optimizer=tfs.optimizers.SGD(0.3, momentum=0.5), loss="mse", metrics=["mae"])

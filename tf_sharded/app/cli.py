@@ -523,6 +523,12 @@ def _placement_problem(values) -> str:
     """Why `--placement` or `--cpu_replicas` cannot apply ("" when they can): they shape mirrored strategies."""
     if values.cpu_replicas and values.strategy != "mirrored":
         return f"--cpu_replicas applies to --strategy mirrored; received --strategy {values.strategy}"
+    dynamic = getattr(values, "vocabulary", "hashed") == "dynamic"
+    if values.placement == "sharded" and dynamic and values.strategy == "mirrored":
+        return (
+            "--placement sharded with --vocabulary dynamic needs --strategy multi_worker (a shard per worker); "
+            "under --strategy mirrored a dynamic table is one copy on the host"
+        )
     if values.placement is None or values.strategy == "mirrored":
         return ""
     if values.strategy != "multi_worker":

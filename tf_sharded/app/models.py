@@ -69,8 +69,8 @@ def _embed(ids: dict, schema: Schema, dim: int, name: str, table_options: Option
 def _table_config(rows: Optional[int], dim: int, seed: int, options: Optional[dict]) -> dict:
     """An `EmbeddingCollection` table: `rows` hashed ids, or (rows None) a dynamic table of string keys."""
     if rows is None:
-        # Of the sharded-table options, a dynamic table takes its shard count.
-        extra = {k: v for k, v in (options or {}).items() if k == "partitions"}
+        # Of the sharded-table options, a dynamic table takes its shard count, and a shard per worker.
+        extra = {k: v for k, v in (options or {}).items() if k == "partitions" or (k, v) == ("placement", "sharded")}
         return {"vocabulary": "dynamic", "output_dim": dim, "key_dtype": "string", "seed": seed, **extra}
     return {"input_dim": int(rows), "output_dim": dim, "seed": seed, **(options or {})}
 

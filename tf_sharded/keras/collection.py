@@ -210,7 +210,10 @@ class EmbeddingCollection(keras.layers.Layer):
     def _dynamic_options(config: DynamicTableConfig) -> dict:
         """`create_dynamic_table`'s arguments for `config`, its name and `max_rows` aside."""
         keys = ("dim", "key_dtype", "initializer", "partitions", "seed", "admission", "eviction")
-        return {k: getattr(config, k) for k in keys}
+        options = {k: getattr(config, k) for k in keys}
+        if config.placement is not None:
+            options["placement"] = str(config.placement)
+        return options
 
     def _create_dynamic(self, name: str, config: DynamicTableConfig):
         options = self._dynamic_options(config)

@@ -45,8 +45,9 @@ class DynamicEmbedding(keras.layers.Layer):
         depends on (seed, key) only, for every layout.
       embeddings_regularizer: optional Keras regularizer on the rows a batch
         looks up.
-      partitions, seed, admission, eviction, max_rows, growth: passed to
-        `create_dynamic_table`.
+      partitions, seed, admission, eviction, max_rows, growth, placement:
+        passed to `create_dynamic_table` (`placement="sharded"`: a shard per
+        worker under MultiWorkerMirroredStrategy).
       **kwargs: standard layer arguments (`name`, `dtype`, `trainable`, ...).
 
     Calls with `training=True` (the default, and what `model.fit` passes)
@@ -81,6 +82,7 @@ class DynamicEmbedding(keras.layers.Layer):
         eviction: Any = None,
         max_rows: Optional[int] = None,
         growth: float = GROWTH,
+        placement: Optional[str] = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -95,6 +97,7 @@ class DynamicEmbedding(keras.layers.Layer):
         self.eviction = eviction
         self.max_rows = max_rows
         self.growth = growth
+        self.placement = placement
         self.table: Optional[DynamicTable] = None
 
     def build(self, input_shape=None):
@@ -113,6 +116,7 @@ class DynamicEmbedding(keras.layers.Layer):
             eviction=self.eviction,
             max_rows=self.max_rows,
             growth=self.growth,
+            placement=self.placement,
         )
         self.built = True
 
@@ -169,6 +173,7 @@ class DynamicEmbedding(keras.layers.Layer):
                 "admission": serialize_policies(self.admission),
                 "eviction": serialize_policies(self.eviction),
                 "max_rows": self.max_rows,
+                "placement": self.placement,
                 "growth": self.growth,
             }
         )

@@ -105,7 +105,7 @@ def create_layer_dynamic_table(layer: keras.layers.Layer, name: str, dim: int, p
     options["initializer"] = keras_initializer(options.get("initializer", "uniform"))
     with _compat.outside_keras_stateless_scope(), _compat.keras_weights_rollback(layer):
         table = create_dynamic_table(name, dim, dtype=layer.variable_dtype, trainable=layer.trainable, **options)
-        _adopt_pools(layer, table.variables, dim, prefix)
+        _adopt_pools(layer, table.held_variables, dim, prefix)
     return table
 
 

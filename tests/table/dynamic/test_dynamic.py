@@ -308,6 +308,13 @@ class DynamicTableTest(tf.test.TestCase):
             tfs.create_dynamic_table(
                 uid("ev"), dim=2, eviction=[tfs.policies.CapacityEviction(3), tfs.policies.CapacityEviction(4)]
             )
+        # A shard per worker needs MultiWorkerMirroredStrategy; the strategy places a dynamic table otherwise.
+        name = uid("sh")
+        needs = f"Argument `placement` of dynamic table '{name}': placement='sharded' needs MultiWorkerMirroredStrategy"
+        with self.assertRaisesRegex(ValueError, needs):
+            tfs.create_dynamic_table(name, dim=2, placement="sharded")
+        with self.assertRaisesRegex(ValueError, "must be None or 'sharded'.*Received: placement='device'"):
+            tfs.create_dynamic_table(uid("dev"), dim=2, placement="device")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import tensorflow as tf
 import tf_sharded as tfs
 from tests.harness.strategies import run_multi_worker, uid
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=20)]  # clusters of worker processes
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=50)]  # clusters of worker processes
 
 WORKER = """
 import hashlib, os, sys
@@ -125,8 +125,123 @@ print(f"worker {task} policies digest {'-'.join(digest(shared.tables[n]) for n i
 print("MWMS DYNAMIC OK", flush=True)
 """
 
+SHARDED_WORKER = """
+import os, sys
+import numpy as np, tensorflow as tf
+import tf_sharded as tfs
+from tests.table.dynamic.test_dynamic import Reference, power_law_keys, train_step
+
+task = int(os.environ["TASK"])
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+check = tf.test.TestCase()
+
+
+def per_replica(batches):
+    return strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(batches[ctx.replica_id_in_sync_group]))
+
+
+def by_key(keys, values):
+    return dict(zip(keys.numpy().tolist(), values.numpy()))
+
+
+# 1. int64 keys, Adagrad: worker r holds shard r only; the table matches one dense variable trained on both
+#    workers' keys, each row updated on its owner.
+with strategy.scope():
+    table = strategy.create_dynamic_table("users", dim=4, seed=3, placement="sharded")
+    optimizer = tfs.optimizers.Adagrad(0.3)
+assert (table.placement, table.spread, table.num_shards) == ("sharded", True, 2), table
+(held,) = table.held_variables
+assert table.variables[task] is held and table.trainable_variables == (held,)
+rng = np.random.default_rng(2)  # the same keys in both processes; worker r feeds steps[s][r]
+steps = [[power_law_keys(rng, 24) for _ in range(2)] for _ in range(4)]
+steps[1][1] = steps[1][1][:0]  # worker 1 meets no keys in step 2
+ref = Reference(table, [np.concatenate(s) for s in steps], tfs.optimizers.Adagrad(0.3))
+step = train_step(table, optimizer)
+for keys in steps:
+    loss = strategy.reduce(tf.distribute.ReduceOp.SUM, step(per_replica(keys)), axis=None)
+    check.assertAllClose(float(loss), ref.step(np.concatenate(keys)), rtol=1e-5)
+mine = table.shards[task].export()[0].numpy()
+assert len(mine) and np.all(table.shard_of(mine).numpy() == task), "a worker holds only its shard's keys"
+keys, values = table.export()
+rows = by_key(keys, values)
+assert set(rows) == set(ref.row) and int(table.size()) == len(ref.row), (len(rows), len(ref.row))
+assert len(mine) < len(rows)
+for key, value in rows.items():
+    check.assertAllClose(value, ref.var.numpy()[ref.row[key]], atol=1e-5)
+# Reads outside the replicas: every worker asks for the same keys and gets every owner's rows.
+asked = np.array(sorted(rows)[:7] + [12345], np.int64)
+got = tfs.embedding_lookup(table, asked, training=False).numpy()
+check.assertAllClose(got[:-1], np.stack([rows[k] for k in asked[:-1]]), atol=0)
+check.assertAllClose(got[-1], table.initial_rows([12345])[0], atol=0)
+assert int(table.size()) == len(ref.row), "a read inserts nothing"
+# The checkpoint holds the whole table; it restores into another sharded table and into one plain table.
+path = tf.train.Checkpoint(table=table).write(os.path.join(sys.argv[1], f"worker{task}", "ckpt"))
+with strategy.scope():
+    again = strategy.create_dynamic_table("users2", dim=4, seed=9, placement="sharded")
+tf.train.Checkpoint(table=again).read(path).assert_consumed()
+restored = by_key(*again.export())
+assert set(restored) == set(rows)
+for key, value in rows.items():
+    check.assertAllClose(restored[key], value, atol=0)
+np.savez(os.path.join(sys.argv[1], f"worker{task}", "rows.npz"), keys=keys.numpy(), values=values.numpy())
+print(f"worker {task} holds {len(mine)} of {len(rows)} keys", flush=True)
+
+# 2. String keys with admission by count: a key met once on each worker has met its count of 2 (its owner
+#    counts both workers' occurrences).
+with strategy.scope():
+    words = strategy.create_dynamic_table("words", dim=2, key_dtype=tf.string, seed=1, placement="sharded",
+                                          admission=tfs.policies.MinCountAdmission(2))
+    sgd = tfs.optimizers.SGD(0.1)
+word_step = train_step(words, sgd)
+first = [np.array([b"a", b"b"]), np.array([b"a", "\u00e9t\u00e9".encode()])]
+second = [np.array([b"b", b""]), np.array([b"", b"zz"])]
+initial = words.initial_rows(tf.constant([b"a", b"b", b""])).numpy()
+word_step(per_replica(first))
+assert sorted(words.export()[0].numpy().tolist()) == [b"a"], words.export()[0]
+word_step(per_replica(second))
+got = by_key(*words.export())
+assert sorted(got) == [b"", b"a", b"b"], sorted(got)
+check.assertAllClose(got[b"a"], initial[0] - 0.1 * 2 * 2 * (initial[0] - 1), atol=1e-6)
+check.assertAllClose(got[b"b"], initial[1] - 0.1 * 2 * (initial[1] - 1), atol=1e-6)
+check.assertAllClose(got[b""], initial[2] - 0.1 * 2 * 2 * (initial[2] - 1), atol=1e-6)
+
+# 3. tfs.fit with tfs.layers.DynamicEmbedding(placement="sharded") against plain Keras on one device (the same
+#    global batches); each worker's model trains its own pool, and the export serves the whole table.
+from tests.harness.models import IDS, LABELS, RAW_KEYS, assert_matches_dynamic_reference, make_dynamic_model
+
+with strategy.scope():
+    model = make_dynamic_model(placement="sharded")
+emb = model.get_layer("emb").table
+data = tf.data.Dataset.from_tensor_slices((RAW_KEYS[IDS], LABELS)).batch(len(IDS)).repeat()
+tfs.fit(model, data, epochs=3, steps_per_epoch=1, verbose=0)
+assert emb.spread and len(model.get_layer("emb").trainable_weights) == 1  # this worker's pool only
+assert_matches_dynamic_reference(check, model, 3)
+served = tf.saved_model.load(tfs.export(model, os.path.join(sys.argv[1], f"export{task}")))
+keys = RAW_KEYS[IDS][:4]
+want = tfs.predict(model, tf.data.Dataset.from_tensor_slices(keys).batch(4))
+check.assertAllClose(list(served.signatures["serving_default"](tf.constant(keys)).values())[0], want, atol=1e-5)
+print("MWMS SHARDED DYNAMIC OK", flush=True)
+"""
+
 
 class DynamicMultiWorkerTest(tf.test.TestCase):
+    def test_tables_sharded_over_two_workers_match_references(self):
+        workdir = tempfile.mkdtemp()
+        outputs = run_multi_worker(SHARDED_WORKER.replace("sys.argv[1]", repr(workdir)), num_workers=2, timeout=360)
+        for rc, out, err in outputs:
+            self.assertEqual(rc, 0, msg=out + err[-4000:])
+            self.assertIn("MWMS SHARDED DYNAMIC OK", out)
+        held = [int(re.search(r"holds (\d+) of (\d+) keys", out).group(1)) for _, out, _ in outputs]
+        total = {int(re.search(r"holds (\d+) of (\d+) keys", out).group(2)) for _, out, _ in outputs}
+        self.assertEqual({sum(held)}, total)  # each key on one worker only
+        # Worker 0's checkpoint (the whole table) restores into 3 local shards under the default strategy.
+        saved = np.load(os.path.join(workdir, "worker0", "rows.npz"))
+        table = tfs.create_dynamic_table(uid("users"), dim=4, partitions=3, seed=3)
+        tf.train.Checkpoint(table=table).read(os.path.join(workdir, "worker0", "ckpt")).expect_partial()
+        self.assertEqual(int(table.size()), len(saved["keys"]))
+        self.assertAllClose(table.lookup(tf.constant(saved["keys"]), training=False), saved["values"], atol=0)
+
     def test_two_workers_agree_and_match_references(self):
         workdir = tempfile.mkdtemp()
         outputs = run_multi_worker(WORKER.replace("sys.argv[1]", repr(workdir)), num_workers=2, timeout=360)

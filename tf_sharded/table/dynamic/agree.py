@@ -36,7 +36,7 @@ def agreeing_context(strategy):
     return ctx
 
 
-def _string_codes(keys: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+def string_codes(keys: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
     """`(byte lengths, bytes as int64 codes)` of string keys."""
     lengths = tf.cast(tf.strings.length(keys), tf.int64)
     pieces = tf.strings.bytes_split(keys).flat_values
@@ -44,7 +44,7 @@ def _string_codes(keys: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
     return lengths, tf.cast(codes, tf.int64)
 
 
-def _join_codes(lengths: tf.Tensor, codes: tf.Tensor) -> tf.Tensor:
+def join_codes(lengths: tf.Tensor, codes: tf.Tensor) -> tf.Tensor:
     pieces = tf.gather(tf.constant(_BYTES), codes)
     return tf.strings.reduce_join(tf.RaggedTensor.from_row_lengths(pieces, lengths), axis=1)
 
@@ -59,7 +59,7 @@ def gather_keys(ctx, keys: tf.Tensor, counts: tf.Tensor, tags: Optional[tf.Tenso
     """
     marker = tf.constant([-1], tf.int64)
     if keys.dtype == tf.string:
-        lengths, codes = _string_codes(keys)
+        lengths, codes = string_codes(keys)
         word = lengths
     else:
         word = keys
@@ -74,5 +74,5 @@ def gather_keys(ctx, keys: tf.Tensor, counts: tf.Tensor, tags: Optional[tf.Tenso
     extra = () if tags is None else (tf.boolean_mask(meta[:, 2], valid),)
     if keys.dtype == tf.string:
         all_codes = ctx.all_gather(tf.concat([marker, codes], 0), 0)
-        words = _join_codes(words, tf.boolean_mask(all_codes, all_codes >= 0))
+        words = join_codes(words, tf.boolean_mask(all_codes, all_codes >= 0))
     return (words, all_counts, start) + extra

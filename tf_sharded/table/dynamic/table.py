@@ -6,7 +6,9 @@ pure function of (seed, key) (`tf_sharded.initializers.per_key`). Neither
 depends on insertion order or on the layout, so a table saved from 2 shards
 restores into 3, and a key never inserted reads the value it would have been
 given. Each shard is a `DynamicShard` (an index, a row pool that grows, the
-optimizer's columns, a lock) on the device its strategy hook chose.
+optimizer's columns, a lock) on the device its strategy hook chose; a table
+sharded over workers holds one and stands in for the others'
+(`dynamic.spread`).
 
 Training lookups insert the keys they meet; the gradient reaches each shard's
 row pool (`table.variables[i]`) as `tf.IndexedSlices` of the looked-up rows,
@@ -31,6 +33,14 @@ from tf_sharded.table.dynamic.packed import Request, expand, resolve, single
 from tf_sharded.table.dynamic.pool import GROWTH, Insert
 from tf_sharded.table.dynamic.shard import DynamicShard
 from tf_sharded.table.dynamic.slots import DynamicSlot
+from tf_sharded.table.dynamic.spread import (
+    RemoteDynamicShard,
+    gather_over_workers,
+    is_remote_shard,
+    max_over_workers,
+    rows_over_workers,
+    sum_over_workers,
+)
 from tf_sharded.table.protocol import MAX_IDS_RANK, register_shards
 
 
@@ -69,6 +79,7 @@ class DynamicTable(_compat.Trackable):
         exchange: Any = None,
         placement: Optional[str] = None,
         pools: Optional[Sequence[Any]] = None,
+        remote: Sequence[bool] = (),
     ):
         if not isinstance(name, str) or not name:
             raise ValueError(f"Argument `name` must be a non-empty string. Received: name={name!r}")
@@ -94,12 +105,16 @@ class DynamicTable(_compat.Trackable):
         max_keys = bounded[0].per_shard(len(devices)) if bounded else None
         per_shard = None if max_rows is None else -(-max_rows // len(devices))
         pools = [None] * len(devices) if pools is None else list(pools)
+        # Sharded over workers (`remote[i]`: shard i is another worker's): a stand-in without memory there.
+        remote = list(remote) or [False] * len(devices)
         self._shards = [
+            RemoteDynamicShard(name, i, d, self._dim, self._dtype, trainable) if remote[i] else
             DynamicShard(name, i, d, self._key_dtype, self._dim, self._dtype, trainable, growth, per_shard,
                          self._admission, bounded[0] if bounded else None, max_keys, pool)
             for i, (d, pool) in enumerate(zip(devices, pools))
         ]  # fmt: skip
-        with tf.init_scope(), tf.device(self._shards[0].device):
+        self._held = [s for s in self._shards if not is_remote_shard(s)]
+        with tf.init_scope(), tf.device(self._held[0].device):
             # Training lookups so far: what "last seen", eviction by age and `export(since_step=)` count in.
             self._step = _compat.plain_variable(tf.constant(0, tf.int64), f"{name}/step", False)
         self._slots: Dict[str, DynamicSlot] = {}
@@ -136,8 +151,19 @@ class DynamicTable(_compat.Trackable):
         return tuple(s.rows for s in self._shards)
 
     @property
+    def held_variables(self) -> Tuple[tf.Variable, ...]:
+        """The row pools held by this process: all of them, except for a table sharded over the workers of
+        MultiWorkerMirroredStrategy, whose `variables` list the other workers' shards as stand-ins."""
+        return tuple(s.rows for s in self._held)
+
+    @property
+    def spread(self) -> bool:
+        """Whether some shards are held by other workers (`placement="sharded"` across processes)."""
+        return len(self._held) < len(self._shards)
+
+    @property
     def trainable_variables(self) -> Tuple[tf.Variable, ...]:
-        return self.variables if self._trainable else ()
+        return self.held_variables if self._trainable else ()
 
     def __repr__(self):
         return (
@@ -197,9 +223,12 @@ class DynamicTable(_compat.Trackable):
         """Per shard: `(keys, their positions in uniq)`, and a `Request` for their rows at table step `step`
         when `inserting`, else their rows (-1 where absent; the index alone is read)."""
         keys, where, counts = self._partition(uniq, tf.range(tf.size(uniq, out_type=tf.int32)), counts)
+        # Another worker's shard (a table sharded over workers) is resolved there: None here.
         if not inserting:
-            return keys, where, [s.find(k) for s, k in zip(self._shards, keys)]
-        return keys, where, [Request(self, i, k, c, step) for i, (k, c) in enumerate(zip(keys, counts))]
+            return keys, where, [None if is_remote_shard(s) else s.find(k) for s, k in zip(self._shards, keys)]
+        requests = [None if is_remote_shard(self._shards[i]) else Request(self, i, k, c, step)
+                    for i, (k, c) in enumerate(zip(keys, counts))]  # fmt: skip
+        return keys, where, requests
 
     def insert_part(self, shard: int, keys, counts, step) -> Insert:
         """Shard `shard`'s part of an insert of distinct `keys` into its pool (`RowPool.inserting`)."""
@@ -237,15 +266,19 @@ class DynamicTable(_compat.Trackable):
         num_unique = tf.size(uniq, out_type=tf.int32)
         counts = tf.math.unsorted_segment_sum(tf.ones_like(idx, tf.int64), idx, num_unique)
         inserting = training and self._trainable
+        ctx = agreeing_context(self._strategy) if inserting or self.spread else None
+        # Outside the replicas (a read every worker makes alike), a table sharded over workers inserts nothing.
+        inserting = inserting and (ctx is not None or not self.spread)
         plan = _Lookup(self, idx, num_unique, inserting)
-        ctx = agreeing_context(self._strategy) if inserting else None
         if ctx is not None:
-            # Several workers, one copy each: every worker inserts everyone's keys, then reads its own.
+            # Several workers: every worker sees everyone's keys. With a copy each, it inserts all of them and
+            # reads its own; sharded over them, each inserts and reads the keys of its shard for everyone.
             all_keys, all_counts, start = gather_keys(ctx, uniq, counts)
             every, at = tf.unique(all_keys, out_idx=tf.int32)
             summed = tf.math.unsorted_segment_sum(all_counts, at, tf.size(every, out_type=tf.int32))
             plan.agreed = (uniq, every, tf.slice(at, [start], [num_unique]))
-            plan.keys, plan.where, plan.resolved = self._requests(every, summed, True, self._step.assign_add(1))
+            step = self._step.assign_add(1) if inserting else None
+            plan.keys, plan.where, plan.resolved = self._requests(every, summed, inserting, step)
         else:
             step = self._step.assign_add(1) if inserting else None
             plan.keys, plan.where, plan.resolved = self._requests(uniq, counts, inserting, step)
@@ -255,6 +288,8 @@ class DynamicTable(_compat.Trackable):
         """`lookup_many`'s second half: the looked-up rows in the caller's order, from each shard's rows
         of its keys (-1: the key's initial row)."""
         keys, where = plan.keys, plan.where
+        if self.spread:
+            return self._finish_spread(plan, rows_per_shard)
         if plan.agreed is not None:
             uniq, every, mine = plan.agreed
             rows = tf.add_n(
@@ -264,6 +299,21 @@ class DynamicTable(_compat.Trackable):
         held = plan.inserting and self.every_key_held
         parts = [self.shard_values(i, k, r, held) for i, (k, r) in enumerate(zip(keys, rows_per_shard))]
         return self.assemble(plan, where, parts)
+
+    def _finish_spread(self, plan: _Lookup, rows_per_shard) -> tf.Tensor:
+        """The rows of a lookup of a table sharded over workers: this worker's values of the keys of its shard
+        among everyone's (`plan.agreed`; outside the replicas, among the keys every worker asks alike), zeros
+        for the others', summed over the workers; the gradient reaches each pool through that sum."""
+        held = plan.inserting and self.every_key_held
+        asked = plan.agreed[1] if plan.agreed is not None else None
+        shape = tf.stack([plan.num_unique if asked is None else tf.size(asked, out_type=tf.int32), self._dim])
+        parts = [tf.zeros(shape, self._dtype)]
+        for i, (k, w, r) in enumerate(zip(plan.keys, plan.where, rows_per_shard)):
+            if r is not None:
+                parts.append(tf.scatter_nd(w[:, None], self.shard_values(i, k, r, held), shape))
+        everywhere = rows_over_workers(self._strategy, tf.add_n(parts))
+        unique_rows = everywhere if asked is None else tf.gather(everywhere, plan.agreed[2])
+        return expand(unique_rows, plan.idx, plan.num_unique)
 
     def assemble(self, plan: _Lookup, where, parts) -> tf.Tensor:
         """The looked-up rows in the caller's order, from each shard's values of its keys at `where`."""
@@ -276,7 +326,8 @@ class DynamicTable(_compat.Trackable):
 
     def size(self) -> tf.Tensor:
         """Live keys (int64 scalar)."""
-        return tf.add_n([tf.cast(s.size(), tf.int64) for s in self._shards])
+        here = tf.add_n([tf.cast(s.size(), tf.int64) for s in self._held])
+        return sum_over_workers(self._strategy, here) if self.spread else here
 
     def export(self, since_step: Optional[int] = None) -> Tuple[tf.Tensor, tf.Tensor]:
         """`(keys, rows)` of every live key, or of those looked up in training after table step `since_step`.
@@ -292,10 +343,13 @@ class DynamicTable(_compat.Trackable):
 
         Columns are optimizer slot names, "seen" (last training step) and "hits" (occurrences).
         """
-        parts = [s.export(columns, since_step) for s in self._shards]
+        parts = [s.export(columns, since_step) for s in self._held]
         keys = tf.concat([p[0] for p in parts], 0)
         values = tf.concat([tf.reshape(p[1], [-1, self._dim]) for p in parts], 0)
         extra = {c: tf.concat([p[2][c] for p in parts], 0) for c in columns}
+        if self.spread:  # every worker's keys, in worker order
+            keys, values, *gathered = gather_over_workers(self._strategy, [keys, values] + [extra[c] for c in columns])
+            extra = dict(zip(columns, gathered))
         return keys, values, extra
 
     def assign_keys(self, keys, values, columns: Optional[Dict[str, Any]] = None) -> None:
@@ -321,12 +375,13 @@ class DynamicTable(_compat.Trackable):
         names = list(columns or {})
         key_parts, value_parts, *column_parts = self._partition(keys, values, *[columns[k] for k in names])
         for i, s in enumerate(self._shards):
-            s.replace(key_parts[i], value_parts[i], {k: parts[i] for k, parts in zip(names, column_parts)})
+            if not is_remote_shard(s):  # another worker's shard: that worker loads it
+                s.replace(key_parts[i], value_parts[i], {k: parts[i] for k, parts in zip(names, column_parts)})
 
     def reset_lost(self) -> int:
         """After a parameter server restarted: the shards it held (and the table step, if it held that) set
         to an empty table's state, which a checkpoint restore then fills. Returns how many variables it set."""
-        done = sum(s.reset_lost() for s in self._shards)
+        done = sum(s.reset_lost() for s in self._held)
         if not bool(self._step.is_initialized()):
             self._step.assign(0)
             done += 1
@@ -338,7 +393,8 @@ class DynamicTable(_compat.Trackable):
         """An optimizer slot: a column of `fill` beside every shard's rows, grown and saved with them."""
         column = name.rsplit("/", 1)[-1]
         if column not in self._slots:
-            self._slots[column] = DynamicSlot(self, column, [s.add_column(column, fill) for s in self._shards])
+            columns = [s.rows if is_remote_shard(s) else s.add_column(column, fill) for s in self._shards]
+            self._slots[column] = DynamicSlot(self, column, columns)
         return self._slots[column]
 
     def update_exclusively(self, shard: int, fn) -> tf.Tensor:
@@ -349,7 +405,8 @@ class DynamicTable(_compat.Trackable):
         """Sets optimizer column `column` of `keys` that the table holds to `values` (others are skipped)."""
         keys = tf.convert_to_tensor(keys, self._key_dtype)
         for s, k, v in zip(self._shards, *self._partition(keys, tf.convert_to_tensor(values, self._dtype))):
-            s.set_column(column, k, v)
+            if not is_remote_shard(s):
+                s.set_column(column, k, v)
 
     def shard_rows(self, shard: int) -> tf.Tensor:
         return self._shards[shard].capacity.read_value()
@@ -369,6 +426,8 @@ class DynamicTable(_compat.Trackable):
             # Layout-free: each key's counts are in its shard's sketch; the elementwise maximum over shards
             # never underestimates a key (restored into every shard, saving it again does not inflate it).
             tensors["sketch"] = tf.reduce_max(tf.stack([v.read_value() for v in sketches]), 0)
+            if self.spread:
+                tensors["sketch"] = max_over_workers(self._strategy, tensors["sketch"])
         # A restore reads only the names declared here: the checkpoint's optimizer columns too, even for a
         # table whose optimizer is not built yet (they wait in the shards for it).
         for name in saved or ():
@@ -440,15 +499,19 @@ def _lookup_each(pairs, training: bool) -> list:
     packed = [request for plan in plans if plan.inserting and plan.agreed is None for request in plan.resolved]
     values = iter(resolve(packed))
     # Several workers' copies agree (every worker inserts everyone's keys): the rows, not values, come back.
+    # Sharded over workers, another worker's shard is None here: it inserts there.
     agreed = [r.table.insert_part(r.shard, r.keys, r.counts, r.step)
-              for plan in plans if plan.agreed is not None for r in plan.resolved]  # fmt: skip
+              for plan in plans if plan.inserting and plan.agreed is not None
+              for r in plan.resolved if r is not None]  # fmt: skip
     rows = iter(locked_together([(p.member.pool, single(p)) for p in agreed]))
     out = []
     for plan in plans:
         if plan.inserting and plan.agreed is None:
             out.append(plan.table.assemble(plan, plan.where, [next(values) for _ in plan.resolved]))
             continue
-        resolved = [next(rows) for _ in plan.resolved] if plan.agreed is not None else plan.resolved
+        resolved = plan.resolved
+        if plan.inserting:
+            resolved = [None if r is None else next(rows) for r in plan.resolved]
         out.append(plan.table.finish_lookup(plan, resolved))
     return out
 

@@ -1,0 +1,118 @@
+"""Dynamic tables sharded over the workers of MultiWorkerMirroredStrategy (`placement="sharded"`).
+
+Worker `r` holds shard `r` (the keys whose hash lands there, their rows and
+optimizer columns, its policies' state); the other shards are
+`RemoteDynamicShard`s, metadata without memory. Every worker runs the same
+program, so whatever needs another worker's keys is done by all at once:
+
+* a training lookup all-gathers the replicas' distinct keys and counts (as
+  `dynamic.agree` does for copies), each owner inserts and reads the keys of
+  its shard, and one all-reduce of those rows (zeros for other owners' keys)
+  gives every replica its rows. The all-reduce's gradient is the all-reduce
+  of the rows' gradients, so each owner's pool receives the global batch's
+  sum at its rows, which the optimizer applies once, there;
+* `size()`, `export()` and checkpoints gather every worker's live keys, rows
+  and columns over the collectives (string keys as byte codes);
+* a restore or `set_column` applies on each worker the keys of its shard.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import List, Sequence
+
+import tensorflow as tf
+
+from tf_sharded.table.dynamic.agree import join_codes, string_codes
+from tf_sharded.table.remote import RemoteShard
+
+
+class RemoteDynamicShard:
+    """Shard of a dynamic table held by another worker: its metadata only (`rows` is a `RemoteShard`)."""
+
+    admission_state = None
+
+    def __init__(self, name: str, shard: int, device: str, dim: int, dtype, trainable: bool):
+        self.name, self.shard, self.device, self.dim, self.dtype = name, shard, device, dim, tf.as_dtype(dtype)
+        self.rows = RemoteShard([None, dim], dtype, device, trainable, f"{name}/rows_{shard}")
+
+
+def is_remote_shard(shard) -> bool:
+    """Whether `shard` (of a dynamic table) is another worker's."""
+    return isinstance(shard, RemoteDynamicShard)
+
+
+def sum_over_workers(strategy, value: tf.Tensor) -> tf.Tensor:
+    """The sum over the workers of each one's `value` (every worker calls it, in the same order): in a
+    replica context by its all-reduce, else over the strategy."""
+    ctx = tf.distribute.get_replica_context()
+    if ctx is not None and not tf.distribute.in_cross_replica_context() and ctx.num_replicas_in_sync > 1:
+        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, value)
+    return strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+
+
+def rows_over_workers(strategy, contribution: tf.Tensor) -> tf.Tensor:
+    """Rows of which each worker gives those of its shard and zeros for the others': their sum, everywhere
+    (differentiable in a replica context: the gradient is the all-reduce of the rows' gradients).
+
+    One row more travels (zeros) so that the collective is never empty."""
+    extra = tf.zeros(tf.concat([[1], tf.shape(contribution)[1:]], 0), contribution.dtype)
+    return sum_over_workers(strategy, tf.concat([contribution, extra], 0))[:-1]
+
+
+# Per (strategy, dtype, rank): one function gathering any first-axis length over the workers. TensorFlow's
+# `strategy.gather` traces a new function for every new shape, and a save gathers tensors of every size.
+_GATHERS = weakref.WeakKeyDictionary()
+
+
+def _gather(strategy, value: tf.Tensor) -> tf.Tensor:
+    ctx = tf.distribute.get_replica_context()
+    if ctx is not None and not tf.distribute.in_cross_replica_context() and ctx.num_replicas_in_sync > 1:
+        return ctx.all_gather(value, 0)
+    functions = _GATHERS.setdefault(strategy, {})
+    key = (value.dtype, value.shape.rank)
+    if key not in functions:
+        spec = tf.TensorSpec([None] * value.shape.rank, value.dtype)
+
+        @tf.function(input_signature=[spec])
+        def gather(v):
+            # The identity places the value on the replica device (an argument has none, which a collective needs).
+            out = strategy.run(lambda x: tf.distribute.get_replica_context().all_gather(tf.identity(x), 0), args=(v,))
+            return strategy.experimental_local_results(out)[0]
+
+        functions[key] = gather
+    return functions[key](value)
+
+
+def gather_over_workers(strategy, tensors: Sequence[tf.Tensor]) -> List[tf.Tensor]:
+    """Each worker's `tensors` (aligned along their first axis, possibly of no rows), concatenated in worker
+    order, on every worker. String tensors travel as byte codes.
+
+    Every tensor travels with one extra element per worker, dropped after:
+    a collective to which every participant sends nothing never completes.
+    """
+    n = tf.shape(tensors[0], out_type=tf.int64)[0]
+    sizes = _gather(strategy, tf.reshape(n, [1]))  # one per worker, in worker order
+    ends = tf.cumsum(sizes + 1)
+    marker_at = ends - 1  # each worker's extra element, after its own
+    out = []
+    for t in tensors:
+        if t.dtype == tf.string:
+            lengths, codes = string_codes(t)
+            lengths = _drop(_gather(strategy, tf.concat([lengths, [0]], 0)), marker_at)
+            codes = _gather(strategy, tf.concat([codes, [-1]], 0))
+            out.append(join_codes(lengths, tf.boolean_mask(codes, codes >= 0)))
+            continue
+        extra = tf.zeros(tf.concat([[1], tf.shape(t)[1:]], 0), t.dtype)
+        out.append(_drop(_gather(strategy, tf.concat([t, extra], 0)), marker_at))
+    return out
+
+
+def _drop(gathered: tf.Tensor, positions: tf.Tensor) -> tf.Tensor:
+    keep = tf.scatter_nd(positions[:, None], tf.ones_like(positions, tf.bool), tf.shape(gathered, tf.int64)[:1])
+    return tf.boolean_mask(gathered, tf.logical_not(keep))
+
+
+def max_over_workers(strategy, value: tf.Tensor) -> tf.Tensor:
+    """The elementwise maximum over the workers of each one's `value` (same shape everywhere)."""
+    return tf.reduce_max(tf.reshape(_gather(strategy, value[None]), tf.concat([[-1], tf.shape(value)], 0)), 0)
