@@ -55,3 +55,32 @@ def squared_norm_adagrad_collection(start: dict, steps, learning_rate: float = 0
             accumulators[name][touched] += grads[name][touched] ** 2
             want[name] = want[name] - learning_rate * grads[name] / np.sqrt(accumulators[name])
     return want
+
+
+def check_string_admission(check, strategy, per_replica, train_step, **table_options):
+    """String keys admitted at their second occurrence, trained by SGD(0.1) on `sum((row - 1) ** 2)` over two
+    replicas, two steps, checked against the closed form: a key met once on each replica has met its count.
+
+    `per_replica(batches)` gives replica r `batches[r]`; `train_step(table, optimizer)` is the step; the table
+    is created with `table_options` (e.g. `placement`). Returns the table.
+    """
+    import tf_sharded as tfs
+
+    with strategy.scope():
+        words = strategy.create_dynamic_table("words", dim=2, key_dtype=tf.string, seed=1,
+                                              admission=tfs.policies.MinCountAdmission(2), **table_options)  # fmt: skip
+        sgd = tfs.optimizers.SGD(0.1)
+    step = train_step(words, sgd)
+    first = [np.array([b"a", b"b"]), np.array([b"a", "\u00e9t\u00e9".encode()])]
+    second = [np.array([b"b", b""]), np.array([b"", b"zz"])]
+    initial = words.initial_rows(tf.constant([b"a", b"b", b""])).numpy()
+    step(per_replica(first))
+    check.assertEqual(sorted(words.export()[0].numpy().tolist()), [b"a"])
+    step(per_replica(second))
+    got = dict(zip(*[t.numpy().tolist() for t in words.export()]))
+    check.assertEqual(sorted(got), [b"", b"a", b"b"])
+    # Each occurrence of an admitted key adds 2 * (row - 1) to its gradient, and SGD(0.1) moves it by 0.1 times that.
+    check.assertAllClose(got[b"a"], initial[0] - 0.1 * 2 * 2 * (initial[0] - 1), atol=1e-6)
+    check.assertAllClose(got[b"b"], initial[1] - 0.1 * 2 * (initial[1] - 1), atol=1e-6)
+    check.assertAllClose(got[b""], initial[2] - 0.1 * 2 * 2 * (initial[2] - 1), atol=1e-6)
+    return words

@@ -63,6 +63,21 @@ def train_step(table, optimizer, loss_of=lambda rows: tf.reduce_sum(tf.square(ro
     return step
 
 
+def two_replica_steps_match_reference(check, strategy, table, optimizer, reference_optimizer, per_replica):
+    """Four steps of power-law keys over two replicas (replica r feeds `steps[s][r]`; replica 1 meets none in
+    step 2), each step's summed loss checked against one dense variable trained by `reference_optimizer` on
+    both replicas' keys. Returns that `Reference`."""
+    rng = np.random.default_rng(2)  # the same keys in every process
+    steps = [[power_law_keys(rng, 24) for _ in range(2)] for _ in range(4)]
+    steps[1][1] = steps[1][1][:0]
+    ref = Reference(table, [np.concatenate(s) for s in steps], reference_optimizer)
+    step = train_step(table, optimizer)
+    for keys in steps:
+        loss = strategy.reduce(tf.distribute.ReduceOp.SUM, step(per_replica(keys)), axis=None)
+        check.assertAllClose(float(loss), ref.step(np.concatenate(keys)), rtol=1e-5)
+    return ref
+
+
 class DynamicTableTest(tf.test.TestCase):
     def test_adagrad_training_matches_dense_reference(self):
         rng = np.random.default_rng(0)

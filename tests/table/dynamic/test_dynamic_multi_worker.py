@@ -23,7 +23,8 @@ import hashlib, os, sys
 import numpy as np, tensorflow as tf
 import tf_sharded as tfs
 from tests.harness.models import IDS, LABELS, RAW_KEYS, assert_matches_dynamic_reference, make_dynamic_model
-from tests.table.dynamic.test_dynamic import Reference, power_law_keys, train_step
+from tests.harness.references import check_string_admission
+from tests.table.dynamic.test_dynamic import train_step, two_replica_steps_match_reference
 
 task = int(os.environ["TASK"])
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -49,14 +50,7 @@ with strategy.scope():
     table = strategy.create_dynamic_table("users", dim=4, partitions=2, seed=3)
     optimizer = tfs.optimizers.Adagrad(0.3)
 assert (table.placement, table.exchange.mode) == ("host", "allgather")
-rng = np.random.default_rng(2)  # the same keys in both processes; worker r feeds steps[s][r]
-steps = [[power_law_keys(rng, 24) for _ in range(2)] for _ in range(4)]
-steps[1][1] = steps[1][1][:0]  # worker 1 meets no keys in step 2
-ref = Reference(table, [np.concatenate(s) for s in steps], tfs.optimizers.Adagrad(0.3))
-step = train_step(table, optimizer)
-for keys in steps:
-    loss = strategy.reduce(tf.distribute.ReduceOp.SUM, step(per_replica(keys)), axis=None)
-    check.assertAllClose(float(loss), ref.step(np.concatenate(keys)), rtol=1e-5)
+ref = two_replica_steps_match_reference(check, strategy, table, optimizer, tfs.optimizers.Adagrad(0.3), per_replica)
 keys, values = table.export()
 rows = dict(zip(keys.numpy().tolist(), values.numpy()))
 assert set(rows) == set(ref.row), (len(rows), len(ref.row))
@@ -67,23 +61,7 @@ np.savez(os.path.join(sys.argv[1], f"worker{task}", "rows.npz"), keys=keys.numpy
 print(f"worker {task} custom digest {digest(table)} keys {len(rows)}", flush=True)
 
 # 2. String keys with admission by count: a key met once on each worker has met its count of 2.
-with strategy.scope():
-    words = strategy.create_dynamic_table("words", dim=2, key_dtype=tf.string, seed=1,
-                                          admission=tfs.policies.MinCountAdmission(2))
-    sgd = tfs.optimizers.SGD(0.1)
-word_step = train_step(words, sgd)
-first = [np.array([b"a", b"b"]), np.array([b"a", "\\u00e9t\\u00e9".encode()])]
-second = [np.array([b"b", b""]), np.array([b"", b"zz"])]
-initial = words.initial_rows(tf.constant([b"a", b"b", b""])).numpy()
-word_step(per_replica(first))
-assert sorted(words.export()[0].numpy().tolist()) == [b"a"], words.export()[0]
-word_step(per_replica(second))
-got = dict(zip(*[t.numpy().tolist() for t in words.export()]))
-assert sorted(got) == [b"", b"a", b"b"], sorted(got)
-# Each occurrence of an admitted key adds 2 * (row - 1) to its gradient, and SGD(0.1) moves it by 0.1 times that.
-check.assertAllClose(got[b"a"], initial[0] - 0.1 * 2 * 2 * (initial[0] - 1), atol=1e-6)
-check.assertAllClose(got[b"b"], initial[1] - 0.1 * 2 * (initial[1] - 1), atol=1e-6)
-check.assertAllClose(got[b""], initial[2] - 0.1 * 2 * 2 * (initial[2] - 1), atol=1e-6)
+words = check_string_admission(check, strategy, per_replica, train_step)
 print(f"worker {task} strings digest {digest(words)}", flush=True)
 
 # 3. tfs.fit with tfs.layers.DynamicEmbedding against plain Keras on one device (the same global batches).
@@ -129,7 +107,8 @@ SHARDED_WORKER = """
 import os, sys
 import numpy as np, tensorflow as tf
 import tf_sharded as tfs
-from tests.table.dynamic.test_dynamic import Reference, power_law_keys, train_step
+from tests.harness.references import check_string_admission
+from tests.table.dynamic.test_dynamic import train_step, two_replica_steps_match_reference
 
 task = int(os.environ["TASK"])
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -153,14 +132,7 @@ with strategy.scope():
 assert (table.placement, table.spread, table.num_shards) == ("sharded", True, 2), table
 (held,) = table.held_variables
 assert table.variables[task] is held and table.trainable_variables == (held,)
-rng = np.random.default_rng(2)  # the same keys in both processes; worker r feeds steps[s][r]
-steps = [[power_law_keys(rng, 24) for _ in range(2)] for _ in range(4)]
-steps[1][1] = steps[1][1][:0]  # worker 1 meets no keys in step 2
-ref = Reference(table, [np.concatenate(s) for s in steps], tfs.optimizers.Adagrad(0.3))
-step = train_step(table, optimizer)
-for keys in steps:
-    loss = strategy.reduce(tf.distribute.ReduceOp.SUM, step(per_replica(keys)), axis=None)
-    check.assertAllClose(float(loss), ref.step(np.concatenate(keys)), rtol=1e-5)
+ref = two_replica_steps_match_reference(check, strategy, table, optimizer, tfs.optimizers.Adagrad(0.3), per_replica)
 mine = table.shards[task].export()[0].numpy()
 assert len(mine) and np.all(table.shard_of(mine).numpy() == task), "a worker holds only its shard's keys"
 keys, values = table.export()
@@ -189,22 +161,7 @@ print(f"worker {task} holds {len(mine)} of {len(rows)} keys", flush=True)
 
 # 2. String keys with admission by count: a key met once on each worker has met its count of 2 (its owner
 #    counts both workers' occurrences).
-with strategy.scope():
-    words = strategy.create_dynamic_table("words", dim=2, key_dtype=tf.string, seed=1, placement="sharded",
-                                          admission=tfs.policies.MinCountAdmission(2))
-    sgd = tfs.optimizers.SGD(0.1)
-word_step = train_step(words, sgd)
-first = [np.array([b"a", b"b"]), np.array([b"a", "\u00e9t\u00e9".encode()])]
-second = [np.array([b"b", b""]), np.array([b"", b"zz"])]
-initial = words.initial_rows(tf.constant([b"a", b"b", b""])).numpy()
-word_step(per_replica(first))
-assert sorted(words.export()[0].numpy().tolist()) == [b"a"], words.export()[0]
-word_step(per_replica(second))
-got = by_key(*words.export())
-assert sorted(got) == [b"", b"a", b"b"], sorted(got)
-check.assertAllClose(got[b"a"], initial[0] - 0.1 * 2 * 2 * (initial[0] - 1), atol=1e-6)
-check.assertAllClose(got[b"b"], initial[1] - 0.1 * 2 * (initial[1] - 1), atol=1e-6)
-check.assertAllClose(got[b""], initial[2] - 0.1 * 2 * 2 * (initial[2] - 1), atol=1e-6)
+check_string_admission(check, strategy, per_replica, train_step, placement="sharded")
 
 # 3. tfs.fit with tfs.layers.DynamicEmbedding(placement="sharded") against plain Keras on one device (the same
 #    global batches); each worker's model trains its own pool, and the export serves the whole table.
