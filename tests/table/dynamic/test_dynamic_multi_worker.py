@@ -178,6 +178,21 @@ served = tf.saved_model.load(tfs.export(model, os.path.join(sys.argv[1], f"expor
 keys = RAW_KEYS[IDS][:4]
 want = tfs.predict(model, tf.data.Dataset.from_tensor_slices(keys).batch(4))
 check.assertAllClose(list(served.signatures["serving_default"](tf.constant(keys)).values())[0], want, atol=1e-5)
+
+# 4. A collection of sharded tables, int64 ("a", "b") and string ("c") keys, looked up together: each table
+#    matches its own dense variable, accumulators included, and each worker holds only its shards' keys.
+from tests.table.dynamic.test_dynamic_pooled import (NAMES, assert_like_reference, key_batches, pooled_collection,
+                                                     train_replicas)
+
+layer, adagrad = pooled_collection(strategy, **{n: {"placement": "sharded"} for n in NAMES})
+assert all(layer.tables[n].spread for n in NAMES)
+batches = [key_batches(np.random.default_rng(3 + s), 2, n=16) for s in range(3)]  # per step, one per worker
+batches[1][1] = {n: v[:0] for n, v in batches[1][1].items()}  # worker 1 meets no keys in step 2
+reference = train_replicas(strategy, layer, adagrad, batches)
+assert_like_reference(check, layer.tables, reference, accumulator_rtol=1e-5)
+for n in NAMES:
+    held = layer.tables[n].shards[task].export()[0]
+    assert np.all(layer.tables[n].shard_of(held).numpy() == task), n
 print("MWMS SHARDED DYNAMIC OK", flush=True)
 """
 

@@ -86,25 +86,45 @@ def _gather(strategy, value: tf.Tensor) -> tf.Tensor:
 
 def gather_over_workers(strategy, tensors: Sequence[tf.Tensor]) -> List[tf.Tensor]:
     """Each worker's `tensors` (aligned along their first axis, possibly of no rows), concatenated in worker
-    order, on every worker. String tensors travel as byte codes.
+    order, on every worker.
 
-    Every tensor travels with one extra element per worker, dropped after:
-    a collective to which every participant sends nothing never completes.
+    The tensors of one dtype travel as one `[n, columns]` block (a save of a
+    table with its optimizer columns is then a few collectives, not one per
+    column); string tensors as their byte lengths (in the int64 block) and
+    their bytes as codes. Every block travels with one extra row per worker,
+    dropped after: a collective to which every participant sends nothing
+    never completes.
     """
     n = tf.shape(tensors[0], out_type=tf.int64)[0]
     sizes = _gather(strategy, tf.reshape(n, [1]))  # one per worker, in worker order
-    ends = tf.cumsum(sizes + 1)
-    marker_at = ends - 1  # each worker's extra element, after its own
-    out = []
-    for t in tensors:
+    marker_at = tf.cumsum(sizes + 1) - 1  # each worker's extra row, after its own
+    columns, codes = [], {}
+    for i, t in enumerate(tensors):
         if t.dtype == tf.string:
-            lengths, codes = string_codes(t)
-            lengths = _drop(_gather(strategy, tf.concat([lengths, [0]], 0)), marker_at)
-            codes = _gather(strategy, tf.concat([codes, [-1]], 0))
-            out.append(join_codes(lengths, tf.boolean_mask(codes, codes >= 0)))
-            continue
-        extra = tf.zeros(tf.concat([[1], tf.shape(t)[1:]], 0), t.dtype)
-        out.append(_drop(_gather(strategy, tf.concat([t, extra], 0)), marker_at))
+            lengths, codes[i] = string_codes(t)
+            t = lengths
+        columns.append(tf.reshape(t, tf.stack([n, -1])))
+    gathered = [None] * len(tensors)
+    for dtype in dict.fromkeys(c.dtype for c in columns):
+        members = [i for i, c in enumerate(columns) if c.dtype == dtype]
+        block = tf.concat([columns[i] for i in members], 1)
+        block = tf.concat([block, tf.zeros(tf.stack([1, tf.shape(block)[1]]), dtype)], 0)
+        every = _drop(_gather(strategy, block), marker_at)
+        widths = tf.stack([tf.shape(columns[i])[1] for i in members])
+        for i, part in zip(members, tf.split(every, widths, axis=1, num=len(members))):
+            gathered[i] = part
+    out = []
+    for i, t in enumerate(tensors):
+        part = gathered[i]
+        if i in codes:
+            all_codes = _gather(strategy, tf.concat([codes[i], [-1]], 0))
+            out.append(join_codes(tf.reshape(part, [-1]), tf.boolean_mask(all_codes, all_codes >= 0)))
+        elif t.shape.rank == 1:
+            out.append(tf.reshape(part, [-1]))
+        else:
+            whole = tf.reshape(part, tf.concat([[-1], tf.shape(t)[1:]], 0))
+            whole.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))
+            out.append(whole)
     return out
 
 

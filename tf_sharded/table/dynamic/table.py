@@ -265,20 +265,18 @@ class DynamicTable(_compat.Trackable):
         uniq, idx = tf.unique(flat_keys, out_idx=tf.int32)
         num_unique = tf.size(uniq, out_type=tf.int32)
         counts = tf.math.unsorted_segment_sum(tf.ones_like(idx, tf.int64), idx, num_unique)
-        inserting = training and self._trainable
-        ctx = agreeing_context(self._strategy) if inserting or self.spread else None
-        # Outside the replicas (a read every worker makes alike), a table sharded over workers inserts nothing.
-        inserting = inserting and (ctx is not None or not self.spread)
+        # A table sharded over workers is planned here only outside the replicas (in them, with the step's
+        # other such tables: `_plan_spread_together`): a read every worker makes alike, which inserts nothing.
+        inserting = training and self._trainable and not self.spread
         plan = _Lookup(self, idx, num_unique, inserting)
+        ctx = agreeing_context(self._strategy) if inserting else None
         if ctx is not None:
-            # Several workers: every worker sees everyone's keys. With a copy each, it inserts all of them and
-            # reads its own; sharded over them, each inserts and reads the keys of its shard for everyone.
+            # Several workers, one copy each: every worker inserts everyone's keys, then reads its own.
             all_keys, all_counts, start = gather_keys(ctx, uniq, counts)
             every, at = tf.unique(all_keys, out_idx=tf.int32)
             summed = tf.math.unsorted_segment_sum(all_counts, at, tf.size(every, out_type=tf.int32))
             plan.agreed = (uniq, every, tf.slice(at, [start], [num_unique]))
-            step = self._step.assign_add(1) if inserting else None
-            plan.keys, plan.where, plan.resolved = self._requests(every, summed, inserting, step)
+            plan.keys, plan.where, plan.resolved = self._requests(every, summed, True, self._step.assign_add(1))
         else:
             step = self._step.assign_add(1) if inserting else None
             plan.keys, plan.where, plan.resolved = self._requests(uniq, counts, inserting, step)
@@ -300,10 +298,10 @@ class DynamicTable(_compat.Trackable):
         parts = [self.shard_values(i, k, r, held) for i, (k, r) in enumerate(zip(keys, rows_per_shard))]
         return self.assemble(plan, where, parts)
 
-    def _finish_spread(self, plan: _Lookup, rows_per_shard) -> tf.Tensor:
-        """The rows of a lookup of a table sharded over workers: this worker's values of the keys of its shard
-        among everyone's (`plan.agreed`; outside the replicas, among the keys every worker asks alike), zeros
-        for the others', summed over the workers; the gradient reaches each pool through that sum."""
+    def spread_contribution(self, plan: _Lookup, rows_per_shard) -> tf.Tensor:
+        """A lookup of a table sharded over workers: this worker's values of the keys of its shard among
+        everyone's (`plan.agreed`; outside the replicas, among the keys every worker asks alike), zeros for
+        the others'. Their sum over the workers is every key's row (`finish_spread`)."""
         held = plan.inserting and self.every_key_held
         asked = plan.agreed[1] if plan.agreed is not None else None
         shape = tf.stack([plan.num_unique if asked is None else tf.size(asked, out_type=tf.int32), self._dim])
@@ -311,9 +309,17 @@ class DynamicTable(_compat.Trackable):
         for i, (k, w, r) in enumerate(zip(plan.keys, plan.where, rows_per_shard)):
             if r is not None:
                 parts.append(tf.scatter_nd(w[:, None], self.shard_values(i, k, r, held), shape))
-        everywhere = rows_over_workers(self._strategy, tf.add_n(parts))
-        unique_rows = everywhere if asked is None else tf.gather(everywhere, plan.agreed[2])
+        return tf.add_n(parts)
+
+    def finish_spread(self, plan: _Lookup, everywhere: tf.Tensor) -> tf.Tensor:
+        """The looked-up rows in the caller's order from the summed contributions (the gradient reaches each
+        pool through that sum: the all-reduce of the rows' gradients)."""
+        unique_rows = everywhere if plan.agreed is None else tf.gather(everywhere, plan.agreed[2])
         return expand(unique_rows, plan.idx, plan.num_unique)
+
+    def _finish_spread(self, plan: _Lookup, rows_per_shard) -> tf.Tensor:
+        everywhere = rows_over_workers(self._strategy, self.spread_contribution(plan, rows_per_shard))
+        return self.finish_spread(plan, everywhere)
 
     def assemble(self, plan: _Lookup, where, parts) -> tf.Tensor:
         """The looked-up rows in the caller's order, from each shard's values of its keys at `where`."""
@@ -493,9 +499,71 @@ def lookup_many(pairs, training: bool = True) -> list:
     return out
 
 
+def _plan_spread_together(pairs, training: bool, ctx) -> list:
+    """`plan_lookup` for tables sharded over workers, of one key dtype, looked up in one step: one gather of
+    every replica's distinct keys for all of them (each key tagged with its table), then per table its
+    keys, their counts and this replica's among them."""
+    local = []
+    for _, flat in pairs:
+        uniq, idx = tf.unique(flat, out_idx=tf.int32)
+        n = tf.size(uniq, out_type=tf.int32)
+        local.append((uniq, idx, n, tf.math.unsorted_segment_sum(tf.ones_like(idx, tf.int64), idx, n)))
+    tags = tf.concat([tf.fill([n], tf.constant(t, tf.int64)) for t, (_, _, n, _) in enumerate(local)], 0)
+    words, counts, start, all_tags = gather_keys(
+        ctx, tf.concat([u for u, _, _, _ in local], 0), tf.concat([c for _, _, _, c in local], 0), tags
+    )
+    plans, offset = [], tf.cast(start, tf.int32)
+    for t, ((table, _), (uniq, idx, n, _)) in enumerate(zip(pairs, local)):
+        mask = tf.equal(all_tags, t)
+        position = tf.cumsum(tf.cast(mask, tf.int32)) - 1  # of each gathered key among this table's
+        every, at = tf.unique(tf.boolean_mask(words, mask), out_idx=tf.int32)
+        summed = tf.math.unsorted_segment_sum(tf.boolean_mask(counts, mask), at, tf.size(every, out_type=tf.int32))
+        mine = tf.gather(at, tf.gather(position, offset + tf.range(n)))  # this replica's block of this table
+        offset += n
+        inserting = training and table.trainable
+        plan = _Lookup(table, idx, n, inserting)
+        plan.agreed = (uniq, every, mine)
+        step = table.step.assign_add(1) if inserting else None
+        plan.keys, plan.where, plan.resolved = table._requests(every, summed, inserting, step)
+        plans.append(plan)
+    return plans
+
+
+def _plan_each(pairs, training: bool) -> list:
+    """Each table's `plan_lookup`; the tables sharded over workers planned together per key dtype."""
+    plans = [None] * len(pairs)
+    spread = [i for i, (table, _) in enumerate(pairs) if table.spread]
+    ctx = agreeing_context(pairs[spread[0]][0].strategy) if spread else None
+    if ctx is not None:
+        by_dtype = {}
+        for i in spread:
+            by_dtype.setdefault(pairs[i][0].key_dtype, []).append(i)
+        for members in by_dtype.values():
+            for i, plan in zip(members, _plan_spread_together([pairs[i] for i in members], training, ctx)):
+                plans[i] = plan
+    return [plan or table.plan_lookup(keys, training) for plan, (table, keys) in zip(plans, pairs)]
+
+
+def _finish_spread_together(plans_and_rows) -> dict:
+    """Rows of lookups of tables sharded over workers, `{index: rows}`: one all-reduce per row dtype and width
+    carries every table's contribution."""
+    groups = {}
+    for i, plan, rows in plans_and_rows:
+        groups.setdefault((plan.table.dtype, plan.table.dim), []).append((i, plan, rows))
+    out = {}
+    for members in groups.values():
+        parts = [plan.table.spread_contribution(plan, rows) for _, plan, rows in members]
+        sizes = [tf.shape(p)[0] for p in parts]
+        summed = rows_over_workers(members[0][1].table.strategy, tf.concat(parts, 0))
+        for (i, plan, _), part in zip(members, tf.split(summed, tf.stack(sizes), num=len(parts))):
+            out[i] = plan.table.finish_spread(plan, part)
+    return out
+
+
 def _lookup_each(pairs, training: bool) -> list:
-    """`lookup_many` table by table (the inserts still in one critical section per device)."""
-    plans = [table.plan_lookup(keys, training) for table, keys in pairs]
+    """`lookup_many` table by table (the inserts still in one critical section per device; tables sharded over
+    workers exchange their keys and rows together)."""
+    plans = _plan_each(pairs, training)
     packed = [request for plan in plans if plan.inserting and plan.agreed is None for request in plan.resolved]
     values = iter(resolve(packed))
     # Several workers' copies agree (every worker inserts everyone's keys): the rows, not values, come back.
@@ -504,15 +572,21 @@ def _lookup_each(pairs, training: bool) -> list:
               for plan in plans if plan.inserting and plan.agreed is not None
               for r in plan.resolved if r is not None]  # fmt: skip
     rows = iter(locked_together([(p.member.pool, single(p)) for p in agreed]))
-    out = []
-    for plan in plans:
+    out, spread = [], []
+    for i, plan in enumerate(plans):
         if plan.inserting and plan.agreed is None:
             out.append(plan.table.assemble(plan, plan.where, [next(values) for _ in plan.resolved]))
             continue
         resolved = plan.resolved
         if plan.inserting:
             resolved = [None if r is None else next(rows) for r in plan.resolved]
+        if plan.table.spread and plan.agreed is not None:
+            spread.append((i, plan, resolved))
+            out.append(None)
+            continue
         out.append(plan.table.finish_lookup(plan, resolved))
+    for i, rows_i in _finish_spread_together(spread).items():
+        out[i] = rows_i
     return out
 
 
