@@ -219,7 +219,7 @@ class DynamicTable(_compat.Trackable):
         shard = self.shard_of(keys)
         return [tf.dynamic_partition(t, shard, self.num_shards) for t in (keys, *tensors)]
 
-    def _requests(self, uniq, counts, inserting: bool, step=None):
+    def shard_requests(self, uniq, counts, inserting: bool, step=None):
         """Per shard: `(keys, their positions in uniq)`, and a `Request` for their rows at table step `step`
         when `inserting`, else their rows (-1 where absent; the index alone is read)."""
         keys, where, counts = self._partition(uniq, tf.range(tf.size(uniq, out_type=tf.int32)), counts)
@@ -276,10 +276,10 @@ class DynamicTable(_compat.Trackable):
             every, at = tf.unique(all_keys, out_idx=tf.int32)
             summed = tf.math.unsorted_segment_sum(all_counts, at, tf.size(every, out_type=tf.int32))
             plan.agreed = (uniq, every, tf.slice(at, [start], [num_unique]))
-            plan.keys, plan.where, plan.resolved = self._requests(every, summed, True, self._step.assign_add(1))
+            plan.keys, plan.where, plan.resolved = self.shard_requests(every, summed, True, self._step.assign_add(1))
         else:
             step = self._step.assign_add(1) if inserting else None
-            plan.keys, plan.where, plan.resolved = self._requests(uniq, counts, inserting, step)
+            plan.keys, plan.where, plan.resolved = self.shard_requests(uniq, counts, inserting, step)
         return plan
 
     def finish_lookup(self, plan: _Lookup, rows_per_shard) -> tf.Tensor:
@@ -524,7 +524,7 @@ def _plan_spread_together(pairs, training: bool, ctx) -> list:
         plan = _Lookup(table, idx, n, inserting)
         plan.agreed = (uniq, every, mine)
         step = table.step.assign_add(1) if inserting else None
-        plan.keys, plan.where, plan.resolved = table._requests(every, summed, inserting, step)
+        plan.keys, plan.where, plan.resolved = table.shard_requests(every, summed, inserting, step)
         plans.append(plan)
     return plans
 
