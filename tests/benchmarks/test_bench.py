@@ -240,6 +240,21 @@ class BenchmarkSuiteTest(tf.test.TestCase):
         self.assertEqual((plan["placements"], plan["built"]), (["sharded"], ["sharded"]))
         self.assertEqual(plan["memory_per_replica"], plan["table_and_slot_bytes"] // 3)
         self.assertLess(plan["losses"][-1], plan["losses"][0])  # the planned layer trains
+        # The placement check: the plan remade from the point's ids, and the constant refitted from its times.
+        from tf_sharded.benchmarks import sharded
+
+        placement = report["placement"]
+        (point,) = placement["points"]
+        remade = sharded.plan_for(point["rows"], 4, 0)
+        self.assertEqual({t.placement for t in remade.tables.values()}, {point["plan_chose"]})
+        self.assertEqual(point["distinct_per_replica"], max(t.distinct_per_step for t in remade.tables.values()))
+        times = {"sharded": row["sharded_step_s"], "device": row["device_step_s"]}
+        self.assertEqual(point["fastest"], min(times, key=times.get))
+        self.assertAlmostEqual(point["chosen_vs_fastest"], times[point["plan_chose"]] / min(times.values()))
+        self.assertEqual(point["agrees"], point["chosen_vs_fastest"] <= 1 + placement["noise"])
+        self.assertEqual(set(placement["fitted"]), {"APPLY_FACTOR", "SHARDED_RENDEZVOUS_MS"})
+        self.assertIsNone(placement["fitted"]["SHARDED_RENDEZVOUS_MS"])  # no workers in the quick form
+        self.assertIsInstance(placement["fitted"]["APPLY_FACTOR"], float)
 
     def check_plan(self, out):
         """B11's schema; which option the plan takes is a function of the sample (timings are not checked here:

@@ -105,7 +105,8 @@ def test_mirrored_exchange_follows_the_cost_model_and_placement_the_memory():
     tables = {"big": {"input_dim": 1_000_000, "output_dim": 16}, "small": {"input_dim": 2_000, "output_dim": 16}}
     rng = np.random.default_rng(0)
     ids = {"big": rng.integers(0, 1_000_000, (2, 1024)), "small": rng.integers(0, 2_000, (2, 4096))}
-    plan = tfs.plan(tables, MIRRORED, ids=ids)
+    copies = {name: dict(t, placement="device") for name, t in tables.items()}  # the copies' exchange
+    plan = tfs.plan(copies, MIRRORED, ids=ids)
     for name, table in plan.tables.items():
         distinct = max(len(np.unique(part)) for step in ids[name] for part in np.array_split(step, 4))
         assert table.exchange_ids == distinct
@@ -113,7 +114,7 @@ def test_mirrored_exchange_follows_the_cost_model_and_placement_the_memory():
         assert table.arguments()["ids_per_step"] == distinct
     assert (plan.tables["big"].exchange, plan.tables["small"].exchange) == ("allgather", "dense")
     # Multi-worker: the collective's model.
-    multi = tfs.plan(tables, {"kind": "multi_worker_mirrored", "replicas": 4, "workers": 2}, ids=ids)
+    multi = tfs.plan(copies, {"kind": "multi_worker_mirrored", "replicas": 4, "workers": 2}, ids=ids)
     d = multi.tables["small"].exchange_ids
     assert multi.tables["small"].exchange == cost.choose(2_000, 64, 4, d)
     # Placement: a copy per replica while the worker holds them, else the host.
@@ -172,6 +173,62 @@ def test_replica_budget_copies_then_shards_then_the_host():
         tfs.plan(tables, MIRRORED, memory_per_replica=0)
 
 
+def test_with_a_sample_a_copy_that_fits_is_sharded_where_the_cost_model_says_it_is_cheaper():
+    """Where both fit, the traffic decides: the estimates are `placement_costs` over the planner's bytes per ms
+    (across workers plus the sharded group's rendezvous, shared by the tables of one width); the cheaper wins."""
+    rows, u = 100_000, 512
+    tables = {"user": {"input_dim": rows, "output_dim": 16}, "item": {"input_dim": rows, "output_dim": 16}}
+    stats = {"ids_per_step": 4 * u, "distinct_per_step": u}
+    ids = {name: stats for name in tables}
+    per_ms = planner.EXCHANGE_BYTES_PER_MS
+
+    def expected(topology, in_process, cores=True, sharing=1):
+        c = cost.placement_costs(rows, 64, topology["replicas"], u, 1, in_process, shared_cores=cores)
+        ms = {k: v / per_ms for k, v in c.items()}
+        if not in_process:
+            ms["sharded"] += planner.SHARDED_RENDEZVOUS_MS / sharing
+        return ms
+
+    # Four logical CPUs of one process: four copies' updates share its cores; shards apply each row once.
+    plan = tfs.plan(tables, MIRRORED, ids=ids)
+    ms = expected(MIRRORED, True)
+    assert ms["sharded"] < ms["device"]
+    user = plan.tables["user"]
+    assert (user.placement, user.exchange) == ("sharded", None)
+    np.testing.assert_allclose(user.estimate_ms, ms["sharded"])
+    assert user.reason.startswith(f"sharded: est. {ms['sharded']:.2f} ms a step against {ms['device']:.2f} copied")
+    assert "sharing this process's cores" in user.reason
+    # Four GPUs update their copies side by side: copies, with the exchange the sample fixes.
+    gpus = dict(MIRRORED, devices="gpu")
+    ms = expected(gpus, True, cores=False)
+    assert ms["device"] < ms["sharded"]
+    user = tfs.plan(tables, gpus, ids=ids).tables["user"]
+    assert (user.placement, user.exchange, user.exchange_ids) == ("device", "allgather", u)
+    np.testing.assert_allclose(user.estimate_ms, ms["device"])
+    assert user.reason.startswith(f"device: est. {ms['device']:.2f} ms a step against {ms['sharded']:.2f} sharded")
+    # Two workers: the sharded lookup's two more rendezvous (shared by the two tables of width 16) outweigh the
+    # bytes it saves at 512 ids, not at 50,000.
+    two = {"kind": "multi_worker_mirrored", "replicas": 2, "workers": 2}
+    ms = expected(two, False, sharing=2)
+    assert ms["device"] < ms["sharded"] and ms["sharded"] - planner.SHARDED_RENDEZVOUS_MS / 2 < ms["device"]
+    assert {t.placement for t in tfs.plan(tables, two, ids=ids).tables.values()} == {"device"}
+    np.testing.assert_allclose(tfs.plan(tables, two, ids=ids).tables["user"].estimate_ms, ms["device"])
+    heavy = {name: {"ids_per_step": 2 * 50_000, "distinct_per_step": 50_000} for name in tables}
+    big = {name: dict(t, input_dim=3_000_000) for name, t in tables.items()}  # 183 MB: under the host rule
+    assert {t.placement for t in tfs.plan(big, two, ids=heavy).tables.values()} == {"sharded"}
+    # Several replicas per worker cannot shard; a configured placement is kept; no sample: the memory decides.
+    assert tfs.plan(tables, dict(two, replicas=4), ids=ids).tables["user"].placement == "device"
+    fixed = dict(tables, user=dict(tables["user"], placement="device"))
+    assert tfs.plan(fixed, MIRRORED, ids=ids).tables["user"].placement is None
+    assert tfs.plan(fixed, MIRRORED, ids=ids).tables["item"].placement == "sharded"
+    assert tfs.plan(tables, MIRRORED).tables["user"].placement == "device"
+    # A replica budget that holds the copy still lets the traffic shard it (a shard fits where a copy does).
+    copy_bytes = rows * 16 * 4 * 2
+    assert tfs.plan(tables, MIRRORED, ids=ids, memory_per_replica=4 * copy_bytes).tables["user"].placement == "sharded"
+    with pytest.raises(ValueError, match=r"strategy\['devices'\]"):
+        tfs.plan(tables, dict(MIRRORED, devices="tpu"))
+
+
 @pytest.mark.mirrored
 def test_collection_applies_a_sharded_plan():
     strategy = mirrored()
@@ -187,7 +244,7 @@ def test_collection_applies_a_sharded_plan():
 
 
 def test_statistics_instead_of_a_sample_and_the_default_strategy():
-    tables = {"t": {"input_dim": 5_000, "output_dim": 8}}
+    tables = {"t": {"input_dim": 5_000, "output_dim": 8, "placement": "device"}}
     plan = tfs.plan(tables, MIRRORED, ids={"t": {"ids_per_step": 8192, "distinct_per_step": 1500}})
     assert plan.tables["t"].exchange == cost.choose(5_000, 32, 4, 1500, in_process=True)
     local = tfs.plan(tables, None, ids={"t": np.arange(100)})
@@ -228,14 +285,17 @@ def test_collection_applies_a_mirrored_plan():
     rng = np.random.default_rng(0)
     ids = {"big": rng.integers(0, 20_000, (2, 64)), "small": rng.integers(0, 50, (2, 256))}
     plan = tfs.plan(tables, strategy, ids=ids)
-    assert plan.kind == "mirrored" and plan.topology.replicas == 4
+    assert plan.kind == "mirrored" and plan.topology.replicas == 4 and plan.topology.devices == "cpu"
     with strategy.scope():
         layer = tfs.layers.EmbeddingCollection(tables, {"b": "big", "s": "small"}, plan=plan)
         layer.build()
-    for name in tables:
-        table, planned = layer.tables[name], plan.tables[name]
-        assert table.exchange.mode == "auto" and table.exchange.ids_per_step == planned.exchange_ids
-    assert (plan.tables["big"].exchange, plan.tables["small"].exchange) == ("allgather", "dense")
+    big, small = layer.tables["big"], layer.tables["small"]
+    # big: few ids, whose 4 copies' updates would share this process's cores: a shard per replica is cheaper.
+    assert plan.tables["big"].placement == "sharded" and big.placement == "sharded"
+    # small: 50 rows that every replica reads: copies, merged densely, are cheaper.
+    assert (plan.tables["small"].placement, plan.tables["small"].exchange) == ("device", "dense")
+    assert small.placement == "device" and small.exchange.mode == "auto"
+    assert small.exchange.ids_per_step == plan.tables["small"].exchange_ids
     # A parameter-server plan does not build under a mirrored strategy.
     with strategy.scope(), pytest.raises(ValueError, match="made for parameter_server; layer 'x' is built under"):
         tfs.layers.EmbeddingCollection(tables, {"b": "big"}, plan=tfs.plan(tables, PS), name="x").build()
@@ -302,12 +362,34 @@ def test_plan_matches_the_faster_measured_option_at_b11s_points(name):
             sample = b11.mirrored_sample(
                 point["rows"], point["ids_per_replica"], point["distribution"], point["replicas"], point["steps"]
             )
-            tables = {"t": {"input_dim": point["rows"], "output_dim": b11.DIM}}
+            tables = {"t": {"input_dim": point["rows"], "output_dim": b11.DIM, "placement": "device"}}
             plan = tfs.plan(tables, MIRRORED, ids={"t": [np.concatenate(s) for s in sample]})
             chose = plan.tables["t"].exchange
         assert chose == point["plan_chose"], point
         times = point["times_s"]
         assert times[chose] <= (1 + report["noise"]) * min(times.values()), point
+
+
+def test_plan_places_b12s_tables_where_its_committed_run_measured_faster():
+    """B12's committed run (`python -m tf_sharded bench sharded`): at every point the placement the plan, remade
+    now from the point's ids, picks is the one that run measured faster, or one within its noise; and the
+    placement model's constants are those the run fitted, rounded."""
+    from tf_sharded.benchmarks import sharded
+
+    report = _report(os.path.join("tf2.21", "sharded.json"))
+    placement = report["placement"]
+    assert not report["quick"] and len(placement["points"]) == 9
+    measured = {(per["replicas"], per["workers"], r["rows"]): r for per in report["results"] for r in per["results"]}
+    for point in placement["points"]:
+        plan = sharded.plan_for(point["rows"], point["replicas"], point["workers"])
+        (chose,) = {t.placement for t in plan.tables.values()}
+        assert chose == point["plan_chose"], point
+        r = measured[(point["replicas"], point["workers"], point["rows"])]
+        times = {"sharded": r["sharded_step_s"], "device": r["device_step_s"]}
+        assert times[chose] <= (1 + placement["noise"]) * min(times.values()), point
+    fitted = placement["fitted"]
+    assert round(fitted["APPLY_FACTOR"], 1) == cost.APPLY_FACTOR
+    assert round(fitted["SHARDED_RENDEZVOUS_MS"], 1) == planner.SHARDED_RENDEZVOUS_MS
 
 
 def test_readme_plan_example_as_written():
@@ -374,7 +456,8 @@ def test_plans_hold_enums_that_print_and_serialise_as_strings():
     assert '"kind": "parameter_server"' in text and '"scheme": "mod"' in text
     again = Plan.from_config(json.loads(text))
     assert again.tables == plan.tables and str(again) == str(plan) and again.kind is TopologyKind.PARAMETER_SERVER
-    mirrored_plan = tfs.plan(tables, MIRRORED, ids={"user": {"ids_per_step": 4096, "distinct_per_step": 900}})
+    on_gpus = dict(MIRRORED, devices="gpu")
+    mirrored_plan = tfs.plan(tables, on_gpus, ids={"user": {"ids_per_step": 4096, "distinct_per_step": 900}})
     user = mirrored_plan.tables["user"]
     assert (user.placement, user.exchange) == (Placement.DEVICE, Exchange.ALLGATHER)
     assert isinstance(user.placement, Placement) and isinstance(user.exchange, Exchange)

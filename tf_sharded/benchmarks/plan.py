@@ -197,7 +197,8 @@ def mirrored_points(quick: bool = False) -> Dict:
     for rows, per_replica, distribution in points_in:
         sample = mirrored_sample(rows, per_replica, distribution, replicas, warmup + steps)
         # The plan sees one global batch per step: the replicas' ids, concatenated.
-        plan = tfs.plan({"t": {"input_dim": rows, "output_dim": DIM}}, strategy,
+        # The copies' exchange (the placement is B12's question).
+        plan = tfs.plan({"t": {"input_dim": rows, "output_dim": DIM, "placement": "device"}}, strategy,
                         ids={"t": [np.concatenate(s) for s in sample]})  # fmt: skip
         chose = plan.tables["t"].exchange
         with strategy.scope():

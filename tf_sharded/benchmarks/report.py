@@ -73,7 +73,8 @@ How to read the ratios (each benchmark's module docstring, `tf_sharded/benchmark
   option's: 1.00, the plan chose the fastest; it agrees within 1 + the report's noise.
 * **B12** (`bench sharded`): `/ even share` is the bytes of tables and slots on the fullest replica over
   (tables + slots) / replicas (goal at most 1.15); `sharded / device` is the step time of tables sharded
-  over the replicas over that of a copy per replica: above 1, copies are faster where both fit."""
+  over the replicas over that of a copy per replica: above 1, copies are faster where both fit. `chosen /
+  fastest` is the step time of the placement `tfs.plan` picks from the point's ids over the faster one's."""
 
 
 class ReportError(Exception):
@@ -468,6 +469,22 @@ def _sharded(report: Dict) -> List[str]:
         "device ms | sharded / device",
         table,
     )
+    placement = report.get("placement")
+    if placement:
+        lines += _para(
+            "`tfs.plan` with each point's ids (no memory budget), against the faster placement measured above "
+            f"(within {placement['noise']:.0%} counts as agreeing):"
+        )
+        lines += _table(
+            "replicas | rows per table | distinct ids per replica | plan chose | fastest | chosen / fastest | agrees",
+            ([replicas_label(p), f"{p['rows']:,}", str(p["distinct_per_replica"]), p["plan_chose"], p["fastest"],
+              f"{p['chosen_vs_fastest']:.2f}", "yes" if p["agrees"] else "**no**"] for p in placement["points"]),
+        )  # fmt: skip
+        lines += _para("The cost model's constants, fitted in this run and as the model has them:")
+        lines += _table(
+            "constant | fitted | the model's",
+            ([k, _cell(v, ",.3f"), _cell(placement["constants"].get(k), ",")] for k, v in placement["fitted"].items()),
+        )
     lines += _para("`tfs.plan` with `memory_per_replica` a third of one table and its slot:")
     lines += _table("replicas | memory_per_replica MB | planned | built | reason", plans)
     lines += _para(f"The application, `python -m tf_sharded train`, {report['app_steps']} steps:")

@@ -12,8 +12,12 @@ tests run the multi-worker case and the application on their own):
 * **step time**, sharded / mirrored (`placement="device"`), on tables both
   fit, at several table sizes: 8 tables of `rows` x 16, 512 uniform ids per
   table and replica, a lookup, a dense head and an Adagrad update per step
-  (median of timed rounds after a traced warm-up). Where the ratio crosses
-  1 is where `tfs.plan` should stop copying; it shards only by memory;
+  (median of timed rounds after a traced warm-up);
+* **the cost model**: the same run fits `APPLY_FACTOR`
+  (`tfs.exchange.cost`, from the replicas of one process) and
+  `SHARDED_RENDEZVOUS_MS` (`tfs.plan`, from the workers), and at every
+  point `tfs.plan` is asked, with that point's ids, to place the tables: it
+  should pick the faster placement, or one within `NOISE` of it;
 * **the plan** (from 3 replicas on, where a shard fits a third): with
   `memory_per_replica` at a third of one table's bytes (table and slot),
   `tfs.plan` places it sharded, and the layer built from the plan trains.
@@ -42,6 +46,9 @@ from tf_sharded.benchmarks import children
 
 TABLES, DIM, IDS = 8, 16, 512
 WORKERS = 2  # MultiWorkerMirroredStrategy's case: one replica per worker process
+SLOTS = 1  # Adagrad's accumulator
+STEPS_SAMPLED = 4  # the distinct batches a timed round cycles through
+NOISE = 0.10  # two identical steps differ by up to this here (B11's)
 
 
 def _sizes(quick: bool) -> Dict:
@@ -105,13 +112,34 @@ def _step(strategy, layer, head, optimizer):
     return step
 
 
-def _features(strategy, rows: int, seed: int, count: int = TABLES):
+def replica_ids(rows: int, seed: int, replica: int, count: int = TABLES) -> Dict:
+    """`{table: ids}` one replica looks up in the batch `seed`: IDS uniform ids per table."""
     import numpy as np
+
+    rng = np.random.default_rng(seed * 100 + replica)
+    return {f"t{i}": rng.integers(0, rows, IDS) for i in range(count)}
+
+
+def plan_for(rows: int, replicas: int, workers: int):
+    """`tfs.plan` of the point's 8 tables from the batches the point times (each step's replicas' ids, joined)."""
+    import numpy as np
+
+    import tf_sharded as tfs
+
+    per_step = [[replica_ids(rows, s, r) for r in range(replicas)] for s in range(STEPS_SAMPLED)]
+    ids = {f"t{i}": [np.concatenate([step[r][f"t{i}"] for r in range(replicas)]) for step in per_step]
+           for i in range(TABLES)}  # fmt: skip
+    kind = {"kind": "multi_worker_mirrored", "workers": workers} if workers else {"kind": "mirrored"}
+    tables = {f"t{i}": {"input_dim": rows, "output_dim": DIM} for i in range(TABLES)}
+    return tfs.plan(tables, dict(kind, replicas=replicas), ids=ids, slots=SLOTS)
+
+
+def _features(strategy, rows: int, seed: int, count: int = TABLES):
     import tensorflow as tf
 
     def value(ctx):
-        rng = np.random.default_rng(seed * 100 + ctx.replica_id_in_sync_group)
-        return {f"t{i}": tf.constant(rng.integers(0, rows, IDS), tf.int64) for i in range(count)}
+        ids = replica_ids(rows, seed, ctx.replica_id_in_sync_group, count)
+        return {name: tf.constant(v, tf.int64) for name, v in ids.items()}
 
     return strategy.experimental_distribute_values_from_function(value)
 
@@ -119,7 +147,7 @@ def _features(strategy, rows: int, seed: int, count: int = TABLES):
 def _time(strategy, rows: int, placement: str, sizes: Dict) -> Dict:
     layer, head, optimizer, _ = _collection(strategy, rows, placement)
     step = _step(strategy, layer, head, optimizer)
-    batches = [_features(strategy, rows, s) for s in range(4)]
+    batches = [_features(strategy, rows, s) for s in range(STEPS_SAMPLED)]
     step(batches[0])  # traced
     rounds = []
     for _ in range(sizes["rounds"]):
@@ -249,6 +277,52 @@ def run(quick: bool = False, timeout: float = 3600.0) -> Dict:
     return _report(quick, sizes, per_replicas, app)
 
 
+def _placements(per_replicas: List[Dict]) -> Dict:
+    """The cost model's constants fitted from the points, and what `tfs.plan` picks at each against what was
+    faster.
+
+    `APPLY_FACTOR`: at each point of one process, the value that makes the model's copied-minus-sharded
+    difference the measured one (per table), then the median. `SHARDED_RENDEZVOUS_MS`: at each point across
+    workers, the measured sharded-minus-copied step less the model's bytes for the 8 tables, then the median.
+    """
+    import statistics as stats
+
+    import numpy as np
+
+    from tf_sharded.exchange import cost
+    from tf_sharded.planning import planner
+
+    applies, waits, points = [], [], []
+    for per in per_replicas:
+        replicas, workers = per["replicas"], per["workers"]
+        for r in per["results"]:
+            u = max(len(np.unique(replica_ids(r["rows"], s, k)[f"t{i}"]))
+                    for s in range(STEPS_SAMPLED) for k in range(replicas) for i in range(TABLES))  # fmt: skip
+            args = (r["rows"], DIM * 4, replicas, u, SLOTS, not workers)
+            measured = (r["device_step_s"] - r["sharded_step_s"]) * 1e3 / TABLES  # ms per table
+            if workers:
+                c = cost.placement_costs(*args)
+                waits.append(-measured * TABLES + (c["device"] - c["sharded"]) * TABLES / planner.EXCHANGE_BYTES_PER_MS)
+            else:
+                at = [cost.placement_costs(*args, apply_factor=a) for a in (0.0, 1.0)]
+                d0, d1 = (c["device"] - c["sharded"] for c in at)
+                applies.append((measured * planner.EXCHANGE_BYTES_PER_MS - d0) / (d1 - d0))
+            chose = {t.placement for t in plan_for(r["rows"], replicas, workers).tables.values()}
+            times = {"sharded": r["sharded_step_s"], "device": r["device_step_s"]}
+            fastest = min(times, key=times.get)
+            pick = chose.pop() if len(chose) == 1 else "mixed"
+            ratio = times[pick] / times[fastest] if pick in times else float("inf")
+            points.append({"replicas": replicas, "workers": workers, "rows": r["rows"], "distinct_per_replica": u,
+                           "plan_chose": pick, "fastest": fastest, "chosen_vs_fastest": ratio,
+                           "agrees": ratio <= 1 + NOISE})  # fmt: skip
+    fitted = {
+        "APPLY_FACTOR": stats.median(applies) if applies else None,
+        "SHARDED_RENDEZVOUS_MS": stats.median(waits) if waits else None,
+    }
+    constants = {"APPLY_FACTOR": cost.APPLY_FACTOR, "SHARDED_RENDEZVOUS_MS": planner.SHARDED_RENDEZVOUS_MS}
+    return {"noise": NOISE, "fitted": fitted, "constants": constants, "points": points}
+
+
 def _report(quick: bool, sizes: Dict, per_replicas: List[Dict], app: List[Dict]) -> Dict:
     return {
         "benchmark": "sharded",
@@ -261,6 +335,7 @@ def _report(quick: bool, sizes: Dict, per_replicas: List[Dict], app: List[Dict])
         "app_steps": sizes["app_steps"],
         "app_max_vocab": sizes["app_vocab"],
         "results": per_replicas,
+        "placement": _placements(per_replicas),
         "app": app,
     }
 
@@ -299,6 +374,17 @@ def format_rows(report: Dict) -> List[str]:
             f"{'':>8} plan with memory_per_replica {plan['memory_per_replica'] / 2**20:.1f} MB (a third of a table "
             f"and its slot): {plan['placements']}, built {plan['built']}; {plan['reason']}"
         )
+    placement = report["placement"]
+    for p in placement["points"]:
+        where = replicas_label(p) if p["workers"] else f"{p['replicas']} replicas"
+        lines.append(
+            f"plan at {where}, {p['rows']:,} rows ({p['distinct_per_replica']} distinct ids per "
+            f"replica): {p['plan_chose']}; fastest {p['fastest']}; {p['chosen_vs_fastest']:.2f}x: "
+            f"{'agrees' if p['agrees'] else 'DISAGREES'}"
+        )
+    shown = [f"{k} {v if v is None else round(v, 3)} / {placement['constants'][k]}"
+             for k, v in placement["fitted"].items()]  # fmt: skip
+    lines.append("constants (fitted in this run / the model's): " + ", ".join(shown))
     for a in report["app"]:
         lines.append(
             f"train {app_label(a)}, {report['app_steps']} steps: sharded "

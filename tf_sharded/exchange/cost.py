@@ -1,4 +1,5 @@
-"""The exchange's cost model: which of all-gather and densified all-reduce is cheaper for one shard and step.
+"""The exchange's cost model: which of all-gather and densified all-reduce is cheaper for one shard and step,
+and whether a table is cheaper copied on every replica or sharded over them.
 
 Cost model, per shard and step, in bytes-equivalent (`R` replicas, `u` the
 largest distinct-row count of any replica, `b` bytes per row, `k =
@@ -17,6 +18,27 @@ merge's cost per byte relative to a segment sum's. Both defaults come from
 `python -m tf_sharded.benchmarks.exchange` (`k1`; RFC.md, "Performance Implications") on a 2-core CPU
 machine. A declared `ids_per_step` fixes the choice at trace time
 instead.
+
+Placement (`placement_costs`): a copy per replica (`"device"`) against a
+shard per replica (`"sharded"`), per table and step, `G = min(R * u, rows)`
+the rows the global batch touches, `a = APPLY_FACTOR * (1 + slots) * b` one
+row's optimizer update:
+
+    in process  device  = exchange + c * G * a                 # every copy applies every touched row
+                sharded = R * u * (8 + 2 * b) + k1 * R * u * (b + 8) + G * a * c / R
+                          # ids to owners, rows back, gradients home; one merge; each row applied once
+    collective  device  = exchange                              # its k covers merging and applying
+                sharded = (R - 1) * u * (8 + b) + 2 * (R - 1) * u * b + k * u * (b + 8)
+                          # id all-gather, all-reduce of the R * u rows, gradient all-gather; owners merge
+                          # their share
+
+`c` is R where the replicas share one process's cores (logical CPU
+devices: R copies' updates add up) and 1 where each has its own (GPUs: they
+run side by side). Across workers the sharded lookup also waits on two
+more rendezvous per step than the copies' exchange; that latency is the
+planner's (`tfs.plan`), per step and group of tables, not per byte.
+`APPLY_FACTOR` comes from B12's in-process points (`python -m tf_sharded
+bench sharded`), which refit it in every run.
 """
 
 from __future__ import annotations
@@ -28,6 +50,8 @@ MERGE_FACTOR = 4.0
 LOCAL_MERGE_FACTOR = 1.1
 # Bytes-equivalent per table row of the in-process densified merge's position map (two int32 passes).
 MAP_BYTES_PER_ROW = 8
+# An optimizer's update of one row per byte of the row and its slots, relative to receiving a byte (B12).
+APPLY_FACTOR = 1.3
 
 
 def cost_bytes(
@@ -116,3 +140,57 @@ def break_even_ids(
 def row_bytes(values) -> int:
     """Bytes per row of a tensor or table."""
     return values.dtype.size * max(1, values.shape[1:].num_elements() or 1)
+
+
+def placement_costs(
+    rows: int,
+    row_bytes: int,
+    replicas: int,
+    distinct_ids: int,
+    slots: int = 1,
+    in_process: bool = False,
+    shared_cores: bool = True,
+    exchange: Optional[str] = None,
+    apply_factor: Optional[float] = None,
+) -> dict:
+    """`{"device": ..., "sharded": ...}`: bytes-equivalent per step of one table copied on every replica and
+    sharded over them (see the module docstring).
+
+    Args:
+      rows, row_bytes: the table's.
+      replicas: `R`, the replicas a shard is one of.
+      distinct_ids: `u`, the largest number of distinct ids one replica looks up in a step.
+      slots: optimizer slots per row (Adagrad 1, Adam 2).
+      in_process: the replicas of one process (MirroredStrategy) rather than one per worker.
+      shared_cores: in process, whether the replicas share the process's cores (logical CPU devices).
+      exchange: the copies' exchange, "allgather" or "dense" (None: the cheaper).
+      apply_factor: instead of `APPLY_FACTOR`.
+
+    Example:
+
+    >>> costs = placement_costs(rows=100_000, row_bytes=64, replicas=4, distinct_ids=512, in_process=True)
+    >>> {k: round(v) for k, v in costs.items()}
+    {'device': 1525350, 'sharded': 781517}
+    >>> costs = placement_costs(rows=100_000, row_bytes=64, replicas=2, distinct_ids=512)
+    >>> {k: round(v) for k, v in costs.items()}
+    {'device': 331776, 'sharded': 249856}
+    """
+    u = min(int(distinct_ids), int(rows))
+    touched = min(replicas * u, rows)
+    update = (APPLY_FACTOR if apply_factor is None else apply_factor) * (1 + slots) * row_bytes
+    args = (rows, row_bytes, replicas, u, None, in_process)
+    copies = {mode: cost_bytes(mode, *args) for mode in ("allgather", "dense")}
+    device = copies[exchange] if exchange is not None else min(copies.values())
+    if in_process:
+        cores = replicas if shared_cores else 1
+        device += cores * touched * update
+        sent = replicas * u  # each replica's distinct ids, to their owners
+        route = sent * (ID_BYTES + 2 * row_bytes) + LOCAL_MERGE_FACTOR * sent * (row_bytes + ID_BYTES)
+        sharded = route + touched * update * cores / replicas
+    else:
+        sharded = (
+            (replicas - 1) * u * (ID_BYTES + row_bytes)
+            + 2.0 * (replicas - 1) * u * row_bytes
+            + MERGE_FACTOR * u * (row_bytes + ID_BYTES)
+        )
+    return {"device": float(device), "sharded": float(sharded)}

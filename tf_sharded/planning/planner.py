@@ -9,8 +9,9 @@ with the cost model's estimate of the table's part of a training step:
   share one storage variable per ps (table-batched storage), and each ps's
   memory;
 * mirrored strategies: where the table lives (`placement`: a copy per
-  replica device where the memory holds them; under MirroredStrategy, split
-  over the replicas where only a shard per replica fits
+  replica device where the memory holds them, unless the sample's traffic
+  makes a shard per replica cheaper (`tfs.exchange.cost.placement_costs`);
+  split over the replicas where only a shard per replica fits
   (`memory_per_replica`); else one on the host) and the gradient exchange (all-gather or densified), fixed from the
   sample's distinct ids per replica (`ids_per_step`) instead of decided
   every step;
@@ -33,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sharded.config import BaseTableConfig, DynamicTableConfig
-from tf_sharded.exchange.cost import choose, cost_bytes
+from tf_sharded.exchange.cost import choose, cost_bytes, placement_costs
 from tf_sharded.planning.plans import MIRRORED, MULTI, PS, Plan, TablePlan, Topology
 from tf_sharded.table.batched import storage_runs
 
@@ -59,6 +60,9 @@ SKEW_LIMIT = 1.5
 # Fitted by B11's mirrored points: bytes-equivalent of the exchange's cost model (`tfs.exchange`, whose
 # constants come from B2) per millisecond of step above a lookup-only step.
 EXCHANGE_BYTES_PER_MS = 4.0e5
+# Fitted by B12 (`bench sharded`, 2 workers): what a step of tables sharded across workers waits beyond the
+# copies' exchange, for its two more rendezvous (ids out, then rows back), once per group of tables of one width.
+SHARDED_RENDEZVOUS_MS = 2.7
 # Slots assumed per table for memory (Adagrad's accumulator; Adam has 2).
 DEFAULT_SLOTS = 1
 
@@ -192,7 +196,9 @@ def plan(
         sharded over the replicas while a shard fits (MirroredStrategy, or
         MultiWorkerMirroredStrategy with one replica per worker), else the
         host. A table whose config says `placement="device"`
-        and whose copy does not fit is an error naming it.
+        and whose copy does not fit is an error naming it. With a sample,
+        a table whose copy fits is still sharded where the cost model
+        estimates its step cheaper so (the module docstring).
 
     Returns a `Plan`: print it for the table; pass it to
     `EmbeddingCollection(..., plan=plan)` to apply it.
@@ -413,6 +419,17 @@ def _plan_mirrored(configs, stats, topology, slots, budgets, groups):
     # A table is sharded over every replica: those of one process, or across workers one replica per worker.
     shard_over = topology.replicas if in_process or local_replicas == 1 else 1
     memory = budgets.per_device
+    cores_shared = topology.devices == "cpu"
+    # Across workers, the tables that may be sharded with a sample share their group's rendezvous (one per width).
+    sharing: Dict[tuple, int] = {}
+    for name, config in configs.items():
+        if (
+            name in stats
+            and not isinstance(config, DynamicTableConfig)
+            and config.placement in (None, "auto")
+            and not in_process
+        ):
+            sharing[_width(config)] = sharing.get(_width(config), 0) + 1
     out, held = {}, 0.0  # held: the worker's bytes of the tables placed so far
     held_replica = 0.0  # one replica's
     for name, config in configs.items():
@@ -439,6 +456,19 @@ def _plan_mirrored(configs, stats, topology, slots, budgets, groups):
         else:
             placement = resolve_placement(None, nbytes)
             why = f"{placement}: {_mb(nbytes)} {'>' if placement == 'host' else '<='} {_mb(HOST_PLACEMENT_BYTES)}"
+        traffic = None
+        if placement == "device" and config.placement in (None, "auto") and shard_over > 1 and t.distinct_per_step:
+            traffic = _placement_ms(t, nbytes // t.rows, topology, slots, in_process, sharing.get(_width(config), 1))
+            if traffic["sharded"] < traffic["device"]:
+                placement = "sharded"
+            other = "device" if placement == "sharded" else "sharded"
+            why = (
+                f"{placement}: est. {traffic[placement]:.2f} ms a step against {traffic[other]:.2f} "
+                f"{'copied' if other == 'device' else 'sharded'} at {math.ceil(t.distinct_per_step):,} distinct ids "
+                "per replica"
+                + (", the copies' updates sharing this process's cores" if in_process and cores_shared else "")
+                + ("; " + why.split(": ", 1)[1] if placement == "device" else "")
+            )
         # Copies of the table this worker holds: one per replica, one on the host, or its replicas' shards.
         copies = {"device": local_replicas, "sharded": local_replicas / max(1, shard_over)}.get(placement, 1)
         held += need * copies
@@ -452,6 +482,7 @@ def _plan_mirrored(configs, stats, topology, slots, budgets, groups):
         exchange, bound, ms = None, None, 0.0
         if placement == "sharded":
             why += "; rows travel to their owners and back: no exchange to choose"
+            ms = traffic["sharded"] if traffic else 0.0
         elif config.exchange not in (None, "auto") or config.ids_per_step is not None:
             why += "; exchange set by the table config"
         elif t.distinct_per_step is not None:
@@ -460,7 +491,7 @@ def _plan_mirrored(configs, stats, topology, slots, budgets, groups):
             exchange = choose(t.rows, row_bytes, topology.replicas, bound, in_process=in_process)
             args = (t.rows, row_bytes, topology.replicas, min(bound, t.rows))
             costs = {m: cost_bytes(m, *args, in_process=in_process) for m in ("allgather", "dense")}
-            ms = costs[exchange] / EXCHANGE_BYTES_PER_MS
+            ms = traffic["device"] if traffic else costs[exchange] / EXCHANGE_BYTES_PER_MS
             why += (
                 f"; {exchange}: {bound:,} distinct ids per replica, cost {costs['allgather'] / 1e6:.2f} MB-eq. "
                 f"gathered against {costs['dense'] / 1e6:.2f} dense"
@@ -472,3 +503,19 @@ def _plan_mirrored(configs, stats, topology, slots, budgets, groups):
             exchange_ids=bound, estimate_ms=ms, memory_mb=need * copies / 2**20, reason=why,
         )  # fmt: skip
     return out, [sum(t.memory_mb for t in out.values())]
+
+
+def _width(config) -> tuple:
+    return (config.dim, tf.as_dtype(config.dtype).name)
+
+
+def _placement_ms(t, row_bytes, topology, slots, in_process, sharing) -> dict:
+    """`{"device": ms, "sharded": ms}`: the cost model's estimate of a table's step copied and sharded; across
+    workers the sharded step adds its share of its group's rendezvous."""
+    bound = max(1, int(math.ceil(t.distinct_per_step)))
+    costs = placement_costs(t.rows, row_bytes, topology.replicas, bound, slots, in_process,
+                            shared_cores=topology.devices == "cpu")  # fmt: skip
+    ms = {k: v / EXCHANGE_BYTES_PER_MS for k, v in costs.items()}
+    if not in_process:
+        ms["sharded"] += SHARDED_RENDEZVOUS_MS / max(1, sharing)
+    return ms

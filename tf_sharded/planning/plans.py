@@ -22,15 +22,19 @@ PS, MIRRORED, MULTI, DEFAULT = (
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-    """What a plan is for: the strategy family, its parameter servers, replicas and workers."""
+    """What a plan is for: the strategy family, its parameter servers, replicas and workers, and what the
+    replicas run on ("cpu": logical devices sharing a process's cores; "gpu": a device each)."""
 
     kind: TopologyKind
     num_ps: int = 0
     replicas: int = 1
     workers: int = 1
+    devices: str = "cpu"
 
     def __post_init__(self):
         object.__setattr__(self, "kind", TopologyKind.parse(self.kind, "strategy['kind']"))
+        if self.devices not in ("cpu", "gpu"):
+            raise ValueError(f"Argument `strategy['devices']` must be 'cpu' or 'gpu'. Received: {self.devices!r}")
         for name in ("num_ps", "replicas", "workers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
@@ -45,11 +49,11 @@ class Topology:
         if isinstance(strategy, Topology):
             return strategy
         if isinstance(strategy, dict):
-            unknown = sorted(set(strategy) - {"kind", "num_ps", "replicas", "workers"})
+            unknown = sorted(set(strategy) - {"kind", "num_ps", "replicas", "workers", "devices"})
             if unknown or "kind" not in strategy:
                 raise ValueError(
-                    "Argument `strategy` as a dict needs 'kind' and optionally 'num_ps', 'replicas', 'workers'. "
-                    f"Received: {strategy!r}"
+                    "Argument `strategy` as a dict needs 'kind' and optionally 'num_ps', 'replicas', 'workers', "
+                    f"'devices'. Received: {strategy!r}"
                 )
             return cls(**strategy)
         if strategy is None:
@@ -67,7 +71,9 @@ class Topology:
         if resolver is not None and resolver.cluster_spec().jobs:
             spec = resolver.cluster_spec()
             workers = sum(spec.num_tasks(job) for job in spec.jobs if job in ("chief", "worker"))
-        return cls(kind, replicas=strategy.num_replicas_in_sync, workers=max(1, workers))
+        on_gpus = kind != DEFAULT and any("GPU" in d.upper() for d in strategy.extended.worker_devices)
+        return cls(kind, replicas=strategy.num_replicas_in_sync, workers=max(1, workers),
+                   devices="gpu" if on_gpus else "cpu")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +120,8 @@ class Plan:
     Example:
 
     >>> import tf_sharded as tfs
-    >>> plan = tfs.plan({"items": {"input_dim": 50_000, "output_dim": 8}}, {"kind": "mirrored", "replicas": 4},
+    >>> plan = tfs.plan({"items": {"input_dim": 50_000, "output_dim": 8}},
+    ...                 {"kind": "mirrored", "replicas": 4, "devices": "gpu"},
     ...                 ids={"items": {"ids_per_step": 4096, "distinct_per_step": 900}})
     >>> plan.tables["items"].exchange, plan.tables["items"].arguments()
     ('allgather', {'placement': 'device', 'exchange': 'auto', 'ids_per_step': 900})
