@@ -245,6 +245,7 @@ class BenchmarkSuiteTest(tf.test.TestCase):
 
         placement = report["placement"]
         (point,) = placement["points"]
+        self.assertEqual((point["tables"], row["tables"]), (8, 8))
         remade = sharded.plan_for(point["rows"], 4, 0)
         self.assertEqual({t.placement for t in remade.tables.values()}, {point["plan_chose"]})
         self.assertEqual(point["distinct_per_replica"], max(t.distinct_per_step for t in remade.tables.values()))

@@ -447,7 +447,8 @@ def _plan(report: Dict) -> List[str]:
 
 def _sharded(report: Dict) -> List[str]:
     lines = _para(
-        f"Workload: {report['tables']} tables x {report['dim']}, {report['ids_per_replica_and_table']} uniform ids "
+        f"Workload: {report['tables']} tables x {report['dim']} (across workers also other counts), "
+        f"{report['ids_per_replica_and_table']} uniform ids "
         f"per table and replica, a dense head, Adagrad; medians of {report['rounds']} rounds of {report['steps']} "
         "steps."
     )
@@ -455,7 +456,8 @@ def _sharded(report: Dict) -> List[str]:
     for per in report["results"]:
         for r in per["results"]:
             table.append([
-                replicas_label(per), f"{r['rows']:,}", f"{r['sharded_bytes_per_replica'] / 2**20:.1f}",
+                replicas_label(per), str(r.get("tables", report["tables"])), f"{r['rows']:,}",
+                f"{r['sharded_bytes_per_replica'] / 2**20:.1f}",
                 f"{r['sharded_vs_even_share']:.3f}", f"{r['device_bytes_per_replica'] / 2**20:.1f}",
                 _ms(r["sharded_step_s"]), _ms(r["device_step_s"]), f"{r['sharded_vs_device_step']:.2f}",
             ])  # fmt: skip
@@ -465,8 +467,8 @@ def _sharded(report: Dict) -> List[str]:
         plans.append([str(per["replicas"]), f"{plan['memory_per_replica'] / 2**20:.1f}",
                       ", ".join(plan["placements"]), ", ".join(plan["built"]), plan["reason"]])  # fmt: skip
     lines += _table(
-        "replicas | rows per table | sharded MB per replica | / even share | device MB per replica | sharded ms | "
-        "device ms | sharded / device",
+        "replicas | tables | rows per table | sharded MB per replica | / even share | device MB per replica | "
+        "sharded ms | device ms | sharded / device",
         table,
     )
     placement = report.get("placement")
@@ -476,8 +478,10 @@ def _sharded(report: Dict) -> List[str]:
             f"(within {placement['noise']:.0%} counts as agreeing):"
         )
         lines += _table(
-            "replicas | rows per table | distinct ids per replica | plan chose | fastest | chosen / fastest | agrees",
-            ([replicas_label(p), f"{p['rows']:,}", str(p["distinct_per_replica"]), p["plan_chose"], p["fastest"],
+            "replicas | tables | rows per table | distinct ids per replica | plan chose | fastest | chosen / fastest | "
+            "agrees",
+            ([replicas_label(p), str(p["tables"]), f"{p['rows']:,}", str(p["distinct_per_replica"]), p["plan_chose"],
+              p["fastest"],
               f"{p['chosen_vs_fastest']:.2f}", "yes" if p["agrees"] else "**no**"] for p in placement["points"]),
         )  # fmt: skip
         lines += _para("The cost model's constants, fitted in this run and as the model has them:")

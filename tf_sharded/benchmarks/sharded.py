@@ -7,7 +7,8 @@ tests run the multi-worker case and the application on their own):
 
 * **bytes per replica**: the bytes of the variables placed on each
   replica's device (tables and `tfs.optimizers.Adagrad`'s slot), for an
-  `EmbeddingCollection` of 8 tables sharded, against (tables + slots) / N,
+  `EmbeddingCollection` of 8 tables sharded (across workers also 2 and 26
+  at 100K rows), against (tables + slots) / N,
   the goal (within 15%); and what a mirrored copy per replica holds;
 * **step time**, sharded / mirrored (`placement="device"`), on tables both
   fit, at several table sizes: 8 tables of `rows` x 16, 512 uniform ids per
@@ -15,7 +16,8 @@ tests run the multi-worker case and the application on their own):
   (median of timed rounds after a traced warm-up);
 * **the cost model**: the same run fits `APPLY_FACTOR`
   (`tfs.exchange.cost`, from the replicas of one process) and
-  `SHARDED_RENDEZVOUS_MS` (`tfs.plan`, from the workers), and at every
+  `SHARDED_RENDEZVOUS_MS` (`tfs.plan`, from the workers, whose points
+  also vary the number of tables that share it), and at every
   point `tfs.plan` is asked, with that point's ids, to place the tables: it
   should pick the faster placement, or one within `NOISE` of it;
 * **the plan** (from 3 replicas on, where a shard fits a third): with
@@ -54,9 +56,9 @@ NOISE = 0.10  # two identical steps differ by up to this here (B11's)
 def _sizes(quick: bool) -> Dict:
     if quick:
         return {"replicas": [4], "rows": [2_000], "memory_rows": 4_000, "steps": 3, "rounds": 2,
-                "app_steps": 20, "app_vocab": 1_000}  # fmt: skip
+                "app_steps": 20, "app_vocab": 1_000, "worker_counts": []}  # fmt: skip
     return {"replicas": [2, 4], "rows": [10_000, 100_000, 1_000_000], "memory_rows": 1_000_000, "steps": 20,
-            "rounds": 5, "app_steps": 600, "app_vocab": 100_000}  # fmt: skip
+            "rounds": 5, "app_steps": 600, "app_vocab": 100_000, "worker_counts": [2, 26]}  # fmt: skip
 
 
 def _collection(strategy, rows: int, placement, memory_per_replica=None, count: int = TABLES):
@@ -120,17 +122,17 @@ def replica_ids(rows: int, seed: int, replica: int, count: int = TABLES) -> Dict
     return {f"t{i}": rng.integers(0, rows, IDS) for i in range(count)}
 
 
-def plan_for(rows: int, replicas: int, workers: int):
-    """`tfs.plan` of the point's 8 tables from the batches the point times (each step's replicas' ids, joined)."""
+def plan_for(rows: int, replicas: int, workers: int, count: int = TABLES):
+    """`tfs.plan` of the point's tables from the batches the point times (each step's replicas' ids, joined)."""
     import numpy as np
 
     import tf_sharded as tfs
 
-    per_step = [[replica_ids(rows, s, r) for r in range(replicas)] for s in range(STEPS_SAMPLED)]
+    per_step = [[replica_ids(rows, s, r, count) for r in range(replicas)] for s in range(STEPS_SAMPLED)]
     ids = {f"t{i}": [np.concatenate([step[r][f"t{i}"] for r in range(replicas)]) for step in per_step]
-           for i in range(TABLES)}  # fmt: skip
+           for i in range(count)}  # fmt: skip
     kind = {"kind": "multi_worker_mirrored", "workers": workers} if workers else {"kind": "mirrored"}
-    tables = {f"t{i}": {"input_dim": rows, "output_dim": DIM} for i in range(TABLES)}
+    tables = {f"t{i}": {"input_dim": rows, "output_dim": DIM} for i in range(count)}
     return tfs.plan(tables, dict(kind, replicas=replicas), ids=ids, slots=SLOTS)
 
 
@@ -144,10 +146,10 @@ def _features(strategy, rows: int, seed: int, count: int = TABLES):
     return strategy.experimental_distribute_values_from_function(value)
 
 
-def _time(strategy, rows: int, placement: str, sizes: Dict) -> Dict:
-    layer, head, optimizer, _ = _collection(strategy, rows, placement)
+def _time(strategy, rows: int, placement: str, sizes: Dict, count: int = TABLES) -> Dict:
+    layer, head, optimizer, _ = _collection(strategy, rows, placement, count=count)
     step = _step(strategy, layer, head, optimizer)
-    batches = [_features(strategy, rows, s) for s in range(STEPS_SAMPLED)]
+    batches = [_features(strategy, rows, s, count) for s in range(STEPS_SAMPLED)]
     step(batches[0])  # traced
     rounds = []
     for _ in range(sizes["rounds"]):
@@ -180,12 +182,17 @@ def _child(replicas: int, quick: bool, out: Optional[str]) -> int:
     replicas = strategy.num_replicas_in_sync
     sizes = _sizes(quick)
     rows_out = []
-    for rows in sizes["rows"]:
-        sharded, device = (_time(strategy, rows, p, sizes) for p in ("sharded", "device"))
-        whole = TABLES * rows * DIM * 4 * 2  # tables and one Adagrad slot, float32
+    # Across workers also other numbers of tables (at the middle size): the sharded group's rendezvous is shared
+    # by its tables.
+    points = [(rows, TABLES) for rows in sizes["rows"]]
+    points += [(sizes["rows"][len(sizes["rows"]) // 2], n) for n in (sizes["worker_counts"] if workers else [])]
+    for rows, count in points:
+        sharded, device = (_time(strategy, rows, p, sizes, count) for p in ("sharded", "device"))
+        whole = count * rows * DIM * 4 * 2  # tables and one Adagrad slot, float32
         rows_out.append(
             {
                 "rows": rows,
+                "tables": count,
                 "table_and_slot_bytes": whole,
                 "sharded_bytes_per_replica": sharded["bytes_per_replica"],
                 "sharded_vs_even_share": sharded["bytes_per_replica"] / (whole / replicas),
@@ -283,7 +290,7 @@ def _placements(per_replicas: List[Dict]) -> Dict:
 
     `APPLY_FACTOR`: at each point of one process, the value that makes the model's copied-minus-sharded
     difference the measured one (per table), then the median. `SHARDED_RENDEZVOUS_MS`: at each point across
-    workers, the measured sharded-minus-copied step less the model's bytes for the 8 tables, then the median.
+    workers, the measured sharded-minus-copied step less the model's bytes for its tables, then the median.
     """
     import statistics as stats
 
@@ -296,25 +303,27 @@ def _placements(per_replicas: List[Dict]) -> Dict:
     for per in per_replicas:
         replicas, workers = per["replicas"], per["workers"]
         for r in per["results"]:
-            u = max(len(np.unique(replica_ids(r["rows"], s, k)[f"t{i}"]))
-                    for s in range(STEPS_SAMPLED) for k in range(replicas) for i in range(TABLES))  # fmt: skip
+            count = r.get("tables", TABLES)
+            u = max(len(np.unique(replica_ids(r["rows"], s, k, count)[f"t{i}"]))
+                    for s in range(STEPS_SAMPLED) for k in range(replicas) for i in range(count))  # fmt: skip
             args = (r["rows"], DIM * 4, replicas, u, SLOTS, not workers)
-            measured = (r["device_step_s"] - r["sharded_step_s"]) * 1e3 / TABLES  # ms per table
+            measured = (r["device_step_s"] - r["sharded_step_s"]) * 1e3 / count  # ms per table
             if workers:
                 c = cost.placement_costs(*args)
-                waits.append(-measured * TABLES + (c["device"] - c["sharded"]) * TABLES / planner.EXCHANGE_BYTES_PER_MS)
+                bytes_ms = (c["device"] - c["sharded"]) * count / planner.EXCHANGE_BYTES_PER_MS
+                waits.append(-measured * count + bytes_ms)
             else:
                 at = [cost.placement_costs(*args, apply_factor=a) for a in (0.0, 1.0)]
                 d0, d1 = (c["device"] - c["sharded"] for c in at)
                 applies.append((measured * planner.EXCHANGE_BYTES_PER_MS - d0) / (d1 - d0))
-            chose = {t.placement for t in plan_for(r["rows"], replicas, workers).tables.values()}
+            chose = {t.placement for t in plan_for(r["rows"], replicas, workers, count).tables.values()}
             times = {"sharded": r["sharded_step_s"], "device": r["device_step_s"]}
             fastest = min(times, key=times.get)
             pick = chose.pop() if len(chose) == 1 else "mixed"
             ratio = times[pick] / times[fastest] if pick in times else float("inf")
-            points.append({"replicas": replicas, "workers": workers, "rows": r["rows"], "distinct_per_replica": u,
-                           "plan_chose": pick, "fastest": fastest, "chosen_vs_fastest": ratio,
-                           "agrees": ratio <= 1 + NOISE})  # fmt: skip
+            points.append({"replicas": replicas, "workers": workers, "rows": r["rows"], "tables": count,
+                           "distinct_per_replica": u, "plan_chose": pick, "fastest": fastest,
+                           "chosen_vs_fastest": ratio, "agrees": ratio <= 1 + NOISE})  # fmt: skip
     fitted = {
         "APPLY_FACTOR": stats.median(applies) if applies else None,
         "SHARDED_RENDEZVOUS_MS": stats.median(waits) if waits else None,
@@ -356,13 +365,14 @@ def format_rows(report: Dict) -> List[str]:
     lines = [
         f"B12 ({report['tables']} tables x {report['dim']}, {report['ids_per_replica_and_table']} ids per table and "
         "replica, Adagrad; bytes of tables and slot per replica; step times):",
-        f"{'replicas':>8} {'rows':>10} | {'sharded MB':>10} {'/ even':>7} {'device MB':>10} | {'sharded':>9} "
-        f"{'device':>9} {'sh/dev':>7}",
+        f"{'replicas':>8} {'tables':>6} {'rows':>10} | {'sharded MB':>10} {'/ even':>7} {'device MB':>10} | "
+        f"{'sharded':>9} {'device':>9} {'sh/dev':>7}",
     ]
     for per in report["results"]:
         for r in per["results"]:
             lines.append(
-                f"{replicas_label(per):>8} {r['rows']:>10,} | {r['sharded_bytes_per_replica'] / 2**20:>10.1f} "
+                f"{replicas_label(per):>8} {r.get('tables', TABLES):>6} {r['rows']:>10,} | "
+                f"{r['sharded_bytes_per_replica'] / 2**20:>10.1f} "
                 f"{r['sharded_vs_even_share']:>7.3f} {r['device_bytes_per_replica'] / 2**20:>10.1f} | "
                 f"{r['sharded_step_s'] * 1e3:>7.1f}ms {r['device_step_s'] * 1e3:>7.1f}ms "
                 f"{r['sharded_vs_device_step']:>7.2f}"
@@ -378,8 +388,8 @@ def format_rows(report: Dict) -> List[str]:
     for p in placement["points"]:
         where = replicas_label(p) if p["workers"] else f"{p['replicas']} replicas"
         lines.append(
-            f"plan at {where}, {p['rows']:,} rows ({p['distinct_per_replica']} distinct ids per "
-            f"replica): {p['plan_chose']}; fastest {p['fastest']}; {p['chosen_vs_fastest']:.2f}x: "
+            f"plan at {where}, {p['tables']} tables of {p['rows']:,} rows ({p['distinct_per_replica']} distinct "
+            f"ids per replica): {p['plan_chose']}; fastest {p['fastest']}; {p['chosen_vs_fastest']:.2f}x: "
             f"{'agrees' if p['agrees'] else 'DISAGREES'}"
         )
     shown = [f"{k} {v if v is None else round(v, 3)} / {placement['constants'][k]}"

@@ -60,9 +60,10 @@ SKEW_LIMIT = 1.5
 # Fitted by B11's mirrored points: bytes-equivalent of the exchange's cost model (`tfs.exchange`, whose
 # constants come from B2) per millisecond of step above a lookup-only step.
 EXCHANGE_BYTES_PER_MS = 4.0e5
-# Fitted by B12 (`bench sharded`, 2 workers): what a step of tables sharded across workers waits beyond the
-# copies' exchange, for its two more rendezvous (ids out, then rows back), once per group of tables of one width.
-SHARDED_RENDEZVOUS_MS = 2.7
+# Fitted by B12 (`bench sharded`, 2 workers, 2 to 26 tables): what a step of tables sharded across workers
+# waits beyond the copies' exchange, for its two more rendezvous (ids out, then rows back), once per group of
+# tables of one width.
+SHARDED_RENDEZVOUS_MS = 3.0
 # Slots assumed per table for memory (Adagrad's accumulator; Adam has 2).
 DEFAULT_SLOTS = 1
 
