@@ -213,7 +213,8 @@ def create_dynamic_in(strategy, name, dim, key_dtype, initializer, partitions, s
         if family.sharded_dynamic is None:
             raise ValueError(
                 f"Argument `placement` of dynamic table '{name}': placement='sharded' needs "
-                f"MultiWorkerMirroredStrategy (a shard per worker). Received: {type(strategy).__name__}"
+                f"MultiWorkerMirroredStrategy (a shard per worker; in one process the replicas already share one "
+                f"copy in host memory, split by `partitions`). Received: {type(strategy).__name__}"
             )
         if partitions is not None:
             raise ValueError(
