@@ -175,7 +175,8 @@ def plan(
       strategy: a `tf.distribute.Strategy` (default: the current one), or a
         dict `{"kind": "parameter_server" | "mirrored" |
         "multi_worker_mirrored" | "default", "num_ps": int, "replicas": int,
-        "workers": int}`.
+        "workers": int, "devices": "cpu" | "gpu"}` (what the replicas run
+        on; default "cpu": logical devices sharing a process's cores).
       ids: `{table name: sample}`, a sample of the ids each table looks up:
         one global batch, a list of batches (one per step) or a 2-D array
         (one row per step); or statistics `{"ids_per_step": n,
