@@ -304,8 +304,8 @@ def _placements(per_replicas: List[Dict]) -> Dict:
         replicas, workers = per["replicas"], per["workers"]
         for r in per["results"]:
             count = r.get("tables", TABLES)
-            u = max(len(np.unique(replica_ids(r["rows"], s, k, count)[f"t{i}"]))
-                    for s in range(STEPS_SAMPLED) for k in range(replicas) for i in range(count))  # fmt: skip
+            u = max(len(np.unique(ids)) for s in range(STEPS_SAMPLED) for k in range(replicas)
+                    for ids in replica_ids(r["rows"], s, k, count).values())  # fmt: skip
             args = (r["rows"], DIM * 4, replicas, u, SLOTS, not workers)
             measured = (r["device_step_s"] - r["sharded_step_s"]) * 1e3 / count  # ms per table
             if workers:
