@@ -36,6 +36,7 @@ versions.check(_tf.__version__, _keras.__version__)
 
 from tf_sharded import cluster, policies
 from tf_sharded import exchange as exchange
+from tf_sharded import hybrid as hybrid
 from tf_sharded import partitioners as partitioners
 from tf_sharded import strategy as strategy
 from tf_sharded.config import Combiner, DynamicTableConfig, Exchange, FeatureConfig, Placement, Scheme, TableConfig
@@ -51,6 +52,7 @@ from tf_sharded.layout import Layout, PartitionSpec
 from tf_sharded.planning.planner import plan
 from tf_sharded.planning.plans import Plan
 from tf_sharded.strategy import default as _default  # noqa: F401  (registers the family)
+from tf_sharded.strategy import hybrid as _hybrid  # noqa: F401
 from tf_sharded.strategy import mirrored as _mirrored  # noqa: F401
 from tf_sharded.strategy import parameter_server as _parameter_server  # noqa: F401
 from tf_sharded.table import DynamicTable, ShardedVariable, Table, embedding_lookup, embedding_lookup_sparse

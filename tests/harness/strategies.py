@@ -64,10 +64,11 @@ def ps_strategy(num_workers: int = 2, num_ps: int = 2, **kwargs):
     return tfs.cluster.local_cluster(num_workers=num_workers, num_ps=num_ps).strategy(**kwargs)
 
 
-def run_multi_worker(script: str, num_workers: int = 2, timeout: int = 300) -> list:
+def run_multi_worker(script: str, num_workers: int = 2, timeout: int = 300, ps=()) -> list:
     """Runs `script` (Python source) in `num_workers` processes forming a MultiWorkerMirroredStrategy cluster.
 
-    Each process gets its own `TF_CONFIG` (and `TASK`, its index). Returns
+    Each process gets its own `TF_CONFIG` (and `TASK`, its index), whose
+    cluster also names `ps` (addresses) as its `ps` job if given. Returns
     `(returncode, stdout, stderr)` per worker; every worker is killed if one
     outlives `timeout`.
     """
@@ -81,6 +82,8 @@ def run_multi_worker(script: str, num_workers: int = 2, timeout: int = 300) -> l
     from tests.harness.subprocs import ROOT, network
 
     cluster = {"worker": [f"localhost:{portpicker.pick_unused_port()}" for _ in range(num_workers)]}
+    if ps:
+        cluster["ps"] = list(ps)
     procs = []
     for i in range(num_workers):
         env = {
@@ -110,3 +113,39 @@ def run_multi_worker(script: str, num_workers: int = 2, timeout: int = 300) -> l
             if p.poll() is None:
                 p.kill()
     return outputs
+
+
+class TableServers:
+    """`count` table servers (`python -m tf_sharded.hybrid ADDRESS`), each its own process, until `stop()`."""
+
+    def __init__(self, count: int, timeout: float = 120):
+        import subprocess
+        import sys
+        import time
+
+        import portpicker
+
+        from tests.harness.subprocs import ROOT, _env, network
+
+        self.addresses = [f"localhost:{portpicker.pick_unused_port()}" for _ in range(count)]
+        self.procs = [
+            subprocess.Popen([sys.executable, "-m", "tf_sharded.hybrid", a], cwd=ROOT, env=_env(None),
+                             preexec_fn=network(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            for a in self.addresses
+        ]  # fmt: skip
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            for line in proc.stdout:
+                if line.startswith("serving tables at"):
+                    break
+                if time.monotonic() > deadline:
+                    break
+            else:
+                self.stop()
+                raise RuntimeError(f"a table server ended before serving (exit {proc.wait()})")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()

@@ -26,6 +26,7 @@ from tf_sharded.exchange.transports import (
     offsets,
     split_by_offsets,
 )
+from tf_sharded.hybrid.table import is_served
 from tf_sharded.table.protocol import owner_of
 
 
@@ -102,6 +103,8 @@ def all_reduce_gradients(
         return _one_replica(pairs, fallback)
     ours, others, sharded = [], [], []
     for i, (g, v) in enumerate(pairs):
+        if g is not None and is_served(owner_of(v)):
+            continue  # a table on table servers: its rows' gradients go to them in the optimizer step, unsummed
         tag = sharded_owner(v) if g is not None else None
         if tag is not None:
             # Spread over workers, a shard's gradient was summed on its owner in the lookup's backward pass.

@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from tf_sharded import _compat, trace
 from tf_sharded.config import SINGLE_COPY_PLACEMENTS
+from tf_sharded.hybrid.table import is_served
 from tf_sharded.table.batched import logical_tables, members_of, slot_views
 from tf_sharded.table.protocol import Table, owner_of, update_exclusively
 
@@ -167,6 +168,8 @@ class _TableSlots(_compat.KerasOptimizerHooks):
         _compat.set_untracked(self, "_tfs_tables", logical)
         _compat.set_untracked(self, "_tfs_decayed", decayed)
         for table in tables:
+            if is_served(table):  # its servers train it with this optimizer; its slots here are views of theirs
+                table.configure(self)
             slots = {slot: table.make_slot(f"{table.name}/{slot}", fill) for slot, fill in self._table_slot_fills()}
             self._tfs_slots[id(table)] = slots
             members = members_of(table)
@@ -184,6 +187,10 @@ class _TableSlots(_compat.KerasOptimizerHooks):
                     _compat.keras_track(self, value, f"table_slots_{len(logical)}_{slot}")
                 logical.append(member)
         self.built = True
+
+    def slot_names(self) -> List[str]:
+        """The names of the slots this optimizer keeps per table row (e.g. `["accumulator"]`)."""
+        return [name for name, _ in self._table_slot_fills()]
 
     def table_slot(self, table: Table, name: str) -> Table:
         """The slot `name` (e.g. "momentum") of `table`, a `ShardedVariable` with the table's layout.
@@ -225,6 +232,10 @@ class _TableSlots(_compat.KerasOptimizerHooks):
         # gradient fails, the increment still runs and a step that applied nothing is counted. Every op of
         # the update, the increment included, waits for every gradient here. The increment is one op where
         # `iterations` lives (under parameter servers Keras's read, add and assign cross to its ps and back).
+        if not self.built and trainable_variables is not None:
+            # Built before the update waits for the gradients: slots made inside that block would carry the
+            # step's gradients as control inputs of their initializers, which the first traced step cannot lift.
+            self.build(trainable_variables)
         _compat.set_untracked(self, "_tfs_rates", {})
         try:
             with tf.control_dependencies(_gradient_tensors(grads)), _compat.increment_in_place(self.iterations):

@@ -19,6 +19,7 @@ import tensorflow as tf
 from tf_sharded import _compat
 from tf_sharded.config import SINGLE_COPY_PLACEMENTS
 from tf_sharded.exchange.reduce import all_reduce_gradients
+from tf_sharded.hybrid.table import apply_pending, is_served
 from tf_sharded.table.dynamic.lock import grouped_updates
 from tf_sharded.table.protocol import owner_of
 
@@ -31,9 +32,12 @@ def apply_updates(optimizer, distribution, grads_and_vars, learning_rate, fallba
     (for a sharded table, the sum made on its owner), so it takes the first
     replica's and applies it once, on the shard's device.
     """
-    host, rest = [], []
+    host, rest, served = [], [], []
     for g, v in grads_and_vars:
         tag = owner_of(v)
+        if is_served(tag):
+            served.append(tag[0])
+            continue
         is_host = tag is not None and tag[0].placement in SINGLE_COPY_PLACEMENTS and g is not None
         (host if is_host else rest).append((g, v))
     # A dynamic table's writes take its device's lock: one critical section per device for the whole step.
@@ -44,6 +48,8 @@ def apply_updates(optimizer, distribution, grads_and_vars, learning_rate, fallba
             local = distribution.experimental_local_results(g)[0]
             with tf.device(v.device):
                 optimizer.update_step(local, v, learning_rate)
+    if served:  # tables on table servers: this worker's pending rows go to their servers
+        apply_pending(optimizer, served)
 
 
 def install() -> None:

@@ -19,6 +19,7 @@ import tensorflow as tf
 from tf_sharded import _compat, trace
 from tf_sharded.config import Combiner
 from tf_sharded.exchange.workers import exchange_rows, gather_everywhere
+from tf_sharded.hybrid.table import is_served, lookup_served
 from tf_sharded.table.batched import storage_of
 from tf_sharded.table.dynamic.table import DynamicTable
 from tf_sharded.table.dynamic.table import lookup_many as dynamic_lookup_many
@@ -211,12 +212,16 @@ def lookup_many(pairs, max_norm: Optional[float] = None, training: bool = True) 
     space (`_lookup_group`): one de-duplication, one routing and one request
     per device for the whole group. Dynamic tables look their keys up
     together (`dynamic.lookup_many`): a training lookup inserts into all of
-    them in one critical section per device.
+    them in one critical section per device. Tables on table servers
+    (hybrid training) are read together too: one call per server.
     """
     results = [None] * len(pairs)
-    groups, dynamic = {}, []
+    groups, dynamic, served = {}, [], []
     for i, (table, flat_ids) in enumerate(pairs):
         plain = getattr(_SUBSTITUTES, "tables", {}).get(id(table))
+        if is_served(table) and plain is None:
+            served.append(i)
+            continue
         if isinstance(table, DynamicTable) and plain is None:
             dynamic.append(i)
             continue
@@ -232,6 +237,8 @@ def lookup_many(pairs, max_norm: Optional[float] = None, training: bool = True) 
         for i, rows in zip(members, _lookup_group([pairs[i] for i in members], max_norm)):
             results[i] = rows
     for i, rows in zip(dynamic, dynamic_lookup_many([pairs[i] for i in dynamic], training)):
+        results[i] = _clip_rows(rows, max_norm, [1]) if max_norm is not None else rows
+    for i, rows in zip(served, lookup_served([pairs[i] for i in served]) if served else []):
         results[i] = _clip_rows(rows, max_norm, [1]) if max_norm is not None else rows
     return results
 

@@ -1,0 +1,253 @@
+"""HybridStrategy: tables on table servers (processes), dense variables all-reduced over worker processes.
+
+Every figure is checked against the same optimizer on one device in the
+same worker process, or against the closed form of the applied updates.
+"""
+
+import json
+import os
+
+import pytest
+import tensorflow as tf
+
+import tf_sharded as tfs
+from tests.harness.strategies import TableServers, run_multi_worker
+from tests.harness.subprocs import ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=25)]  # table servers and worker processes
+
+
+@pytest.fixture(scope="module")
+def servers():
+    started = TableServers(2)
+    yield started.addresses
+    started.stop()
+
+
+ONE_WORKER = """
+import json, os, tempfile
+import numpy as np, tensorflow as tf, keras
+import tf_sharded as tfs
+
+strategy = tfs.hybrid.HybridStrategy(json.loads(os.environ["SERVERS"]))
+assert strategy.num_replicas_in_sync == 1
+rows = 30
+rng = np.random.RandomState(0)
+va, w0 = rng.uniform(-1, 1, (rows, 4)).astype(np.float32), rng.uniform(-1, 1, (7, 1)).astype(np.float32)
+with strategy.scope():
+    # Widths 4 and 3: two arenas per server. "one_a" in 3 shards over 2 servers (mod), "one_b" one per server.
+    a = strategy.create_sharded_variable("one_a", [rows, 4], initializer=va, partitions=3, scheme="mod")
+    b = strategy.create_sharded_variable("one_b", [rows, 3], initializer="uniform", seed=5)
+    w = tf.Variable(w0)
+    opt = tfs.optimizers.Adam(0.05)  # built by the first traced step
+ref_a = tfs.create_sharded_variable("ref_a", [rows, 4], initializer=va)
+ref_b = tfs.create_sharded_variable("ref_b", [rows, 3], initializer="uniform", seed=5, partitions=2)
+assert np.array_equal(a.numpy(), va) and np.array_equal(b.numpy(), ref_b.numpy())  # drawn per row on the servers
+ref_w, ref_opt = tf.Variable(w0), tfs.optimizers.Adam(0.05)
+
+
+def loss_of(ta, tb, w, ids):
+    x = tf.concat([tf.reduce_sum(tfs.embedding_lookup(ta, ids[:, :2]), 1), tfs.embedding_lookup(tb, ids[:, 2])], 1)
+    return tf.reduce_mean((tf.matmul(x, w) - 1.0) ** 2)
+
+
+@tf.function
+def step(ids):
+    def fn(ids):
+        with tf.GradientTape() as tape:
+            loss = loss_of(a, b, w, ids)
+        variables = [*a.variables, *b.variables, w]
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return loss
+    return strategy.run(fn, args=(ids,))
+
+
+for s in range(4):
+    ids = np.random.RandomState(s).randint(0, rows, (8, 3))
+    ids[:, 1] = ids[:, 0] if s == 1 else ids[:, 1]  # the same row twice in an example
+    step(tf.constant(ids))
+    with tf.GradientTape() as tape:
+        loss = loss_of(ref_a, ref_b, ref_w, ids)
+    variables = [*ref_a.variables, *ref_b.variables, ref_w]
+    ref_opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+    for name, got, want in (("a", a, ref_a), ("b", b, ref_b)):
+        err = float(np.abs(got.numpy() - want.numpy()).max())
+        assert err < 1e-5, (s, name, err)
+    assert np.abs(w.numpy() - ref_w.numpy()).max() < 1e-5, s
+for slot in ("momentum", "velocity"):  # the slots live on the servers
+    err = float(np.abs(opt.table_slot(a, slot).numpy() - ref_opt.table_slot(ref_a, slot).numpy()).max())
+    assert err < 1e-6, (slot, err)
+assert int(opt.iterations.numpy()) == 4
+print("custom loop: tables, slots and dense equal the one-device reference", flush=True)
+
+# Checkpoints are layout-free: the served tables and their slots restore into tables of this process in
+# other layouts, and the reference's state restores into the served ones.
+directory = tempfile.mkdtemp()
+path = tf.train.Checkpoint(a=a, b=b, w=w, opt=opt).save(os.path.join(directory, "served"))
+pa = tfs.create_sharded_variable("plain_a", [rows, 4], initializer="zeros", partitions=2, scheme="balanced")
+pb = tfs.create_sharded_variable("plain_b", [rows, 3], initializer="zeros")
+pw, popt = tf.Variable(tf.zeros([7, 1])), tfs.optimizers.Adam(0.05)
+popt.build([*pa.variables, *pb.variables, pw])
+tf.train.Checkpoint(a=pa, b=pb, w=pw, opt=popt).restore(path).assert_consumed()
+for got, want in ((pa, a), (pb, b), (popt.table_slot(pa, "velocity"), opt.table_slot(a, "velocity"))):
+    assert np.array_equal(got.numpy(), want.numpy()), got
+rng2 = np.random.RandomState(9)
+for table in (ref_a, ref_b, ref_opt.table_slot(ref_a, "momentum")):  # make the reference's state differ
+    table.assign(rng2.uniform(-1, 1, table.shape).astype(np.float32))
+ref_path = tf.train.Checkpoint(a=ref_a, b=ref_b, w=ref_w, opt=ref_opt).save(os.path.join(directory, "ref"))
+with strategy.scope():  # new served tables, in another layout, with an optimizer built before the restore
+    a2 = strategy.create_sharded_variable("one_a2", [rows, 4], initializer="zeros", partitions=2)
+    b2 = strategy.create_sharded_variable("one_b2", [rows, 3], initializer="zeros", partitions=1)
+    w2, opt2 = tf.Variable(tf.zeros([7, 1])), tfs.optimizers.Adam(0.05)
+    opt2.build([*a2.variables, *b2.variables, w2])
+tf.train.Checkpoint(a=a2, b=b2, w=w2, opt=opt2).restore(ref_path).assert_consumed()
+for got, want in ((a2, ref_a), (b2, ref_b), (opt2.table_slot(a2, "momentum"), ref_opt.table_slot(ref_a, "momentum"))):
+    assert np.array_equal(got.numpy(), want.numpy()), got
+print("checkpoints: served <-> one device, slots included", flush=True)
+
+# tfs.fit / evaluate / predict with a Keras model, against Keras's own fit of the same model on one device.
+x = rng.randint(0, rows, (32, 3))
+x[:6] = 4
+y = rng.rand(32, 1).astype(np.float32)
+
+
+def fit_model(name, table0=None):
+    inp = keras.Input((3,), dtype="int64")
+    init = keras.initializers.Constant(table0) if table0 is not None else "uniform"
+    emb = tfs.layers.Embedding(rows, 4, combiner="mean", seed=7, embeddings_initializer=init, name=name)
+    model = keras.Model(inp, keras.layers.Dense(1, kernel_initializer="ones")(emb(inp)))
+    model.compile(optimizer=tfs.optimizers.Adagrad(0.2), loss="mse")
+    return model, emb
+
+
+with strategy.scope():
+    model, emb = fit_model("served")
+assert isinstance(emb.embeddings, tfs.hybrid.ServedTable), emb.embeddings
+table0 = emb.embeddings.numpy()
+data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+history = tfs.fit(model, data, epochs=2, verbose=0, validation_data=data)
+single, single_emb = fit_model("single", table0)
+single.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+err = float(np.abs(emb.embeddings.numpy() - single_emb.embeddings.numpy()).max())
+assert err < 1e-5, ("fit", err)
+acc = single.optimizer.table_slot(single_emb.embeddings, "accumulator").numpy()
+assert np.abs(model.optimizer.table_slot(emb.embeddings, "accumulator").numpy() - acc).max() < 1e-5
+want = single.evaluate(x, y, batch_size=8, verbose=0)
+assert abs(tfs.evaluate(model, data) - want) < 1e-5 and abs(history.history["val_loss"][-1] - want) < 1e-5
+assert np.allclose(tfs.predict(model, data), single.predict(x, batch_size=8, verbose=0), atol=1e-5)
+print("tfs.fit: table, slot, evaluate and predict equal Keras on one device", flush=True)
+print("ONE WORKER OK", flush=True)
+"""
+
+
+def test_one_worker_equals_training_on_one_device(servers):
+    from tests.harness.subprocs import run_python
+
+    proc = run_python(["-c", ONE_WORKER], timeout=300, env={"SERVERS": json.dumps(servers)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "ONE WORKER OK" in proc.stdout, proc.stdout
+
+
+TWO_WORKERS = """
+import json, os
+import keras, numpy as np, tensorflow as tf
+import tf_sharded as tfs
+
+strategy = tfs.hybrid.HybridStrategy.from_tf_config()
+task = int(os.environ["TASK"])
+workers = strategy.num_replicas_in_sync
+assert workers == 2
+rows, dim, lr = 40, 4, 0.1
+values = np.random.RandomState(0).uniform(-1, 1, (rows, dim)).astype(np.float32)
+with strategy.scope():
+    table = strategy.create_sharded_variable("two_t", [rows, dim], initializer=values, partitions=3, scheme="mod")
+    w = tf.Variable(np.linspace(-1, 1, dim, dtype=np.float32)[:, None])
+    opt = keras.optimizers.SGD(lr)  # Keras's own: the servers train with tf_sharded's of the same name
+
+
+def batch(worker, step):
+    return np.random.RandomState(100 * step + worker).randint(0, rows, (6, 3))
+
+
+@tf.function
+def train(ids):
+    def fn(ids):
+        # Linear in the rows: a row's gradient is the dense `w` of the step (all-reduced, the same on both
+        # workers), whatever the other worker has applied by then.
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.matmul(tf.reduce_sum(tfs.embedding_lookup(table, ids), 1), w))
+        variables = [*table.variables, w]
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return loss
+    return strategy.run(fn, args=(ids,))
+
+
+used = []
+for s in range(4):
+    used.append(w.numpy()[:, 0].copy())
+    train(tf.constant(batch(task, s)))
+    print("dense", s, json.dumps([float(v) for v in w.numpy()[:, 0]]), flush=True)
+strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)  # both workers' steps are done
+expected = values.copy()
+for s in range(4):
+    for k in range(workers):
+        for i in batch(k, s).reshape(-1):
+            expected[i] -= lr * used[s]
+err = float(np.abs(table.numpy() - expected).max())
+assert err < 1e-5, err
+print("table error", err, flush=True)
+
+# No table gradient enters a collective: the step's only all-reduce carries the dense `w`.
+graph = train.get_concrete_function(tf.TensorSpec([6, 3], tf.int64)).graph
+reduced = [op for op in graph.get_operations() if op.type.startswith("CollectiveReduce")]
+sizes = [op.inputs[0].shape.num_elements() for op in reduced]  # TensorFlow packs the gradients it all-reduces
+assert reduced and sum(sizes) == dim, sizes
+assert not [op for op in graph.get_operations() if op.type.startswith("CollectiveGather")]
+assert len([op for op in graph.get_operations() if op.type == "RpcCall"]) >= 2  # the lookup's and the apply's
+print("TWO WORKERS OK", flush=True)
+"""
+
+
+def test_two_workers_keep_dense_equal_and_apply_every_sparse_update(servers):
+    outputs = run_multi_worker(TWO_WORKERS, num_workers=2, ps=servers)
+    dense = []
+    for code, out, err in outputs:
+        assert code == 0, out[-3000:] + err[-5000:]
+        assert "TWO WORKERS OK" in out, out
+        dense.append([line for line in out.splitlines() if line.startswith("dense")])
+    assert len(dense[0]) == 4 and dense[0] == dense[1], dense  # identical on both workers after every step
+
+
+def test_readme_example_runs_as_written(servers):
+    """The README's hybrid block, run as written on one worker of a TF_CONFIG cluster with the two servers."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    section = readme[readme.index("### Hybrid training") :]
+    block = section[
+        section.index("```python") + len("```python") : section.index("```\n", section.index("```python") + 9)
+    ]
+    script = block + "\nprint('README OK', model.count_params(), flush=True)\n"
+    outputs = run_multi_worker(script, num_workers=1, ps=servers)
+    code, out, err = outputs[0]
+    assert code == 0, out[-3000:] + err[-5000:]
+    assert "README OK" in out, out
+
+
+def test_strategy_and_cluster_arguments_are_checked():
+    with pytest.raises(ValueError, match="`servers` must be a list"):
+        tfs.hybrid.HybridStrategy("localhost:1")
+    with pytest.raises(ValueError, match="'ps' job"):
+        tfs.hybrid.HybridStrategy.from_tf_config(json.dumps({"cluster": {"worker": ["a:1"]}, "task": {}}))
+    config = {"cluster": {"worker": ["a:1"], "ps": ["b:2"]}, "task": {"type": "ps", "index": 0}}
+    with pytest.raises(ValueError, match="chief or worker"):
+        tfs.hybrid.HybridStrategy.from_tf_config(json.dumps(config))
+
+
+def test_servers_train_tables_with_tf_shardeds_optimizers_only():
+    from tf_sharded.hybrid.table import optimizer_spec
+
+    spec = optimizer_spec(tfs.optimizers.Adam(0.5, beta_1=0.8))
+    assert spec["class_name"] == "Adam" and spec["config"]["beta_1"] == 0.8
+    assert spec["config"]["learning_rate"] == 0.0  # sent with every step instead
+    with pytest.raises(ValueError, match="RMSprop"):
+        optimizer_spec(tf.keras.optimizers.RMSprop())

@@ -1,0 +1,11 @@
+"""Hybrid training (Persia's): tables on table servers updated by each worker alone, dense variables all-reduced.
+
+`HybridStrategy` runs on the workers; a `TableServer` runs in each `ps`
+task (`python -m tf_sharded.hybrid`).
+"""
+
+from tf_sharded.hybrid.server import TableServer
+from tf_sharded.hybrid.table import ServedSlot, ServedTable, apply_pending
+from tf_sharded.strategy.hybrid import HybridStrategy
+
+__all__ = ["HybridStrategy", "ServedSlot", "ServedTable", "TableServer", "apply_pending"]

@@ -1,0 +1,30 @@
+"""The calls a table server answers: their names and argument types, shared by the server and its clients.
+
+Arguments travel as tensors of fixed dtypes and ranks (TensorFlow's RPC ops
+take `tf.function`s with an input signature). A call that names several
+shards at once (`lookup`, `apply`) gives `counts[i]` rows of `rows` to
+`shards[i]`, and its values travel flat (float32), `counts[i] * dim_i` of
+them per shard: tables of different widths share one call.
+"""
+
+import tensorflow as tf
+
+SHARDS = tf.TensorSpec([None], tf.int64)
+COUNTS = tf.TensorSpec([None], tf.int64)
+ROWS = tf.TensorSpec([None], tf.int64)
+FLAT = tf.TensorSpec([None], tf.float32)
+SCALAR_INT = tf.TensorSpec([], tf.int64)
+SCALAR_FLOAT = tf.TensorSpec([], tf.float32)
+PAIR = tf.TensorSpec([2], tf.int64)
+TEXT = tf.TensorSpec([], tf.string)
+
+# name: (argument types, result type)
+CALLS = {
+    "create": ([TEXT], PAIR),  # JSON spec -> [shard id, 1 if this call made it]
+    "configure": ([SCALAR_INT, TEXT], SCALAR_INT),  # shard, JSON optimizer spec
+    "lookup": ([SHARDS, COUNTS, ROWS], FLAT),
+    "apply": ([SHARDS, COUNTS, ROWS, FLAT, SCALAR_FLOAT, SCALAR_INT], SCALAR_INT),  # ..., learning rate, step
+    "gather": ([SCALAR_INT, TEXT, ROWS], FLAT),  # shard, slot ("": the table), local rows
+    "scatter": ([SCALAR_INT, TEXT, ROWS, FLAT], SCALAR_INT),
+    "slots": ([SCALAR_INT], TEXT),  # JSON list of the shard's optimizer slot names
+}
