@@ -68,12 +68,14 @@ class ApplicationTest(tf.test.TestCase):
             ("mirrored", "dlrm", "1"),  # tables sharded over 2 CPU replicas
             ("multi_worker", "deepfm", "1"),
             ("parameter_server", "dlrm", "3"),  # 2 steps per epoch at 3 per execution: one execution of 2
+            ("hybrid", "dlrm", "1"),  # a table server and 2 workers, a process each
         )
         ckpts = {strategy: os.path.join(self.get_temp_dir(), strategy) for strategy, _, _ in cases}
         # Tables sharded over the replicas: 2 CPU replicas; the one worker of a multi-worker run without TF_CONFIG.
         sharded = {
             "mirrored": ["--cpu_replicas", "2", "--placement", "sharded"],
             "multi_worker": ["--placement", "sharded"],
+            "hybrid": ["--num_ps", "1"],  # and 2 workers, the second started by the first
         }
         commands = [
             train_args("--strategy", strategy, "--model", model, "--steps_per_execution", per_execution,
@@ -81,7 +83,7 @@ class ApplicationTest(tf.test.TestCase):
             for strategy, model, per_execution in cases
         ]  # fmt: skip
         # Two runs at a time (independent processes): most of a tiny run is start-up and tracing.
-        procs = run_python_together(commands[:2], 300) + run_python_together(commands[2:], 300)
+        procs = [p for i in (0, 2, 4) for p in run_python_together(commands[i : i + 2], 300)]
         for (strategy, model, _), proc in zip(cases, procs):
             ckpt = ckpts[strategy]
             self.assertEqual(proc.returncode, 0, msg=f"{strategy}: {proc.stderr[-3000:]}")
@@ -211,7 +213,7 @@ class ApplicationTest(tf.test.TestCase):
         self.assertEqual(stray.returncode, 2)
         self.assertEqual(
             stray.stderr.strip().splitlines()[-1],
-            "error: --num_ps, --local_cluster: the local cluster's flags apply to --strategy parameter_server "
+            "error: --num_ps, --local_cluster: the local cluster's flags apply to --strategy parameter_server|hybrid "
             "without TF_CONFIG; received --strategy mirrored (python -m tf_sharded train --help lists the flags)",
         )
         self.assertNotIn("training dlrm", stray.stdout)
@@ -417,6 +419,12 @@ class KillAndResumeTest(tf.test.TestCase):
         # sharded over them; both workers are killed, as a multi-worker mirrored job restarts as a whole.
         flags = ["--strategy", "multi_worker", "--placement", "sharded", "--steps", "45"]
         self._kill_and_resume(flags, 45, 15, workers=2)
+
+    def test_killed_hybrid_run_resumes_to_the_uninterrupted_result(self):
+        # The job (this worker, and the table servers it started) killed; the rerun starts new servers, and the
+        # checkpoint restores the tables and their slots into them. One worker: every run is deterministic.
+        flags = ["--strategy", "hybrid", "--num_workers", "1", "--num_ps", "1", "--steps", "45"]
+        self._kill_and_resume(flags, 45, 15)
 
     def _start(self, flags, directory, workers):
         """The run's processes: one, or a worker each under one `TF_CONFIG` cluster."""

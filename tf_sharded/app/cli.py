@@ -26,7 +26,7 @@ from typing import List
 import numpy as np
 from absl import flags
 
-STRATEGIES = ("parameter_server", "mirrored", "multi_worker", "default")
+STRATEGIES = ("parameter_server", "mirrored", "multi_worker", "hybrid", "default")
 
 
 def define_flags(values: flags.FlagValues) -> None:
@@ -55,18 +55,24 @@ def define_flags(values: flags.FlagValues) -> None:
         "strategy",
         "parameter_server",
         list(STRATEGIES),
-        "tf.distribute strategy. parameter_server without TF_CONFIG starts a local cluster (2 ps + 2 workers).",
+        "tf.distribute strategy. parameter_server without TF_CONFIG starts a local cluster (2 ps + 2 workers); "
+        "hybrid (tables on parameter servers, the rest all-reduced over the workers) starts --num_ps table "
+        "servers and --num_workers workers, a process each.",
         flag_values=values,
     )
     flags.DEFINE_integer(
         "num_workers",
         2,
-        "Workers of the local parameter-server cluster (without TF_CONFIG).",
+        "Workers of the local parameter-server or hybrid cluster (without TF_CONFIG).",
         lower_bound=1,
         flag_values=values,
     )
     flags.DEFINE_integer(
-        "num_ps", 2, "Parameter servers of the local cluster (without TF_CONFIG).", lower_bound=1, flag_values=values
+        "num_ps",
+        2,
+        "Parameter servers (hybrid: table servers) of the local cluster (without TF_CONFIG).",
+        lower_bound=1,
+        flag_values=values,
     )
     flags.DEFINE_enum(
         "local_cluster",
@@ -182,6 +188,8 @@ def _strategy(args):
     if name == "multi_worker":
         s = tf.distribute.MultiWorkerMirroredStrategy()
         return s, f"multi_worker ({s.num_replicas_in_sync} replicas)", 1, None
+    if name == "hybrid":
+        return _hybrid_strategy(args)
     if os.environ.get("TF_CONFIG"):
         resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
         if resolver.task_type in ("worker", "ps"):
@@ -202,6 +210,29 @@ def _strategy(args):
     where = "local cluster" if args.local_cluster == "inprocess" else "local cluster, a process per task"
     description = f"parameter_server ({where}: {args.num_ps} ps, {args.num_workers} workers)"
     return cluster.strategy(), description, args.num_workers, cluster if args.local_cluster == "process" else None
+
+
+def _hybrid_strategy(args):
+    """`--strategy hybrid`: this task of TF_CONFIG (a ps task serves tables), else a local cluster whose other
+    workers run this same command."""
+    import tf_sharded as tfs
+
+    if os.environ.get("TF_CONFIG"):
+        from tf_sharded.hybrid.local import exit_with_parent
+
+        exit_with_parent()  # a worker a local cluster started: it ends with the job
+        config = json.loads(os.environ["TF_CONFIG"])
+        if config["task"]["type"] == "ps":
+            return None, "tables", 0, None
+        s = tfs.hybrid.HybridStrategy.from_tf_config()
+        spec = config["cluster"]
+        return s, f"hybrid ({s.num_replicas_in_sync} workers, {len(spec['ps'])} table servers, TF_CONFIG)", 1, None
+    command = [sys.executable, "-m", "tf_sharded", *sys.argv[1:]]
+    cluster = tfs.hybrid.LocalHybridCluster(
+        args.num_workers, args.num_ps, worker_command=command, isolation=args.local_cluster_isolation
+    ).start()
+    where = f"local: {args.num_ps} table servers, {args.num_workers} workers, a process each"
+    return cluster.strategy(), f"hybrid ({where})", 1, cluster
 
 
 def _serve(resolver) -> int:
@@ -251,10 +282,19 @@ def train(args) -> int:
     inputs.check_writable(args.checkpoint_dir)
     # `workers`: input pipelines (each parameter-server worker reads its own; else one stream).
     strategy, description, workers, cluster = _strategy(args)
+    if strategy is None and description == "tables":
+        from tf_sharded.hybrid.server import serve_from_tf_config
+
+        server = serve_from_tf_config()
+        print(f"serving tables at {server.address}", flush=True)
+        server.join()
     if strategy is None:
         return _serve(description)
     try:
-        return _train(args, strategy, description, workers)
+        code = _train(args, strategy, description, workers)
+        if hasattr(cluster, "wait_for_workers"):
+            cluster.wait_for_workers()
+        return code
     finally:
         if cluster is not None:
             # A function's last reference going away asks every task to forget it: with the tasks already
@@ -445,7 +485,11 @@ def _dynamic_tables(shapes: dict, dtypes: dict) -> dict:
 
 
 # The strategies that read TF_CONFIG (TensorFlow's TFConfigClusterResolver), and the task types each runs.
-TF_CONFIG_TASKS = {"parameter_server": ("chief", "worker", "ps"), "multi_worker": ("chief", "worker")}
+TF_CONFIG_TASKS = {
+    "parameter_server": ("chief", "worker", "ps"),
+    "multi_worker": ("chief", "worker"),
+    "hybrid": ("chief", "worker", "ps"),
+}
 
 
 def tf_config_problem(strategy: str, environ=os.environ) -> str:
@@ -480,6 +524,11 @@ def tf_config_problem(strategy: str, environ=os.environ) -> str:
     types = TF_CONFIG_TASKS[strategy]
     if strategy == "parameter_server" and not {"ps", "worker"} <= set(cluster):
         return f"TF_CONFIG: --strategy {strategy} needs `ps` and `worker` jobs in `cluster`; received {sorted(cluster)}"
+    if strategy == "hybrid" and not ("ps" in cluster and {"chief", "worker"} & set(cluster)):
+        return (
+            f"TF_CONFIG: --strategy hybrid needs a `ps` job (the table servers) and a `chief` or `worker` job in "
+            f"`cluster`; received {sorted(cluster)}"
+        )
     kind = task.get("type") if isinstance(task, dict) else None
     if kind not in types or kind not in cluster:
         return (
@@ -504,18 +553,22 @@ LOCAL_CLUSTER_FLAGS = ("num_workers", "num_ps", "local_cluster", "local_cluster_
 def _stray_cluster_flags(values) -> str:
     """Why the local cluster's flags given on the command line cannot apply ("" when they can): they shape the
     cluster that `--strategy parameter_server` starts without TF_CONFIG, and would otherwise be ignored."""
+    from tf_sharded.hybrid.local import WORKER_ENV
+
     given = [f"--{name}" for name in LOCAL_CLUSTER_FLAGS if values[name].present]
     if not given:
         return ""
-    if values.strategy != "parameter_server":
+    if values.strategy not in ("parameter_server", "hybrid"):
         received = f"--strategy {values.strategy}"
-    elif os.environ.get("TF_CONFIG"):
+    elif os.environ.get("TF_CONFIG") and not os.environ.get(WORKER_ENV):
         received = "TF_CONFIG set (its cluster spec names the tasks)"
+    elif values.strategy == "hybrid" and values["local_cluster"].present and values.local_cluster != "process":
+        return "--local_cluster inprocess: a hybrid cluster runs a process per task (its workers each run collectives)"
     else:
         return ""
     return (
-        f"{', '.join(given)}: the local cluster's flags apply to --strategy parameter_server without TF_CONFIG; "
-        f"received {received}"
+        f"{', '.join(given)}: the local cluster's flags apply to --strategy parameter_server|hybrid without "
+        f"TF_CONFIG; received {received}"
     )
 
 
@@ -557,7 +610,7 @@ def main(argv: List[str]) -> int:
     if tf_config:
         print(f"error: {tf_config}", file=sys.stderr)
         return 1
-    if values.strategy == "parameter_server" and not os.environ.get("TF_CONFIG"):
+    if values.strategy in ("parameter_server", "hybrid") and not os.environ.get("TF_CONFIG"):
         from tf_sharded import isolation
 
         isolation.spelling = isolation.FLAG

@@ -14,6 +14,7 @@ BENCHMARKS = {
     "mwprofile": ("tf_sharded.benchmarks.multi_worker_profile", "B10: a multi-worker mirrored step taken apart"),
     "plan": ("tf_sharded.benchmarks.plan", "B11: tfs.plan's choices against the measured options, its constants"),
     "sharded": ("tf_sharded.benchmarks.sharded", "B12: tables sharded over the replicas vs mirrored copies"),
+    "hybrid": ("tf_sharded.benchmarks.hybrid", "B13: hybrid training vs multi-worker mirrored and parameter servers"),
 }
 # Benchmarks that pick their own cluster (or none): run once, whatever --mode says.
-SINGLE_RUN = ("exchange", "memory", "e2e", "recovery", "quantize", "mwprofile", "sharded")
+SINGLE_RUN = ("exchange", "memory", "e2e", "recovery", "quantize", "mwprofile", "sharded", "hybrid")

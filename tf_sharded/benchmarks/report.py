@@ -74,7 +74,10 @@ How to read the ratios (each benchmark's module docstring, `tf_sharded/benchmark
 * **B12** (`bench sharded`): `/ even share` is the bytes of tables and slots on the fullest replica over
   (tables + slots) / replicas (goal at most 1.15); `sharded / device` is the step time of tables sharded
   over the replicas over that of a copy per replica: above 1, copies are faster where both fit. `chosen /
-  fastest` is the step time of the placement `tfs.plan` picks from the point's ids over the faster one's."""
+  fastest` is the step time of the placement `tfs.plan` picks from the point's ids over the faster one's.
+* **B13** (`bench hybrid`): `hybrid / this` is hybrid training's samples/s over this strategy's (goal at
+  least 1.3 against the multi-worker mirrored runs); AUC differences are hybrid's minus this run's (goal
+  within 0.005 of the synchronous runs, and at least 0 against the parameter servers')."""
 
 
 class ReportError(Exception):
@@ -500,6 +503,29 @@ def _sharded(report: Dict) -> List[str]:
     )  # fmt: skip
 
 
+def _hybrid(report: Dict) -> List[str]:
+    from tf_sharded.benchmarks.hybrid import LABELS
+
+    lines = _para(
+        f"The application (`python -m tf_sharded train`, DLRM, 26 tables), {report['steps']} steps, max vocabulary "
+        f"{report['max_vocab']:,}; {report['workers']} workers, a process per task:"
+    )
+    rows = []
+    for label, r in report["runs"].items():
+        c = report["comparisons"].get(label)
+        ratio = f"{c['hybrid_vs_samples_per_s']:.2f}" if c else ""
+        difference = f"{c['auc_difference']:+.4f}" if c else ""
+        rows.append([LABELS[label], f"{r['samples_per_s']:,.0f}", f"{r['auc']:.4f}", ratio, difference])
+    lines += _table("strategy | samples/s | held-out AUC | hybrid / this | hybrid AUC - this", rows)
+    goals = report["goals"]
+    return lines + _para(
+        f"Goals: hybrid at least 1.3x the multi-worker mirrored runs' samples/s: "
+        f"{'met' if goals['speedup_vs_multi_worker'] else '**not met**'}; AUC within 0.005 of them: "
+        f"{'met' if goals['auc_within_synchronous'] else '**not met**'}; AUC at least the parameter servers': "
+        f"{'met' if goals['auc_at_least_parameter_server'] else '**not met**'}."
+    )
+
+
 RENDERERS: Dict[str, Callable[[Dict], List[str]]] = {
     "ps": _ps,
     "exchange": _exchange,
@@ -512,6 +538,7 @@ RENDERERS: Dict[str, Callable[[Dict], List[str]]] = {
     "mwprofile": _mwprofile,
     "plan": _plan,
     "sharded": _sharded,
+    "hybrid": _hybrid,
 }
 
 

@@ -232,6 +232,18 @@ def _plot(name: str, reports: List[Dict], out: str) -> str:
         b.set(xscale="log", xlabel="rows per table", ylabel="step time, sharded / device copies", title="B12: step")
         a.legend()
         b.legend()
+    elif name == "hybrid":
+        from tf_sharded.benchmarks.hybrid import LABELS
+
+        runs = reports[0]["runs"]
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+        names = [LABELS[k].replace(" (", "\n(") for k in runs]
+        a.bar(range(len(runs)), [r["samples_per_s"] for r in runs.values()])
+        a.set_xticks(range(len(runs)), names, fontsize=7)
+        a.set(ylabel="samples/s", title=f"B13: the application, {reports[0]['steps']} steps")
+        b.bar(range(len(runs)), [r["auc"] for r in runs.values()])
+        b.set_xticks(range(len(runs)), names, fontsize=7)
+        b.set(ylim=(0.5, 1.0), ylabel="held-out AUC")
     elif name == "quantize":
         fig, (a, b) = plt.subplots(1, 2, figsize=(9, 4))
         rows = reports[0]["results"]

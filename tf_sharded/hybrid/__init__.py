@@ -4,8 +4,9 @@
 task (`python -m tf_sharded.hybrid`).
 """
 
+from tf_sharded.hybrid.local import LocalHybridCluster
 from tf_sharded.hybrid.server import TableServer
 from tf_sharded.hybrid.table import ServedSlot, ServedTable, apply_pending
 from tf_sharded.strategy.hybrid import HybridStrategy
 
-__all__ = ["HybridStrategy", "ServedSlot", "ServedTable", "TableServer", "apply_pending"]
+__all__ = ["HybridStrategy", "LocalHybridCluster", "ServedSlot", "ServedTable", "TableServer", "apply_pending"]

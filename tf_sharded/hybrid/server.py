@@ -324,7 +324,10 @@ def serve_from_tf_config(tf_config: str = None) -> TableServer:
 
 def main(argv=None) -> int:
     """`python -m tf_sharded.hybrid [ADDRESS]`: serves tables at ADDRESS, or as TF_CONFIG's ps task."""
+    from tf_sharded.hybrid.local import exit_with_parent
+
     argv = sys.argv[1:] if argv is None else argv
+    exit_with_parent()
     try:
         server = TableServer(argv[0]).start() if argv else serve_from_tf_config()
     except ValueError as e:
