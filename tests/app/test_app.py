@@ -420,11 +420,35 @@ class KillAndResumeTest(tf.test.TestCase):
         flags = ["--strategy", "multi_worker", "--placement", "sharded", "--steps", "45"]
         self._kill_and_resume(flags, 45, 15, workers=2)
 
-    def test_killed_hybrid_run_resumes_to_the_uninterrupted_result(self):
-        # The job (this worker, and the table servers it started) killed; the rerun starts new servers, and the
-        # checkpoint restores the tables and their slots into them. One worker: every run is deterministic.
+    def test_hybrid_run_whose_table_server_is_killed_resumes_to_the_uninterrupted_result(self):
+        # The table server killed mid-run: the job ends in one line; its rerun starts a new server and the
+        # checkpoint restores the tables and their slots into it. One worker: every run is deterministic.
         flags = ["--strategy", "hybrid", "--num_workers", "1", "--num_ps", "1", "--steps", "45"]
-        self._kill_and_resume(flags, 45, 15)
+        self._kill_and_resume(flags, 45, 15, kill=self._kill_table_server)
+
+    def _kill_table_server(self, procs):
+        """SIGKILL to the table server the job started; the job must then end with exit code 1 and one line."""
+        chief = procs[0].pid
+        servers = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{pid}/cmdline") as f:
+                    command = f.read()
+            except OSError:
+                continue
+            if parent == chief and "tf_sharded.hybrid" in command:
+                servers.append(int(pid))
+        self.assertLen(servers, 1)
+        os.kill(servers[0], signal.SIGKILL)
+        out, err = procs[0].communicate(timeout=120)
+        self.assertEqual(procs[0].returncode, 1, err[-3000:])
+        self.assertRegex(
+            err.strip().splitlines()[-1],
+            r"^error: a table server stopped answering \(.+\): the job ends; rerun it to resume from "
+            r"--checkpoint_dir$",
+        )
 
     def _start(self, flags, directory, workers):
         """The run's processes: one, or a worker each under one `TF_CONFIG` cluster."""
@@ -459,7 +483,7 @@ class KillAndResumeTest(tf.test.TestCase):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
 
-    def _kill_and_resume(self, flags, steps, kill_after, workers=1):
+    def _kill_and_resume(self, flags, steps, kill_after, workers=1, kill=None):
         whole, killed = (os.path.join(self.get_temp_dir(), name) for name in ("whole", "killed"))
         uninterrupted = self._finish(self._start(flags, whole, workers))
 
@@ -469,6 +493,8 @@ class KillAndResumeTest(tf.test.TestCase):
             while not os.path.exists(os.path.join(killed, f"ckpt-{kill_after}.index")) and time.time() < deadline:
                 self.assertTrue(all(p.poll() is None for p in procs), "the run ended before it could be killed")
                 time.sleep(0.05)
+            if kill is not None:
+                kill(procs)
         finally:
             self._kill(procs)
         done = int(tf.train.latest_checkpoint(killed).rsplit("-", 1)[1])

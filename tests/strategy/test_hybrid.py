@@ -80,6 +80,35 @@ for slot in ("momentum", "velocity"):  # the slots live on the servers
 assert int(opt.iterations.numpy()) == 4
 print("custom loop: tables, slots and dense equal the one-device reference", flush=True)
 
+# What a server refuses, from any client: each call fails with its reason and changes nothing.
+from tf_sharded.hybrid import calls
+
+before, slot_before = a.numpy(), opt.table_slot(a, "momentum").numpy()
+where, shard = a.server_of[0], tf.constant(a.ids[0], tf.int64)
+
+
+def refused(method, args, spec, reason):
+    try:
+        strategy.servers.call(where, method, args, spec)
+    except tf.errors.OpError as e:
+        assert reason in e.message, (method, e.message)
+    else:
+        raise AssertionError(f"{method} was accepted")
+
+
+other_shape = {"name": "one_a", "rows": 31, "dim": 4, "shard": 0, "num_shards": 3, "scheme": "mod", "initializer": None}
+refused("create", [tf.constant(json.dumps(other_shape))], calls.PAIR, "exists on")
+refused("configure", [shard, tf.constant(json.dumps({"class_name": "RMSprop", "config": {}}))], calls.SCALAR_INT,
+        "RMSprop")
+sgd = {"class_name": "SGD", "config": {"learning_rate": 0.0}}
+refused("configure", [shard, tf.constant(json.dumps(sgd))], calls.SCALAR_INT, "are trained by Adam")
+refused("gather", [shard, tf.constant(""), tf.constant([10**6], tf.int64)], calls.FLAT, "outside the shard")
+refused("scatter", [shard, tf.constant(""), tf.constant([0, 1], tf.int64), tf.zeros([4])], calls.SCALAR_INT,
+        "2 rows to write with 1 values")
+refused("gather", [shard, tf.constant("no_such_slot"), tf.constant([0], tf.int64)], calls.FLAT, "no optimizer slot")
+assert np.array_equal(a.numpy(), before) and np.array_equal(opt.table_slot(a, "momentum").numpy(), slot_before)
+print("refusals: each call refused with its reason, nothing changed", flush=True)
+
 # Checkpoints are layout-free: the served tables and their slots restore into tables of this process in
 # other layouts, and the reference's state restores into the served ones.
 directory = tempfile.mkdtemp()

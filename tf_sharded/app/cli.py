@@ -632,5 +632,11 @@ def main(argv: List[str]) -> int:
     except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
         print(f"error: --data: cannot read input: {e}", file=sys.stderr)
     except Exception as e:  # noqa: BLE001  (reported in one line, then a non-zero exit)
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        from tf_sharded.hybrid.table import lost_server
+
+        lost = lost_server(e) if values.strategy == "hybrid" else None
+        if lost:
+            print(f"error: {lost}: the job ends; rerun it to resume from --checkpoint_dir", file=sys.stderr)
+        else:
+            print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
     return 1

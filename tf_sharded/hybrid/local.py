@@ -102,6 +102,7 @@ class LocalHybridCluster:
         self.cluster_dict = {}
         self._servers: List[subprocess.Popen] = []
         self._workers: List[tuple] = []  # (process, log file)
+        self._stopping = None
 
     @property
     def servers(self) -> List[str]:
@@ -128,7 +129,35 @@ class LocalHybridCluster:
         except BaseException:
             self.stop()
             raise
+        self._watch()
         return self
+
+    def _watch(self) -> None:
+        """If a server or another worker fails while the job runs, says so in one line on stderr, and with
+        several workers ends this process (exit code 1): it would otherwise wait for the lost one in its next
+        collective, for ever. Synchronous training restarts as a whole, from its checkpoint (as
+        MultiWorkerMirroredStrategy's). With one worker, its next call to a lost server fails by itself."""
+        import threading
+
+        def watch():
+            while not self._stopping.wait(0.5):
+                for what, proc in self._watched():
+                    code = proc.poll()
+                    if code is None or (what.startswith("worker") and code == 0) or self._stopping.is_set():
+                        continue
+                    ends = "the job ends with it" if self.num_workers > 1 else "the next step will fail"
+                    print(f"error: the local hybrid cluster's {what} ended (exit code {code}); {ends} (rerun it "
+                          "to resume from its checkpoint)", file=sys.stderr, flush=True)  # fmt: skip
+                    if self.num_workers > 1:
+                        os._exit(1)
+                    return
+
+        self._stopping = threading.Event()
+        threading.Thread(target=watch, name="LocalHybridClusterWatch", daemon=True).start()
+
+    def _watched(self) -> list:
+        servers = [(f"table server {a}", p) for a, p in zip(self.cluster_dict["ps"], self._servers)]
+        return servers + [(f"worker {i}", p) for i, (p, _) in enumerate(self._workers, start=1)]
 
     def _start_servers(self) -> None:
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"), PARENT_ENV: "1"}
@@ -182,6 +211,8 @@ class LocalHybridCluster:
 
     def stop(self) -> None:
         """Stops every process it started (idempotent)."""
+        if self._stopping is not None:
+            self._stopping.set()
         for proc in self._servers + [p for p, _ in self._workers]:
             if proc.poll() is None:
                 try:

@@ -28,6 +28,7 @@ servers as they come (Persia's hybrid).
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
 from typing import Dict, List, Optional, Sequence
@@ -271,6 +272,15 @@ class ServedTable(_RowsOnServers):
 
     def __repr__(self):
         return f"<tfs.ServedTable '{self.name}' shape={self.shape.as_list()} on {list(self.devices)}>"
+
+
+def lost_server(error: BaseException) -> Optional[str]:
+    """One line for an error raised because a table server stopped answering a call, else None."""
+    text = str(error)
+    if "RpcService" not in text:
+        return None
+    found = re.search(r'grpc_message:"([^"]*)"', text)
+    return f"a table server stopped answering ({found.group(1) if found else text.strip().splitlines()[0]})"
 
 
 def is_served(table_or_tag) -> bool:
