@@ -1,11 +1,13 @@
 """Child processes of the benchmarks: the environment they get, worker processes of one collective cluster,
-and running several at once."""
+running several at once, and the training application run as a user runs it."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
+import sys
 from typing import Dict, List, Sequence, Tuple
 
 Command = Tuple[List[str], Dict[str, str]]
@@ -54,3 +56,18 @@ def run_together_output(commands: List[Command], timeout: float) -> List[Tuple[i
             if p.poll() is None:
                 p.kill()
     return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+
+
+def train_summary(flags: List[str], workers: int = 0, timeout: float = 3600.0) -> Dict:
+    """`python -m tf_sharded train FLAGS` as a user runs it: one process, or `workers` processes of one
+    MultiWorkerMirroredStrategy cluster (each its `TF_CONFIG`). The chief's samples/s, held-out AUC and
+    summary line; RuntimeError with the end of its stderr if it fails."""
+    command = [sys.executable, "-m", "tf_sharded", "train", *flags]
+    commands = worker_commands(command, child_env(), workers) if workers else [(command, child_env())]
+    code, stdout, stderr = run_together_output(commands, timeout)[0]  # the chief's summary
+    summary = [line for line in stdout.splitlines() if line.startswith("summary:")]
+    if code != 0 or not summary:
+        raise RuntimeError(f"train {' '.join(flags)} failed:\n{stderr[-3000:]}")
+    rate = re.search(r"\| ([\d,]+) samples/s", summary[0])
+    auc = re.search(r"AUC (\d\.\d+)", summary[0])
+    return {"samples_per_s": float(rate.group(1).replace(",", "")), "auc": float(auc.group(1)), "summary": summary[0]}

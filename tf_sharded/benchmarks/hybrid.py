@@ -24,8 +24,6 @@ parameter servers'.
 
 from __future__ import annotations
 
-import re
-import sys
 from typing import Dict, List
 
 from tf_sharded.benchmarks import children
@@ -48,20 +46,9 @@ def _sizes(quick: bool) -> Dict:
 
 def _train(flags: List[str], workers: bool, sizes: Dict) -> Dict:
     """One application run; its chief's samples/s and held-out AUC."""
-    command = [sys.executable, "-m", "tf_sharded", "train", "--steps", str(sizes["steps"]), "--steps_per_epoch",
-               str(sizes["steps"]), "--max_vocab", str(sizes["vocab"]), "--eval_steps", "8", "--verbose", "0",
-               *flags]  # fmt: skip
-    if workers:
-        commands = children.worker_commands(command, children.child_env(), WORKERS)
-    else:
-        commands = [(command, children.child_env())]
-    code, stdout, stderr = children.run_together_output(commands, 3600)[0]  # the chief's summary
-    summary = [line for line in stdout.splitlines() if line.startswith("summary:")]
-    if code != 0 or not summary:
-        raise RuntimeError(f"B13: train {' '.join(flags)} failed:\n{stderr[-3000:]}")
-    rate = re.search(r"\| ([\d,]+) samples/s", summary[0])
-    auc = re.search(r"AUC (\d\.\d+)", summary[0])
-    return {"samples_per_s": float(rate.group(1).replace(",", "")), "auc": float(auc.group(1)), "summary": summary[0]}
+    common = ["--steps", str(sizes["steps"]), "--steps_per_epoch", str(sizes["steps"]), "--max_vocab",
+              str(sizes["vocab"]), "--eval_steps", "8", "--verbose", "0"]  # fmt: skip
+    return children.train_summary(common + flags, WORKERS if workers else 0)
 
 
 def run(quick: bool = False) -> Dict:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -227,20 +226,12 @@ def _child(replicas: int, quick: bool, out: Optional[str]) -> int:
 def _app(replicas: int, placement: str, sizes: Dict, workers: int = 0) -> Dict:
     """The application's training job, as a user runs it, with one placement: `--strategy mirrored
     --cpu_replicas N`, or with `workers` `--strategy multi_worker` in a process each (each its `TF_CONFIG`)."""
-    command = [sys.executable, "-m", "tf_sharded", "train", "--placement", placement, "--steps",
-               str(sizes["app_steps"]), "--steps_per_epoch", str(sizes["app_steps"]), "--max_vocab",
-               str(sizes["app_vocab"]), "--eval_steps", "8", "--verbose", "0"]  # fmt: skip
+    flags = ["--placement", placement, "--steps", str(sizes["app_steps"]), "--steps_per_epoch",
+             str(sizes["app_steps"]), "--max_vocab", str(sizes["app_vocab"]), "--eval_steps", "8",
+             "--verbose", "0"]  # fmt: skip
     if workers:
-        commands = children.worker_commands(command + ["--strategy", "multi_worker"], children.child_env(), workers)
-    else:
-        commands = [(command + ["--strategy", "mirrored", "--cpu_replicas", str(replicas)], children.child_env())]
-    code, stdout, stderr = children.run_together_output(commands, 3600)[0]  # the chief's summary
-    summary = [line for line in stdout.splitlines() if line.startswith("summary:")]
-    if code != 0 or not summary:
-        raise RuntimeError(f"B12: train --placement {placement} failed:\n{stderr[-3000:]}")
-    rate = re.search(r"\| ([\d,]+) samples/s", summary[0])
-    auc = re.search(r"AUC (\d\.\d+)", summary[0])
-    return {"samples_per_s": float(rate.group(1).replace(",", "")), "auc": float(auc.group(1))}
+        return children.train_summary(flags + ["--strategy", "multi_worker"], workers)
+    return children.train_summary(flags + ["--strategy", "mirrored", "--cpu_replicas", str(replicas)])
 
 
 def run(quick: bool = False, timeout: float = 3600.0) -> Dict:
