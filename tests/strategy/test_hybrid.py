@@ -164,7 +164,11 @@ assert np.abs(model.optimizer.table_slot(emb.embeddings, "accumulator").numpy() 
 want = single.evaluate(x, y, batch_size=8, verbose=0)
 assert abs(tfs.evaluate(model, data) - want) < 1e-5 and abs(history.history["val_loss"][-1] - want) < 1e-5
 assert np.allclose(tfs.predict(model, data), single.predict(x, batch_size=8, verbose=0), atol=1e-5)
-print("tfs.fit: table, slot, evaluate and predict equal Keras on one device", flush=True)
+# tfs.export reads the table from its servers into one plain variable: the SavedModel serves alone.
+served = tf.saved_model.load(tfs.export(model, os.path.join(directory, "export")))
+out = list(served.signatures["serving_default"](tf.constant(x[:8], tf.int64)).values())[0]
+assert np.allclose(out, single.predict(x[:8], verbose=0), atol=1e-5)
+print("tfs.fit: table, slot, evaluate, predict and export equal Keras on one device", flush=True)
 print("ONE WORKER OK", flush=True)
 """
 

@@ -334,11 +334,61 @@ def _pending_list() -> list:
     return _PENDING[graph]
 
 
+class _Group:
+    """Tables of one lookup routed as one key space: tables of one width whose shards hold contiguous rows
+    ("div", the default), or one table of another scheme. Each key is a table's row offset by the rows of the
+    group's tables before it; `g` numbers the group's shards (table by table), so that a step's rows are
+    de-duplicated, routed and sent with a few ops for all the group's tables."""
+
+    def __init__(self, tables: List[ServedTable]):
+        self.tables, self.dim = tables, int(tables[0].shape[1])
+        self.row_offsets, starts, servers, shard_ids, base = [], [], [], [], 0
+        for table in tables:
+            self.row_offsets.append(base)
+            for shard in range(table.num_shards):
+                starts.append(base + table.layout.offsets[shard])
+                servers.append(table.server_of[shard])
+                shard_ids.append(table.ids[shard])
+            base += int(table.shape[0])
+        self.routed_by_layout = tables[0].layout.scheme != "div"  # one table, routed by its own layout
+        self.starts, self.server_of, self.shard_ids = starts, servers, shard_ids
+
+    def route(self, keys: tf.Tensor) -> tuple:
+        """`(g, local row)` of distinct keys."""
+        if self.routed_by_layout:
+            shard, local = self.tables[0].layout.route(keys)
+            return tf.cast(shard, tf.int64), local
+        starts = tf.constant(self.starts, tf.int64)
+        g = tf.searchsorted(starts, keys, side="right", out_type=tf.int64) - 1
+        return g, keys - tf.gather(starts, g)
+
+    def requests(self, keys: tf.Tensor) -> tuple:
+        """`(distinct keys' positions in keys, [(server, shard ids, counts, rows, positions of its rows)])`."""
+        uniq, position = tf.unique(keys)
+        g, local = self.route(uniq)
+        servers = sorted(set(self.server_of))
+        # Each distinct key's server, then within a server in shard order: `counts` describe contiguous runs.
+        server_index = tf.gather(tf.constant([servers.index(s) for s in self.server_of], tf.int32), g)
+        where = tf.dynamic_partition(tf.range(tf.size(uniq)), server_index, len(servers))
+        out = []
+        for k, server in enumerate(servers):
+            mine = [i for i, s in enumerate(self.server_of) if s == server]
+            index_of = tf.constant([mine.index(i) if i in mine else 0 for i in range(len(self.server_of))], tf.int32)
+            slots = tf.gather(index_of, tf.gather(g, where[k]))
+            order = tf.argsort(slots, stable=True)
+            positions = tf.gather(where[k], order)
+            counts = tf.math.bincount(slots, minlength=len(mine), maxlength=len(mine), dtype=tf.int64)
+            shard_ids = tf.constant([self.shard_ids[i] for i in mine], tf.int64)
+            out.append((server, shard_ids, counts, tf.gather(local, positions), positions))
+        return uniq, position, out
+
+
 def lookup_served(pairs) -> list:
     """Rows for `(ServedTable, flat int64 ids)` pairs: one `lookup` call per server for all of them.
 
     Pairs of one table are read together (one row set per shard and step, so
-    the server applies one update per shard and step).
+    the server applies one update per shard and step); tables of one width
+    are routed together (`_Group`).
     """
     tables: List[ServedTable] = []
     ids_of: Dict[int, list] = {}
@@ -347,66 +397,54 @@ def lookup_served(pairs) -> list:
             tables.append(table)
             ids_of[id(table)] = []
         ids_of[id(table)].append(flat)
-    uniques, positions = [], []
-    by_server: Dict[int, list] = {}  # server -> [(table index, shard, local rows, slots in the table's uniques)]
-    for t, table in enumerate(tables):
-        flats = ids_of[id(table)]
-        uniq, position = tf.unique(tf.concat(flats, 0) if len(flats) > 1 else flats[0])
-        uniques.append(uniq)
-        positions.append(position)
-        shard, local = table.layout.route(uniq)
-        shard = tf.cast(shard, tf.int32)
-        locals_ = tf.dynamic_partition(local, shard, table.num_shards)
-        slots = tf.dynamic_partition(tf.range(tf.size(uniq)), shard, table.num_shards)
-        for s in range(table.num_shards):
-            by_server.setdefault(table.server_of[s], []).append((t, s, locals_[s], slots[s]))
-    requests = []
-    for server, parts in sorted(by_server.items()):
-        shard_ids = tf.constant([tables[t].ids[s] for t, s, _, _ in parts], tf.int64)
-        counts = tf.stack([tf.size(rows, out_type=tf.int64) for _, _, rows, _ in parts])
-        rows = tf.concat([rows for _, _, rows, _ in parts], 0)
-        requests.append((server, parts, shard_ids, counts, rows))
+    grouped: Dict[tuple, List[ServedTable]] = {}
+    for table in tables:
+        div = table.layout.scheme == "div"
+        grouped.setdefault((int(table.shape[1]),) if div else (id(table),), []).append(table)
+    groups, plans = [_Group(members) for members in grouped.values()], []
+    for group in groups:
+        flats = [tf.concat(ids_of[id(t)], 0) for t in group.tables]
+        keys = tf.concat([f + offset for f, offset in zip(flats, group.row_offsets)], 0)
+        plans.append((flats, *group.requests(keys)))
+    calls_made = [(group, request) for group, plan in zip(groups, plans) for request in plan[3]]
     servers = tables[0].servers
+    ordered = [t for group in groups for t in group.tables]
 
     @tf.custom_gradient
     def fetch(*anchors):
-        pieces: Dict[int, list] = {t: [] for t in range(len(tables))}
-        flats = servers.call_many([(server, "lookup", args, calls.FLAT) for server, _, *args in requests])
-        for (_, parts, _, counts, _), flat in zip(requests, flats):
-            dims = [int(tables[t].shape[1]) for t, _, _, _ in parts]
-            found = tf.split(flat, counts * tf.constant(dims, tf.int64), num=len(parts))
-            for (t, _, _, slots), values, dim in zip(parts, found, dims):
-                pieces[t].append((slots, tf.reshape(values, [-1, dim])))
-        out = []
-        for t, table in enumerate(tables):
-            slots, values = zip(*pieces[t])
-            out.append(tf.reshape(tf.dynamic_stitch(list(slots), list(values)), [-1, int(table.shape[1])]))
+        found = servers.call_many([(r[0], "lookup", list(r[1:4]), calls.FLAT) for _, r in calls_made])
+        out, k = [], 0
+        for group, (_, uniq, _, requests) in zip(groups, plans):
+            values = [tf.reshape(v, [-1, group.dim]) for v in found[k : k + len(requests)]]
+            k += len(requests)
+            stitched = tf.dynamic_stitch([tf.cast(r[4], tf.int32) for r in requests], values)
+            out.append(tf.reshape(stitched, [tf.size(uniq), group.dim]))
 
         def grad(*upstream):
             sends = []
-            for server, parts, shard_ids, counts, rows in requests:
-                values = []
-                for t, _, _, slots in parts:
-                    dy = upstream[t]
-                    dy = tf.zeros_like(out[t]) if dy is None else tf.convert_to_tensor(dy)
-                    values.append(tf.reshape(tf.gather(dy, slots), [-1]))
-                sends.append((server, shard_ids, counts, rows, tf.concat(values, 0)))
+            for group_rows, dy, (_, _, _, requests) in zip(out, upstream, plans):
+                dy = tf.zeros_like(group_rows) if dy is None else tf.convert_to_tensor(dy)
+                for server, shard_ids, counts, rows, positions in requests:
+                    sends.append((server, shard_ids, counts, rows, tf.reshape(tf.gather(dy, positions), [-1])))
             with _PENDING_LOCK:
-                _pending_list().append((tuple(tables), sends))
+                _pending_list().append((tuple(ordered), sends))
             return [tf.zeros_like(a) for a in anchors]
 
         return out, grad
 
-    unique_rows = fetch(*[tf.identity(t.anchor) for t in tables])
-    rows_of = {id(t): tf.gather(r, p) for t, r, p in zip(tables, unique_rows, positions)}
-    results, used = [], {id(t): 0 for t in tables}
-    for table, _ in pairs:
-        rows = rows_of[id(table)]
-        if len(ids_of[id(table)]) > 1:
+    unique_rows = fetch(*[tf.identity(t.anchor) for t in ordered])
+    rows_of = {}
+    for group, rows, (flats, _, position, _) in zip(groups, unique_rows, plans):
+        parts = tf.split(tf.gather(rows, position), [tf.size(f) for f in flats]) if len(flats) > 1 else [
+            tf.gather(rows, position)]  # fmt: skip
+        for table, part in zip(group.tables, parts):
             sizes = [tf.size(f) for f in ids_of[id(table)]]
-            rows = tf.split(rows, sizes)[used[id(table)]]
-            used[id(table)] += 1
-        results.append(rows)
+            rows_of[id(table)] = list(tf.split(part, sizes)) if len(sizes) > 1 else [part]
+    used = {id(t): 0 for t in tables}
+    results = []
+    for table, _ in pairs:
+        results.append(rows_of[id(table)][used[id(table)]])
+        used[id(table)] += 1
     return results
 
 
