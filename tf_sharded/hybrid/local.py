@@ -24,6 +24,7 @@ import time
 from typing import List, Optional, Sequence
 
 from tf_sharded import isolation as _isolation
+from tf_sharded.errors import positive_int
 
 # Set for the workers a local cluster starts: they run the command that started it, whose cluster flags
 # describe the cluster they are part of.
@@ -47,12 +48,6 @@ def exit_with_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="ExitWithParent", daemon=True).start()
-
-
-def _positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Argument `{name}` must be a positive int. Received: {name}={value!r}")
-    return value
 
 
 class LocalHybridCluster:
@@ -88,7 +83,7 @@ class LocalHybridCluster:
         isolation: Optional[str] = None,
         start_timeout: float = 120.0,
     ):
-        self.num_workers, self.num_ps = _positive("num_workers", num_workers), _positive("num_ps", num_ps)
+        self.num_workers, self.num_ps = positive_int("num_workers", num_workers), positive_int("num_ps", num_ps)
         if num_workers > 1 and not worker_command:
             raise ValueError(
                 f"Argument `worker_command` must name the program workers 1.. run ({num_workers} workers). "
