@@ -15,7 +15,7 @@ per task:
 
 Reported per run: samples/s and held-out AUC (the chief's summary line);
 then hybrid's samples/s over each other's, and the AUC differences. The
-goals (the issue's): hybrid at least 1.3x MultiWorkerMirrored's samples/s,
+goals: hybrid at least 1.3x MultiWorkerMirrored's samples/s,
 held-out AUC within 0.005 of the synchronous runs and at least the
 parameter servers'.
 
