@@ -309,7 +309,7 @@ def _train(args, strategy, description, workers) -> int:
     import tensorflow as tf
 
     import tf_sharded as tfs
-    from tf_sharded.app import inputs, models
+    from tf_sharded.app import footprint, inputs, models
     from tf_sharded.app.schema import LabelType
 
     ps = tfs.strategy.family_of(strategy).dataset_function
@@ -366,6 +366,7 @@ def _train(args, strategy, description, workers) -> int:
         print(f"skipped {plan.scanned.malformed} malformed record(s); first: {plan.scanned.first_error}")
     shown = ", ".join(f"{name} {value:.4f}" for name, value in metrics.items())
     print(f"held-out {shown} on {evaluated} examples")
+    print(footprint.describe(footprint.footprint(model)))
     print(f"checkpoint: {checkpoint or '(none: pass --checkpoint_dir)'}")
     print(
         f"summary: {args.model} | {description} | {tfs.training.steps_done(model)} steps "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 from typing import Dict, List, Sequence, Tuple
@@ -60,14 +61,24 @@ def run_together_output(commands: List[Command], timeout: float) -> List[Tuple[i
 
 def train_summary(flags: List[str], workers: int = 0, timeout: float = 3600.0) -> Dict:
     """`python -m tf_sharded train FLAGS` as a user runs it: one process, or `workers` processes of one
-    MultiWorkerMirroredStrategy cluster (each its `TF_CONFIG`). The chief's samples/s, held-out AUC and
-    summary line; RuntimeError with the end of its stderr if it fails."""
+    MultiWorkerMirroredStrategy cluster (each its `TF_CONFIG`). The chief's samples/s, held-out AUC,
+    summary line and `memory:` figures, and the CPU seconds of every process of the run (those it starts
+    included: each waits for its own); RuntimeError with the end of its stderr if it fails."""
     command = [sys.executable, "-m", "tf_sharded", "train", *flags]
     commands = worker_commands(command, child_env(), workers) if workers else [(command, child_env())]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     code, stdout, stderr = run_together_output(commands, timeout)[0]  # the chief's summary
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     summary = [line for line in stdout.splitlines() if line.startswith("summary:")]
     if code != 0 or not summary:
         raise RuntimeError(f"train {' '.join(flags)} failed:\n{stderr[-3000:]}")
     rate = re.search(r"\| ([\d,]+) samples/s", summary[0])
     auc = re.search(r"AUC (\d\.\d+)", summary[0])
-    return {"samples_per_s": float(rate.group(1).replace(",", "")), "auc": float(auc.group(1)), "summary": summary[0]}
+    found = {"samples_per_s": float(rate.group(1).replace(",", "")), "auc": float(auc.group(1)), "summary": summary[0],
+             "cpu_s": after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime}  # fmt: skip
+    memory = re.search(r"^memory: peak resident ([\d,]+) MiB; variables held here ([\d,.]+) MiB; tables and their "
+                       r"optimizer slots ([\d,.]+) MiB", stdout, re.M)  # fmt: skip
+    if memory:
+        found.update(zip(("peak_resident_mib", "held_mib", "tables_mib"),
+                         (float(g.replace(",", "")) for g in memory.groups())))  # fmt: skip
+    return found

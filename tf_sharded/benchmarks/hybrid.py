@@ -14,10 +14,13 @@ per task:
   process`: everything asynchronous.
 
 Reported per run: samples/s and held-out AUC (the chief's summary line);
-then hybrid's samples/s over each other's, and the AUC differences. The
-goals: hybrid at least 1.3x MultiWorkerMirrored's samples/s,
-held-out AUC within 0.005 of the synchronous runs and at least the
-parameter servers'.
+the chief's memory (its `memory:` line: peak resident, the variables it
+holds, the tables and their slots); the CPU seconds of all the run's
+processes per 1,000 samples (start-up, tracing and evaluation included); then hybrid's samples/s over each other's, and
+the AUC differences. The goals: hybrid at least 1.3x MultiWorkerMirrored's
+samples/s, held-out AUC within 0.005 of the synchronous runs and at least
+the parameter servers', and a hybrid worker holding at most 5% of the
+tables' bytes (tables and slots) in variables.
 
     python -m tf_sharded bench hybrid [--quick]
 """
@@ -29,6 +32,7 @@ from typing import Dict, List
 from tf_sharded.benchmarks import children
 
 WORKERS, SERVERS = 2, 2
+BATCH = 512  # the application's default global batch
 # (label, the strategy's flags, whether its workers are started here as MultiWorkerMirrored processes)
 RUNS = [
     ("hybrid", ["--strategy", "hybrid", "--num_workers", str(WORKERS), "--num_ps", str(SERVERS)], False),
@@ -37,7 +41,7 @@ RUNS = [
     ("parameter_server", ["--strategy", "parameter_server", "--num_workers", str(WORKERS), "--num_ps",
                           str(SERVERS), "--local_cluster", "process"], False),
 ]  # fmt: skip
-GOAL_SPEEDUP, GOAL_AUC = 1.3, 0.005
+GOAL_SPEEDUP, GOAL_AUC, GOAL_WORKER_SHARE = 1.3, 0.005, 0.05
 
 
 def _sizes(quick: bool) -> Dict:
@@ -46,8 +50,8 @@ def _sizes(quick: bool) -> Dict:
 
 def _train(flags: List[str], workers: bool, sizes: Dict) -> Dict:
     """One application run; its chief's samples/s and held-out AUC."""
-    common = ["--steps", str(sizes["steps"]), "--steps_per_epoch", str(sizes["steps"]), "--max_vocab",
-              str(sizes["vocab"]), "--eval_steps", "8", "--verbose", "0"]  # fmt: skip
+    common = ["--steps", str(sizes["steps"]), "--steps_per_epoch", str(sizes["steps"]), "--batch_size", str(BATCH),
+              "--max_vocab", str(sizes["vocab"]), "--eval_steps", "8", "--verbose", "0"]  # fmt: skip
     return children.train_summary(common + flags, WORKERS if workers else 0)
 
 
@@ -55,6 +59,9 @@ def run(quick: bool = False) -> Dict:
     """Runs B13 (one application run per strategy, one after the other); returns the report."""
     sizes = _sizes(quick)
     runs = {label: _train(flags, workers, sizes) for label, flags, workers in RUNS}
+    for r in runs.values():
+        r["cpu_s_per_1000_samples"] = r["cpu_s"] / (sizes["steps"] * BATCH / 1000)
+        r["held_share_of_tables"] = r["held_mib"] / r["tables_mib"]
     hybrid = runs["hybrid"]
     comparisons = {
         label: {
@@ -78,6 +85,7 @@ def run(quick: bool = False) -> Dict:
             "speedup_vs_multi_worker": min(c["hybrid_vs_samples_per_s"] for c in synchronous) >= GOAL_SPEEDUP,
             "auc_within_synchronous": max(abs(c["auc_difference"]) for c in synchronous) <= GOAL_AUC,
             "auc_at_least_parameter_server": comparisons["parameter_server"]["auc_difference"] >= 0,
+            "worker_memory_share": hybrid["held_share_of_tables"] <= GOAL_WORKER_SHARE,
         },
     }
 
@@ -101,5 +109,10 @@ def format_rows(report: Dict) -> List[str]:
             else ""
         )
         lines.append(f"  {LABELS[label]}: {r['samples_per_s']:,.0f} samples/s, AUC {r['auc']:.4f}{extra}")
+        lines.append(
+            f"    CPU {r['cpu_s_per_1000_samples']:.2f} s per 1,000 samples; chief: peak resident "
+            f"{r['peak_resident_mib']:,.0f} MiB, variables {r['held_mib']:,.1f} MiB = "
+            f"{r['held_share_of_tables']:.1%} of the tables and slots' {r['tables_mib']:,.1f} MiB"
+        )
     lines.append(f"  goals: {report['goals']}")
     return lines
