@@ -227,10 +227,13 @@ def _hybrid_strategy(args):
         s = tfs.hybrid.HybridStrategy.from_tf_config()
         spec = config["cluster"]
         return s, f"hybrid ({s.num_replicas_in_sync} workers, {len(spec['ps'])} table servers, TF_CONFIG)", 1, None
+    from tf_sharded.app import restart
+
     command = [sys.executable, "-m", "tf_sharded", *sys.argv[1:]]
     cluster = tfs.hybrid.LocalHybridCluster(
-        args.num_workers, args.num_ps, worker_command=command, isolation=args.local_cluster_isolation
-    ).start()
+        args.num_workers, args.num_ps, worker_command=command, isolation=args.local_cluster_isolation,
+        on_failure=lambda cluster, reason: restart.restart(reason, args.checkpoint_dir, cluster),
+    ).start()  # fmt: skip
     where = f"local: {args.num_ps} table servers, {args.num_workers} workers, a process each"
     return cluster.strategy(), f"hybrid ({where})", 1, cluster
 
@@ -633,11 +636,13 @@ def main(argv: List[str]) -> int:
     except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
         print(f"error: --data: cannot read input: {e}", file=sys.stderr)
     except Exception as e:  # noqa: BLE001  (reported in one line, then a non-zero exit)
+        from tf_sharded.app import restart
         from tf_sharded.hybrid.table import lost_server
 
         lost = lost_server(e) if values.strategy == "hybrid" else None
         if lost:
-            print(f"error: {lost}: the job ends; rerun it to resume from --checkpoint_dir", file=sys.stderr)
+            restart.restart(lost, values.checkpoint_dir)  # the cluster is stopped: the command runs again
+            print(f"error: {lost}: {restart.ending(values.checkpoint_dir)}", file=sys.stderr)
         else:
             print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
     return 1

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from tf_sharded import isolation as _isolation
 from tf_sharded.errors import positive_int
@@ -60,6 +60,9 @@ class LocalHybridCluster:
         `[sys.executable, "train.py"]`; each gets `TF_CONFIG` naming the cluster and its task.
       isolation: "auto", "required" or "none", as `tfs.cluster.LocalCluster`'s (for the workers' ports).
       start_timeout: seconds for the servers to start serving.
+      on_failure: called as `on_failure(cluster, reason)` (from a thread of its own) when a server or another
+        worker fails while the job runs, before the cluster's own handling (below); e.g. to stop the cluster
+        and restart the job from its checkpoint, as the application does.
 
     Example (this process the only worker; two table servers):
 
@@ -82,6 +85,7 @@ class LocalHybridCluster:
         worker_command: Optional[Sequence[str]] = None,
         isolation: Optional[str] = None,
         start_timeout: float = 120.0,
+        on_failure: Optional[Callable[[LocalHybridCluster, str], None]] = None,
     ):
         self.num_workers, self.num_ps = positive_int("num_workers", num_workers), positive_int("num_ps", num_ps)
         if num_workers > 1 and not worker_command:
@@ -93,7 +97,7 @@ class LocalHybridCluster:
         self.isolation = os.environ.get(_isolation.ENV, "auto") if isolation is None else isolation
         if self.isolation not in _isolation.MODES:
             raise ValueError(f"Argument `isolation` must be one of {_isolation.MODES}. Received: {self.isolation!r}")
-        self.start_timeout = start_timeout
+        self.start_timeout, self.on_failure = start_timeout, on_failure
         self.cluster_dict = {}
         self._servers: List[subprocess.Popen] = []
         self._workers: List[tuple] = []  # (process, log file)
@@ -140,6 +144,10 @@ class LocalHybridCluster:
                     code = proc.poll()
                     if code is None or (what.startswith("worker") and code == 0) or self._stopping.is_set():
                         continue
+                    if self.on_failure is not None:
+                        self.on_failure(self, f"the local hybrid cluster's {what} ended (exit code {code})")
+                        if self._stopping.is_set():  # it stopped the cluster
+                            return
                     ends = "the job ends with it" if self.num_workers > 1 else "the next step will fail"
                     print(f"error: the local hybrid cluster's {what} ended (exit code {code}); {ends} (rerun it "
                           "to resume from its checkpoint)", file=sys.stderr, flush=True)  # fmt: skip
