@@ -261,36 +261,38 @@ class ApplicationTest(tf.test.TestCase):
                          "`schema infer`)")  # fmt: skip
 
     def test_one_process_per_task_with_tf_config(self):
-        ports = {
-            job: [portpicker.pick_unused_port() for _ in range(n)]
-            for job, n in (("chief", 1), ("worker", 2), ("ps", 2))
-        }
-        cluster = {job: [f"localhost:{p}" for p in ps] for job, ps in ports.items()}
+        """Each task of a TF_CONFIG cluster runs the same command: parameter servers (the chief trains, ps and
+        workers serve) and hybrid (ps tasks serve tables, chief and worker train together); both at once."""
+        jobs = {"parameter_server": (("chief", 1), ("worker", 2), ("ps", 2)), "hybrid": (("chief", 1), ("worker", 1),
+                                                                                          ("ps", 1))}  # fmt: skip
         procs = {}
         try:
-            for job in ("ps", "worker", "chief"):
-                for i in range(len(cluster[job])):
-                    env = {
-                        **os.environ,
-                        "TF_CPP_MIN_LOG_LEVEL": "2",
-                        "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": job, "index": i}}),
-                    }
-                    procs[(job, i)] = subprocess.Popen(
-                        [sys.executable, "-m", "tf_sharded", "train", "--strategy", "parameter_server", *TINY],
-                        env=env,
-                        cwd=ROOT,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE,
-                        text=True,
-                        preexec_fn=network(),  # the tasks reach one another in the run's own network
-                    )
-            out, err = procs[("chief", 0)].communicate(timeout=300)
-            self.assertEqual(procs[("chief", 0)].returncode, 0, err[-3000:])
-            self.assertIn("parameter_server (2 ps, 2 workers, TF_CONFIG)", out)
-            self.assertIn("4 steps", summary(subprocess.CompletedProcess([], 0, out, err)))
+            for strategy, counts in jobs.items():
+                cluster = {job: [f"localhost:{portpicker.pick_unused_port()}" for _ in range(n)] for job, n in counts}
+                for job, n in counts:
+                    for i in range(n):
+                        config = json.dumps({"cluster": cluster, "task": {"type": job, "index": i}})
+                        procs[(strategy, job, i)] = subprocess.Popen(
+                            [sys.executable, "-m", "tf_sharded", "train", "--strategy", strategy, *TINY],
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_CONFIG": config},
+                            cwd=ROOT,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            text=True,
+                            preexec_fn=network(),  # the tasks reach one another in the run's own network
+                        )
+            described = {"parameter_server": "parameter_server (2 ps, 2 workers, TF_CONFIG)",
+                         "hybrid": "hybrid (2 workers, 1 table server, TF_CONFIG)"}  # fmt: skip
+            for strategy, where in described.items():
+                trainers = [k for k in procs if k[0] == strategy and k[1] != "ps"]
+                for key in trainers if strategy == "hybrid" else [(strategy, "chief", 0)]:
+                    out, err = procs[key].communicate(timeout=300)
+                    self.assertEqual(procs[key].returncode, 0, f"{key}: {err[-3000:]}")
+                    self.assertIn(where, out, key)
+                    self.assertIn("4 steps", summary(subprocess.CompletedProcess([], 0, out, err)))
             time.sleep(0.5)
             for key, p in procs.items():
-                if key[0] != "chief":
+                if key[1] == "ps" or key[0] == "parameter_server" and key[1] != "chief":
                     self.assertIsNone(p.poll(), msg=f"{key} exited early")  # servers serve until stopped
         finally:
             for p in procs.values():

@@ -226,7 +226,8 @@ def _hybrid_strategy(args):
             return None, "tables", 0, None
         s = tfs.hybrid.HybridStrategy.from_tf_config()
         spec = config["cluster"]
-        return s, f"hybrid ({s.num_replicas_in_sync} workers, {len(spec['ps'])} table servers, TF_CONFIG)", 1, None
+        servers = f"{len(spec['ps'])} table server{'s' if len(spec['ps']) > 1 else ''}"
+        return s, f"hybrid ({s.num_replicas_in_sync} workers, {servers}, TF_CONFIG)", 1, None
     from tf_sharded.app import restart
 
     command = [sys.executable, "-m", "tf_sharded", *sys.argv[1:]]
@@ -234,7 +235,9 @@ def _hybrid_strategy(args):
         args.num_workers, args.num_ps, worker_command=command, isolation=args.local_cluster_isolation,
         on_failure=lambda cluster, reason: restart.restart(reason, args.checkpoint_dir, cluster),
     ).start()  # fmt: skip
-    where = f"local: {args.num_ps} table servers, {args.num_workers} workers, a process each"
+    where = (
+        f"local: {args.num_ps} table server{'s' if args.num_ps > 1 else ''}, {args.num_workers} workers, a process each"
+    )
     return cluster.strategy(), f"hybrid ({where})", 1, cluster
 
 
