@@ -430,8 +430,9 @@ class KillAndResumeTest(tf.test.TestCase):
         flags = ["--strategy", "hybrid", "--num_workers", "1", "--num_ps", "1", "--steps", "45"]
         self._kill_and_resume(flags, 45, 15, kill=lambda procs: os.kill(self._started_by(procs[0], "tf_sharded.hybrid"),
                                                                          signal.SIGKILL), restarts=True)  # fmt: skip
-        self.assertRegex(self._stderr, r"(?m)^restarting: a table server stopped answering \(.+\); the job restarts "
-                                       r"from --checkpoint_dir \(restart 1 of 3\)$")  # fmt: skip
+        restarted = (r"(?m)^restarting: the local hybrid cluster's table server localhost:\d+ ended \(exit code -9\); "
+                     r"the job restarts from --checkpoint_dir \(restart 1 of 3\)$")  # fmt: skip
+        self.assertRegex(self._stderr, restarted)
 
     def test_hybrid_job_whose_second_worker_is_killed_restarts_itself(self):
         """Two workers: the lost one cannot rejoin a synchronous step, so the job restarts as a whole and ends

@@ -283,7 +283,9 @@ def _evaluate(model, held_out, binary: bool):
 
 
 def train(args) -> int:
-    from tf_sharded.app import inputs
+    import tensorflow as tf
+
+    from tf_sharded.app import inputs, restart
 
     inputs.check_writable(args.checkpoint_dir)
     # `workers`: input pipelines (each parameter-server worker reads its own; else one stream).
@@ -301,6 +303,17 @@ def train(args) -> int:
         if hasattr(cluster, "wait_for_workers"):
             cluster.wait_for_workers()
         return code
+    except Exception as e:
+        # A hybrid step fails as soon as a peer is lost, often before the local cluster's watcher sees it.
+        failed = (
+            cluster.failure(wait=2.0 if isinstance(e, tf.errors.OpError) else 0)
+            if hasattr(cluster, "failure")
+            else None
+        )
+        if failed:
+            restart.restart(failed, args.checkpoint_dir, cluster)
+            raise restart.JobFailure(failed) from e
+        raise
     finally:
         if cluster is not None:
             # A function's last reference going away asks every task to forget it: with the tasks already
@@ -632,6 +645,7 @@ def main(argv: List[str]) -> int:
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+    from tf_sharded.app import restart
     from tf_sharded.app.readers import InputError
     from tf_sharded.app.schema import SchemaError
     from tf_sharded.errors import CheckpointMismatchError
@@ -644,8 +658,9 @@ def main(argv: List[str]) -> int:
         print(f"error: --checkpoint_dir {values.checkpoint_dir}: {e}", file=sys.stderr)
     except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
         print(f"error: --data: cannot read input: {e}", file=sys.stderr)
+    except restart.JobFailure as e:
+        print(f"error: {e}: {restart.ending(values.checkpoint_dir)}", file=sys.stderr)
     except Exception as e:  # noqa: BLE001  (reported in one line, then a non-zero exit)
-        from tf_sharded.app import restart
         from tf_sharded.hybrid.table import lost_server
 
         lost = lost_server(e) if values.strategy == "hybrid" else None

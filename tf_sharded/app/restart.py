@@ -24,6 +24,10 @@ MAX_RESTARTS = 3
 _LOCK = threading.Lock()
 
 
+class JobFailure(RuntimeError):
+    """A step failed because a process of the job's local cluster did (the message says which)."""
+
+
 def restarts_done() -> int:
     """How many times this job has restarted so far."""
     return int(os.environ.get(RESTARTS_ENV, "0"))

@@ -132,31 +132,44 @@ class LocalHybridCluster:
         return self
 
     def _watch(self) -> None:
-        """If a server or another worker fails while the job runs, says so in one line on stderr, and with
-        several workers ends this process (exit code 1): it would otherwise wait for the lost one in its next
-        collective, for ever. Synchronous training restarts as a whole, from its checkpoint (as
-        MultiWorkerMirroredStrategy's). With one worker, its next call to a lost server fails by itself."""
+        """If a server or another worker fails while the job runs, calls `on_failure`; unless that stopped the
+        cluster, says so in one line on stderr and with several workers ends this process (exit code 1): it
+        would otherwise wait for the lost one in its next collective, for ever. Synchronous training restarts
+        as a whole, from its checkpoint (as MultiWorkerMirroredStrategy's). With one worker, its next call to a
+        lost server fails by itself."""
         import threading
 
         def watch():
             while not self._stopping.wait(0.5):
-                for what, proc in self._watched():
-                    code = proc.poll()
-                    if code is None or (what.startswith("worker") and code == 0) or self._stopping.is_set():
-                        continue
-                    if self.on_failure is not None:
-                        self.on_failure(self, f"the local hybrid cluster's {what} ended (exit code {code})")
-                        if self._stopping.is_set():  # it stopped the cluster
-                            return
-                    ends = "the job ends with it" if self.num_workers > 1 else "the next step will fail"
-                    print(f"error: the local hybrid cluster's {what} ended (exit code {code}); {ends} (rerun it "
-                          "to resume from its checkpoint)", file=sys.stderr, flush=True)  # fmt: skip
-                    if self.num_workers > 1:
-                        os._exit(1)
-                    return
+                failed = self.failure()
+                if failed is None or self._stopping.is_set():
+                    continue
+                if self.on_failure is not None:
+                    self.on_failure(self, failed)
+                    if self._stopping.is_set():  # it stopped the cluster
+                        return
+                ends = "the job ends with it" if self.num_workers > 1 else "the next step will fail"
+                print(f"error: {failed}; {ends} (rerun it to resume from its checkpoint)", file=sys.stderr, flush=True)
+                if self.num_workers > 1:
+                    os._exit(1)
+                return
 
         self._stopping = threading.Event()
         threading.Thread(target=watch, name="LocalHybridClusterWatch", daemon=True).start()
+
+    def failure(self, wait: float = 0.0) -> Optional[str]:
+        """Which server or other worker has ended while the job runs (a worker ending well does not count), as
+        a phrase, or None. Waits up to `wait` seconds for one: a peer's loss can surface in a step (a reset
+        connection) just before its process has ended."""
+        deadline = time.monotonic() + wait
+        while True:
+            for what, proc in self._watched():
+                code = proc.poll()
+                if code is not None and not (what.startswith("worker") and code == 0):
+                    return f"the local hybrid cluster's {what} ended (exit code {code})"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.1)
 
     def _watched(self) -> list:
         servers = [(f"table server {a}", p) for a, p in zip(self.cluster_dict["ps"], self._servers)]
