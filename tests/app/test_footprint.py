@@ -39,6 +39,10 @@ class FootprintTest(tf.test.TestCase):
         line = footprint.describe(found)
         self.assertRegex(line, r"^memory: peak resident [\d,]+ MiB; variables held here 0\.0 MiB; tables and their "
                                r"optimizer slots 0\.0 MiB$")  # fmt: skip
+        read = footprint.parse(f"held-out AUC 0.5\n{line}\ncheckpoint: x\n")
+        self.assertEqual(read["held_mib"], 0.0)
+        self.assertAlmostEqual(read["peak_resident_mib"], found["peak_resident_mib"], delta=0.5)
+        self.assertIsNone(footprint.parse("summary: no memory line"))
 
     def test_each_replica_copy_counts_once_per_copy(self):
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])

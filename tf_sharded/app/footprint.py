@@ -13,8 +13,9 @@ memory a strategy saves on a worker is read from the run itself:
 
 from __future__ import annotations
 
+import re
 import resource
-from typing import Dict, Iterable
+from typing import Dict, Iterable, Optional
 
 import tensorflow as tf
 
@@ -90,7 +91,24 @@ def footprint(model) -> Dict[str, float]:
 
 
 def describe(found: Dict[str, float]) -> str:
+    """The `memory:` line the application prints."""
     return (
         f"memory: peak resident {found['peak_resident_mib']:,.0f} MiB; variables held here "
         f"{found['held_mib']:,.1f} MiB; tables and their optimizer slots {found['tables_mib']:,.1f} MiB"
     )
+
+
+_LINE = re.compile(
+    r"^memory: peak resident ([\d,]+) MiB; variables held here ([\d,.]+) MiB; tables and their optimizer slots "
+    r"([\d,.]+) MiB$",
+    re.M,
+)
+
+
+def parse(output: str) -> Optional[Dict[str, float]]:
+    """The figures of the first `memory:` line in a command's output (as `describe` wrote them), or None."""
+    found = _LINE.search(output)
+    if found is None:
+        return None
+    keys = ("peak_resident_mib", "held_mib", "tables_mib")
+    return {key: float(value.replace(",", "")) for key, value in zip(keys, found.groups())}

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from typing import Dict, List, Sequence, Tuple
 
+from tf_sharded.app import footprint
+
 Command = Tuple[List[str], Dict[str, str]]
 
 
@@ -76,9 +78,5 @@ def train_summary(flags: List[str], workers: int = 0, timeout: float = 3600.0) -
     auc = re.search(r"AUC (\d\.\d+)", summary[0])
     found = {"samples_per_s": float(rate.group(1).replace(",", "")), "auc": float(auc.group(1)), "summary": summary[0],
              "cpu_s": after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime}  # fmt: skip
-    memory = re.search(r"^memory: peak resident ([\d,]+) MiB; variables held here ([\d,.]+) MiB; tables and their "
-                       r"optimizer slots ([\d,.]+) MiB", stdout, re.M)  # fmt: skip
-    if memory:
-        found.update(zip(("peak_resident_mib", "held_mib", "tables_mib"),
-                         (float(g.replace(",", "")) for g in memory.groups())))  # fmt: skip
+    found.update(footprint.parse(stdout) or {})
     return found

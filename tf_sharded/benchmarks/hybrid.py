@@ -16,8 +16,9 @@ per task:
 Reported per run: samples/s and held-out AUC (the chief's summary line);
 the chief's memory (its `memory:` line: peak resident, the variables it
 holds, the tables and their slots); the CPU seconds of all the run's
-processes per 1,000 samples (start-up, tracing and evaluation included); then hybrid's samples/s over each other's, and
-the AUC differences. The goals: hybrid at least 1.3x MultiWorkerMirrored's
+processes per 1,000 samples (start-up, tracing and evaluation included);
+then hybrid's samples/s over each other's, and the AUC differences. The
+goals: hybrid at least 1.3x MultiWorkerMirrored's
 samples/s, held-out AUC within 0.005 of the synchronous runs and at least
 the parameter servers', and a hybrid worker holding at most 5% of the
 tables' bytes (tables and slots) in variables.
