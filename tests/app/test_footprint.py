@@ -4,6 +4,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_sharded as tfs
+from tests.harness.strategies import mirrored, uid
 from tf_sharded.app import footprint
 
 ROWS, DIM = 50, 4
@@ -14,7 +15,7 @@ def trained(strategy, placement=None):
 
     with strategy.scope():
         inp = keras.Input((3,), dtype="int64")
-        emb = tfs.layers.Embedding(ROWS, DIM, combiner="mean", placement=placement, name="fp_emb")
+        emb = tfs.layers.Embedding(ROWS, DIM, combiner="mean", placement=placement, name=uid("footprint"))
         model = keras.Model(inp, keras.layers.Dense(1)(emb(inp)))
         model.compile(optimizer=tfs.optimizers.Adam(0.1), loss="mse")
     x = np.random.RandomState(0).randint(0, ROWS, (8, 3))
@@ -45,10 +46,12 @@ class FootprintTest(tf.test.TestCase):
         self.assertIsNone(footprint.parse("summary: no memory line"))
 
     def test_each_replica_copy_counts_once_per_copy(self):
-        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        strategy = mirrored()  # the process's one MirroredStrategy, on 4 virtual CPUs
         model, _ = trained(strategy, placement="device")
         found = footprint.footprint(model)
         table_and_slots = ROWS * DIM * 4 * 3
         self.assertEqual(found["tables_mib"] * footprint.MIB, table_and_slots)  # the table's size, not its copies'
-        # Every variable is mirrored on both replicas.
-        self.assertEqual(found["held_mib"] * footprint.MIB, 2 * (table_and_slots + dense_bytes(model)))
+        # Every variable is mirrored on each replica.
+        replicas = strategy.num_replicas_in_sync
+        self.assertEqual(replicas, 4)
+        self.assertEqual(found["held_mib"] * footprint.MIB, replicas * (table_and_slots + dense_bytes(model)))
