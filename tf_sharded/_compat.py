@@ -237,6 +237,12 @@ def keras_register_trainable(optimizer, variable) -> None:
     indices[optimizer._var_key(variable)] = len(indices)
 
 
+def keras_builds_before_tracing(model) -> bool:
+    """Whether Keras's `model.fit` creates the model's, metrics' and optimizer's variables before tracing its
+    step: it does so only for a model created in a distribution strategy's scope (`_maybe_symbolic_build`)."""
+    return getattr(model, "_distribute_strategy", None) is not None
+
+
 def keras_uses_weight_decay(optimizer, variable) -> bool:
     """Whether the optimizer's weight decay applies to `variable` (its exclusions honoured)."""
     return bool(optimizer._use_weight_decay(variable))

@@ -72,6 +72,21 @@ class FitTest(tf.test.TestCase):
         self.assertAllClose(ours.get_layer(index=1).embeddings.numpy(), table_of(twin), atol=1e-6)
         self.assertEqual(tfs.training.steps_done(ours), 18)
 
+    def test_the_step_is_traced_once(self):
+        # tf.function traces a step whose first trace creates variables a second time: tfs.fit creates the
+        # optimizer's slots and the metrics' variables before the step, as Keras does only in a strategy's scope.
+        ours, _ = model_and_twin()
+        traces = []
+
+        def mse(y, p):
+            traces.append(1)  # once per trace of the step (Python runs only while tracing)
+            return keras.ops.mean(keras.ops.square(y - p))
+
+        ours.compile(optimizer=tfs.optimizers.Adam(0.1), loss=mse, metrics=["mae"])
+        tfs.fit(ours, data(), epochs=2, verbose=0)
+        self.assertLen(traces, 1)
+        self.assertEqual(tfs.training.steps_done(ours), 12)
+
     def test_checkpoint_secs_saves_by_time(self):
         # By the step count only: the epoch end. By time (a tiny interval): after every step as well, the last
         # three kept.

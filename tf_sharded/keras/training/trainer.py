@@ -20,6 +20,7 @@ from typing import Callable, List, Optional, Union
 import keras
 import tensorflow as tf
 
+from tf_sharded import _compat
 from tf_sharded.errors import positive_int
 from tf_sharded.keras.optimizers import check_trains_tables
 from tf_sharded.keras.training import evaluation
@@ -36,6 +37,19 @@ DatasetSource = Union[Callable[[tf.distribute.InputContext], tf.data.Dataset], t
 
 def _first_batch(source: DatasetSource):
     return next(iter(evaluation.as_dataset(source)))
+
+
+def _build_for_training(model, strategy, dataset) -> None:
+    """Creates the variables of the model, its metrics and its optimizer from the first batch, in `strategy`'s
+    scope, before any step is traced: a worker function cannot create variables, and a `tf.function` whose first
+    trace creates them is traced a second time without."""
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(_first_batch(dataset))
+    with strategy.scope():
+        y_pred = model(x, training=False)
+        model.compute_metrics(x, y, y_pred, sample_weight)
+        if not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+    model.reset_metrics()
 
 
 def _batch_size(x) -> tf.Tensor:
@@ -261,6 +275,10 @@ def _keras_fit(model, data, epochs, steps_per_epoch, callbacks, checkpoint_dir, 
         callbacks.append(_StopAt(start, limit))
     if validation_data is not None:
         validation_data = evaluation.as_dataset(validation_data)
+    if not _compat.keras_builds_before_tracing(model):
+        # Otherwise the first traced step creates the optimizer's slots, and tf.function traces a step that
+        # creates variables twice.
+        _build_for_training(model, tf.distribute.get_strategy(), data)
     history = model.fit(
         data,
         epochs=epochs,
@@ -315,14 +333,7 @@ def train_function(model: keras.Model, strategy) -> tf.types.experimental.Generi
 
 
 def _fit_loop(model, strategy, dataset, callbacks, settings: dict):
-    # Variables (model, optimizer, metrics) are created before the first step,
-    # in scope: a worker function cannot create them.
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(_first_batch(dataset))
-    with strategy.scope():
-        y_pred = model(x, training=False)
-        model.compute_metrics(x, y, y_pred, sample_weight)
-        model.optimizer.build(model.trainable_variables)
-    model.reset_metrics()
+    _build_for_training(model, strategy, dataset)
     counter = _step_counter(model, strategy)
     checkpoints = Checkpoints(model, settings["checkpoint_dir"], step=counter, several_tasks=counter is not None)
     settings["per_execution"] = positive_int("steps_per_execution", getattr(model, "steps_per_execution", 1) or 1)
