@@ -18,6 +18,7 @@ that learns shows it in held-out AUC. Every batch is a pure function of
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -70,7 +71,7 @@ def _power_law(seed, shape, vocab: int) -> tf.Tensor:
 def synthetic_batch(index, batch_size: int, vocab: Sequence[int], seed: int) -> Batch:
     """Batch `index` of the synthetic data set: `({"dense": [b, 13], "C1".."C26": [b]}, labels [b, 1])`."""
     index = tf.cast(index, tf.int64)
-    base = tf.stack([tf.constant(seed, tf.int64), index])
+    base = tf.stack([tf.cast(seed, tf.int64), index])
     dense_raw = tf.random.stateless_gamma([batch_size, NUM_DENSE], base + 1, alpha=0.7) * 20.0
     missing = tf.random.stateless_uniform([batch_size, NUM_DENSE], base + 2) < MISSING_RATE
     dense = tf.where(missing, 0.0, tf.math.log1p(tf.floor(dense_raw)))
@@ -106,7 +107,20 @@ def synthetic_dataset(
     # Without `num_batches` the stream is infinite (not merely long): `tfs.fit` positions a finite Dataset
     # itself on resume, and the caller has positioned this one with `start` already.
     indices = tf.data.Dataset.range(start, start + num_batches) if num_batches else tf.data.Dataset.counter(start)
-    return indices.map(lambda i: synthetic_batch(i, batch_size, vocab, seed), num_parallel_calls=tf.data.AUTOTUNE)
+    batch = _batch_function(batch_size, tuple(vocab))
+    return indices.map(lambda i: batch(i, tf.constant(seed, tf.int64)), num_parallel_calls=tf.data.AUTOTUNE)
+
+
+@functools.cache
+def _batch_function(batch_size: int, vocab: Tuple[int, ...]):
+    """`synthetic_batch` for one batch size and vocabulary as one traced function, made once per process: the
+    data sets built on it (each worker's stretch, the held-out batches, a resumed stream) call it instead of each
+    building its thousands of ops again."""
+    return tf.function(
+        lambda index, seed: synthetic_batch(index, batch_size, vocab, seed),
+        input_signature=[tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.int64)],
+        autograph=False,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- files --
