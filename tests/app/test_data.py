@@ -198,6 +198,36 @@ class SchemaReadersTest(tf.test.TestCase):
                 else:
                     self.assertAllClose(other[key], features[key], msg=f"{name} {key}")
 
+    def test_a_scan_over_many_batches_counts_and_averages_as_numpy_does(self):
+        # 6,000 records (the scan reduces 4,096 at a time), three malformed ones in the second batch, missing
+        # values in one standardized column, and a held-out prefix ending in either batch.
+        rng = np.random.default_rng(0)
+        bad = (4500, 5001, 5999)
+        rows = [(rng.random(), None if rng.random() < 0.1 else rng.normal(3, 2), rng.normal()) for _ in range(6000)]
+        lines = ["y,a,c,k"] + ["oops,1" if i in bad else f"{y:.3f},{'' if a is None else f'{a:.3f}'},{c:.4f},{i % 7}"
+                               for i, (y, a, c) in enumerate(rows)]  # fmt: skip
+        out = self.get_temp_dir()
+        with open(os.path.join(out, "x.csv"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        s = schema.parse({
+            "label": {"name": "y", "type": "regression"},
+            "features": [{"name": "a", "type": "numeric", "transform": "standardize"},
+                         {"name": "c", "type": "numeric", "transform": "standardize"},
+                         {"name": "k", "type": "categorical", "buckets": 10}],
+        })  # fmt: skip
+        source = readers.open_source(os.path.join(out, "x.csv"), s)
+        good = [row for i, row in enumerate(rows) if i not in bad]
+        y = np.array([float(f"{r[0]:.3f}") for r in good])
+        a = np.array([float(f"{r[1]:.3f}") for r in good if r[1] is not None])
+        c = np.array([float(f"{r[2]:.4f}") for r in good])
+        for held_out in (0, 4300):
+            scanned = scan.scan(source, s, source.files, held_out=held_out)
+            self.assertEqual((scanned.records, scanned.malformed), (5997, 3))
+            self.assertEqual(scanned.first_error, f"{source.files[0]}:4502: Expect 4 fields but have 2 in record 0")
+            self.assertAllClose(scanned.statistics["a"], (a.mean(), a.std()), rtol=1e-9)
+            self.assertAllClose(scanned.statistics["c"], (c.mean(), c.std()), rtol=1e-9)
+            self.assertAllClose(scanned.label_mean, y[held_out:].mean(), rtol=1e-9)
+
     def test_a_share_is_a_file_in_n_or_a_record_in_n(self):
         out = self.get_temp_dir()
         names = write_numbered_csv(out, files=3, rows=10)

@@ -21,6 +21,10 @@ import tensorflow as tf
 from tf_sharded.app.readers import InputError, Source, detect_format, error_text, list_files, parse_record, raw_records
 from tf_sharded.app.schema import Schema, Transform
 
+# Records reduced at a time (the parsing drops malformed ones one by one before).
+_BATCH = 4096
+_NO_GAP = tf.int64.max
+
 
 @dataclasses.dataclass
 class ScanResult:
@@ -54,26 +58,31 @@ def scan(
         # Good records of this file before which the label is not counted (the held-out prefix).
         skip_labels = max(held_out - result.records, 0)
 
-        def add(state, item):
+        def add(state, batch):
             count, first_gap, s, labels = state
-            k, dense, y = item
-            counted = tf.cast(count >= skip_labels, tf.float64)
-            labels = labels + counted * tf.stack([tf.constant(1.0, tf.float64), tf.cast(y, tf.float64)])
-            gap = tf.where(tf.logical_and(first_gap < 0, k != count), count, first_gap)
+            k, dense, y = batch
+            # Each good record's position among the good ones; where its position in the file is further on,
+            # records before it were dropped, the first of them at that position.
+            at = count + tf.range(tf.size(k, out_type=tf.int64), dtype=tf.int64)
+            counted = tf.cast(at >= skip_labels, tf.float64)
+            labels = labels + tf.stack([tf.reduce_sum(counted), tf.reduce_sum(counted * tf.cast(y, tf.float64))])
+            after_gap = tf.reduce_min(tf.where(k != at, at, _NO_GAP))
+            gap = tf.where(tf.logical_and(first_gap < 0, after_gap < _NO_GAP), after_gap, first_gap)
             if width:
-                x = tf.cast(tf.gather(dense, columns), tf.float64)
+                x = tf.cast(tf.gather(dense, columns, axis=1), tf.float64)
                 seen = tf.logical_not(tf.math.is_nan(x))
                 x0 = tf.where(seen, x, 0.0)
-                s = s + tf.stack([tf.cast(seen, tf.float64), x0, x0 * x0])
-            return count + 1, gap, s, labels
+                s = s + tf.stack([tf.reduce_sum(tf.cast(seen, tf.float64), 0), tf.reduce_sum(x0, 0),
+                                  tf.reduce_sum(x0 * x0, 0)])  # fmt: skip
+            return count + tf.size(k, out_type=tf.int64), gap, s, labels
 
         initial = (
             tf.constant(0, tf.int64), tf.constant(-1, tf.int64), tf.zeros([3, max(width, 1)], tf.float64),
             tf.zeros([2], tf.float64),
         )  # fmt: skip
         try:
-            count, first_gap, sums, labels = good.reduce(initial, add)
-            total = lines.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1)
+            count, first_gap, sums, labels = good.batch(_BATCH).reduce(initial, add)
+            total = lines.batch(_BATCH).reduce(tf.constant(0, tf.int64), lambda n, b: n + tf.size(b[0], tf.int64))
         except tf.errors.OpError as e:
             raise InputError(f"{name}: cannot be read: {error_text(e)}") from None
         count, total = int(count), int(total)
