@@ -6,6 +6,7 @@ name. `test_every_compat_name_is_exercised` fails when a name is added to
 """
 
 import ast
+import contextlib
 import inspect
 import pathlib
 
@@ -319,6 +320,30 @@ class KerasInternalsTest(tf.test.TestCase):
         extra = tf.Variable([1.0])
         _compat.keras_register_trainable(optimizer, extra)
         self.assertIn(optimizer._var_key(extra), optimizer._trainable_variables_indices)
+
+    @exercises("keras_builds_before_tracing")
+    def test_keras_builds_before_tracing_only_in_a_strategys_scope(self):
+        traces = []
+
+        class Counted(keras.Sequential):
+            def train_step(self, data):
+                traces.append(1)  # runs once per trace of the step
+                return super().train_step(data)
+
+        def traced_fit(scope):
+            traces.clear()
+            with scope:
+                model = Counted([keras.Input([2]), keras.layers.Dense(1)])
+                model.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
+            model.fit(np.ones([4, 2], np.float32), np.ones([4, 1], np.float32), batch_size=2, verbose=0)
+            return model, len(traces)
+
+        outside, count = traced_fit(contextlib.nullcontext())
+        self.assertFalse(_compat.keras_builds_before_tracing(outside))
+        self.assertEqual(count, 2)  # Adam's slots made in the first trace: traced again
+        inside, count = traced_fit(tf.distribute.OneDeviceStrategy("/cpu:0").scope())
+        self.assertTrue(_compat.keras_builds_before_tracing(inside))
+        self.assertEqual(count, 1)
 
     @exercises("keras_uses_weight_decay", "KerasOptimizerHooks")
     def test_weight_decay_hooks(self):
