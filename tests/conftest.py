@@ -24,7 +24,7 @@ _CHILDREN_KEY = pytest.StashKey[list]()
 PROCESS_GROUPS = 2
 # Their scheduling priority, below this process's (and the cluster child's).
 PROCESS_GROUPS_NICENESS = 10
-# Seconds assumed for a file marked `processes` without a `cost`.
+# CPU seconds assumed for a file marked `processes` without a `cost`.
 DEFAULT_PROCESS_COST = 30
 
 
@@ -71,8 +71,9 @@ def pytest_collection_modifyitems(session, config, items):
 
 def _balanced_groups(items) -> dict:
     """The group of each file of `items` (tests marked `processes`): files by their `cost` (the marker's
-    argument: the file's seconds in a full run here, DEFAULT_PROCESS_COST if not given), largest first, each
-    to the group with the least cost so far, so that the groups end together."""
+    argument: the CPU seconds of the file and the processes it starts in a full run here, the measure that
+    counts when every core is busy; DEFAULT_PROCESS_COST if not given), largest first, each to the group with
+    the least cost so far, so that the groups end together."""
     cost = {}
     for item in items:
         marker = item.get_closest_marker("processes")
