@@ -81,27 +81,10 @@ class DynamicTable(_compat.Trackable):
         pools: Optional[Sequence[Any]] = None,
         remote: Sequence[bool] = (),
     ):
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"Argument `name` must be a non-empty string. Received: name={name!r}")
-        self._name = name
-        self._dim = positive_int("dim", dim)
-        self._key_dtype = parse_key_dtype(key_dtype, name)
-        self._dtype = tf.as_dtype(dtype)
-        if not self._dtype.is_floating:
-            raise TypeError(f"Dynamic table '{name}': argument `dtype` must be a float dtype. Received: {dtype!r}")
-        if not isinstance(growth, (int, float)) or not 1.0 < growth <= 4.0:
-            raise ValueError(f"Dynamic table '{name}': argument `growth` must be in (1, 4]. Received: {growth!r}")
-        if max_rows is not None:
-            max_rows = positive_int("max_rows", max_rows)
-        self._seed = int(seed)
-        self._initializer = initializers.per_key(initializer, self._dim, self._dtype, self._seed, name)
-        self._trainable = bool(trainable)
-        self._strategy = strategy
+        self._settings(name, dim, key_dtype, dtype, initializer, seed, trainable, strategy, admission, eviction)
         self._exchange, self._placement = exchange, placement
-        self._admission, self._evictions = policies.parse(name, admission, eviction)
+        max_rows = self._check_growth(growth, max_rows)
         bounded = [e for e in self._evictions if isinstance(e, policies.CapacityEviction)]
-        # Admission and a capacity bound leave some keys without a row (they read their initial row).
-        self._turns_keys_away = self._admission is not None or bool(bounded)
         max_keys = bounded[0].per_shard(len(devices)) if bounded else None
         per_shard = None if max_rows is None else -(-max_rows // len(devices))
         pools = [None] * len(devices) if pools is None else list(pools)
@@ -117,8 +100,33 @@ class DynamicTable(_compat.Trackable):
         with tf.init_scope(), tf.device(self._held[0].device):
             # Training lookups so far: what "last seen", eviction by age and `export(since_step=)` count in.
             self._step = _compat.plain_variable(tf.constant(0, tf.int64), f"{name}/step", False)
-        self._slots: Dict[str, DynamicSlot] = {}
         register_shards(self, [s.rows for s in self._shards])
+
+    def _settings(self, name, dim, key_dtype, dtype, initializer, seed, trainable, strategy, admission, eviction):
+        """The table's validated description (what any form of the table holds, wherever its shards are)."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"Argument `name` must be a non-empty string. Received: name={name!r}")
+        self._name = name
+        self._dim = positive_int("dim", dim)
+        self._key_dtype = parse_key_dtype(key_dtype, name)
+        self._dtype = tf.as_dtype(dtype)
+        if not self._dtype.is_floating:
+            raise TypeError(f"Dynamic table '{name}': argument `dtype` must be a float dtype. Received: {dtype!r}")
+        self._seed = int(seed)
+        self._initializer = initializers.per_key(initializer, self._dim, self._dtype, self._seed, name)
+        self._trainable = bool(trainable)
+        self._strategy = strategy
+        self._admission, self._evictions = policies.parse(name, admission, eviction)
+        bounded = [e for e in self._evictions if isinstance(e, policies.CapacityEviction)]
+        # Admission and a capacity bound leave some keys without a row (they read their initial row).
+        self._turns_keys_away = self._admission is not None or bool(bounded)
+        self._slots: Dict[str, Any] = {}
+
+    def _check_growth(self, growth, max_rows) -> Optional[int]:
+        """`max_rows` (None or a positive int), after checking it and `growth` (the row pools' growth factor)."""
+        if not isinstance(growth, (int, float)) or not 1.0 < growth <= 4.0:
+            raise ValueError(f"Dynamic table '{self._name}': argument `growth` must be in (1, 4]. Received: {growth!r}")
+        return None if max_rows is None else positive_int("max_rows", max_rows)
 
     # -------------------------------------------------------------- metadata --
 
@@ -139,6 +147,11 @@ class DynamicTable(_compat.Trackable):
     shape = property(lambda self: tf.TensorShape([None, self._dim]))
     admission = property(lambda self: self._admission)
     eviction = property(lambda self: self._evictions)
+
+    @property
+    def slot_columns(self) -> Tuple[str, ...]:
+        """The optimizer columns (slots) the table holds beside its rows."""
+        return tuple(sorted(self._slots))
 
     @property
     def step(self) -> tf.Variable:
@@ -425,21 +438,33 @@ class DynamicTable(_compat.Trackable):
             self._check_restore(saved)
         columns = sorted(self._slots)
         keys, values, extra = self.export_columns(columns + ["seen", "hits"])
-        tensors = {"keys": keys, "values": values, "seen": extra["seen"], "hits": extra["hits"], "step": self._step}
+        tensors = {"keys": keys, "values": values, "seen": extra["seen"], "hits": extra["hits"], "step": self.step}
         tensors.update({f"slot-{c}": extra[c] for c in columns})
-        sketches = [s.admission_state for s in self._shards if s.admission_state is not None]
-        if sketches and (saved is None or "sketch" in saved):
-            # Layout-free: each key's counts are in its shard's sketch; the elementwise maximum over shards
-            # never underestimates a key (restored into every shard, saving it again does not inflate it).
-            tensors["sketch"] = tf.reduce_max(tf.stack([v.read_value() for v in sketches]), 0)
-            if self.spread:
-                tensors["sketch"] = max_over_workers(self._strategy, tensors["sketch"])
+        if self._admission is not None and (saved is None or "sketch" in saved):
+            sketch = self._saved_sketch()
+            if sketch is not None:
+                tensors["sketch"] = sketch
         # A restore reads only the names declared here: the checkpoint's optimizer columns too, even for a
         # table whose optimizer is not built yet (they wait in the shards for it).
         for name in saved or ():
             if name.startswith("slot-") and name not in tensors:
                 tensors[name] = tf.zeros([0, self._dim], self._dtype)
         return tensors
+
+    def _saved_sketch(self) -> Optional[tf.Tensor]:
+        """The admission sketch a checkpoint holds (None without one). Layout-free: each key's counts are in its
+        shard's sketch, and the elementwise maximum over shards never underestimates a key (restored into every
+        shard, saving it again does not inflate it)."""
+        sketches = [s.admission_state for s in self._shards if s.admission_state is not None]
+        if not sketches:
+            return None
+        sketch = tf.reduce_max(tf.stack([v.read_value() for v in sketches]), 0)
+        return max_over_workers(self._strategy, sketch) if self.spread else sketch
+
+    def _sketch_shape(self) -> Optional[list]:
+        """The shape of each shard's admission sketch (None without one)."""
+        states = [s.admission_state for s in self._shards if s.admission_state is not None]
+        return states[0].shape.as_list() if states else None
 
     def _check_restore(self, saved) -> None:
         """Refuses a checkpoint of another key dtype or row width before anything is read or assigned."""
@@ -454,11 +479,11 @@ class DynamicTable(_compat.Trackable):
                 f"Dynamic table '{self._name}' has key_dtype={self._key_dtype.name}; the checkpoint's table has "
                 f"{tf.as_dtype(key_dtype).name} keys. Received a checkpoint of another table."
             )
-        sketch = [s.admission_state for s in self._shards if s.admission_state is not None]
-        if "sketch" in saved and sketch and saved["sketch"][1] is not None:
-            if list(saved["sketch"][1]) != sketch[0].shape.as_list():
+        sketch = self._sketch_shape()
+        if "sketch" in saved and sketch is not None and saved["sketch"][1] is not None:
+            if list(saved["sketch"][1]) != sketch:
                 raise ValueError(
-                    f"Dynamic table '{self._name}': the admission sketch is {sketch[0].shape.as_list()}; the "
+                    f"Dynamic table '{self._name}': the admission sketch is {sketch}; the "
                     f"checkpoint's is {list(saved['sketch'][1])}. Use the same sketch_width and sketch_depth."
                 )
         if shape is not None and list(shape)[1:] != [self._dim]:
