@@ -56,6 +56,10 @@ class StrategyFamily:
       sharded_dynamic: `sharded_dynamic(strategy, name)` -> `(device of each
         shard, whether each is another worker's)` of a dynamic table with
         `placement="sharded"`; None: the family cannot shard one so.
+      create_dynamic: `create_dynamic(strategy, name, dim, key_dtype,
+        initializer, partitions, seed, admission, eviction, **options)` -> a
+        dynamic table whose shards the family keeps itself (on table
+        servers); None: `dynamic_devices` places a `DynamicTable`'s shards.
       create_group: `create_group(strategy, configs, name, variable_factory)`
         -> tables of one dtype and row shape stored together (table-batched
         storage, `tf_sharded.table.batched`); None: each table has its own
@@ -72,6 +76,7 @@ class StrategyFamily:
     dynamic_devices: Optional[Callable[[Any, Optional[int]], list]] = None
     create_group: Optional[Callable[..., list]] = None
     sharded_dynamic: Optional[Callable[[Any, str], tuple]] = None
+    create_dynamic: Optional[Callable[..., Any]] = None
 
 
 _FAMILIES: Dict[type, StrategyFamily] = {}

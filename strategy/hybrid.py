@@ -3,9 +3,10 @@
 A `MultiWorkerMirroredStrategy` over the cluster's `chief`/`worker` tasks
 only, which also knows the table servers (`tfs.hybrid.TableServer`, one per
 `ps` task). Under it `create_sharded_variable` and the layers make
-`ServedTable`s: the tables live on the servers and each worker reads and
-updates them alone (`tf_sharded.hybrid.table`), while every other variable
-is mirrored and all-reduced each step as under MultiWorkerMirroredStrategy.
+`ServedTable`s, and `create_dynamic_table` `ServedDynamicTable`s: the
+tables live on the servers and each worker reads and updates them alone
+(`tf_sharded.hybrid.table`, `tf_sharded.hybrid.dynamic`), while every
+other variable is mirrored and all-reduced each step as under MultiWorkerMirroredStrategy.
 
 Why the strategy must not see the `ps` job: MultiWorkerMirroredStrategy
 makes the first `ps` task its coordination-service leader whenever the
@@ -22,6 +23,7 @@ from typing import Optional, Sequence
 
 import tensorflow as tf
 
+from tf_sharded.hybrid.dynamic import create as create_served_dynamic
 from tf_sharded.hybrid.table import ServedTable, Servers
 from tf_sharded.strategy import FitLoop, StrategyFamily, register
 from tf_sharded.strategy.common import refuse_mirrored_arguments
@@ -94,6 +96,7 @@ FAMILY = register(
         name="hybrid",
         create=create,
         fit_loop=lambda strategy, steps_per_execution: FitLoop.REPLICAS,
+        create_dynamic=create_served_dynamic,
     ),
     HybridStrategy,
 )

@@ -417,9 +417,6 @@ def test_mirrored_flags_where_they_cannot_apply_are_refused_in_one_line():
         ("--strategy", "parameter_server", "--placement", "host"): "error: --placement applies to --strategy "
         "mirrored|multi_worker; received --strategy parameter_server",
         ("--cpu_replicas", "2"): "error: --cpu_replicas applies to --strategy mirrored; received --strategy default",
-        ("--strategy", "hybrid", "--vocabulary", "dynamic"): "error: --vocabulary dynamic: table servers (--strategy "
-        "hybrid) hold tables of known rows only; dynamic tables train under --strategy "
-        "parameter_server|mirrored|multi_worker|default",
     }
     for argv, message in cases.items():
         code, out, err = train(*argv)

@@ -205,10 +205,13 @@ def create_dynamic_table(
 def create_dynamic_in(strategy, name, dim, key_dtype, initializer, partitions, seed, admission, eviction, **options):
     """`create_dynamic_table` under `strategy` (its family says where the shards go)."""
     family = family_of(strategy)
-    if family.dynamic_devices is None:
+    if family.dynamic_devices is None and family.create_dynamic is None:
         raise UnsupportedStrategyError(strategy, dynamic_strategies(), what="dynamic tables")
     if partitions is not None:
         partitions = positive_int("partitions", getattr(partitions, "num_shards", partitions))
+    if family.create_dynamic is not None:
+        return family.create_dynamic(strategy, name, dim, key_dtype, initializer, partitions, seed, admission,
+                                     eviction, **options)  # fmt: skip
     if options.get("placement") == "sharded":
         if family.sharded_dynamic is None:
             raise ValueError(
@@ -266,7 +269,8 @@ def create_dynamic_group(strategy, name: str, tables, dtype, trainable: bool):
 
 def dynamic_strategies() -> list:
     """Names of the strategy types whose family creates dynamic tables."""
-    return sorted({t.__name__ for t, f in registered_families().items() if f.dynamic_devices is not None})
+    families = registered_families().items()
+    return sorted({t.__name__ for t, f in families if f.dynamic_devices is not None or f.create_dynamic is not None})
 
 
 def _build_dynamic(strategy, a):

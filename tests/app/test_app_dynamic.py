@@ -1,4 +1,5 @@
-"""The application with `--vocabulary dynamic`: raw values as keys of dynamic tables, on TSV and Parquet files."""
+"""The application with `--vocabulary dynamic`: raw values as keys of dynamic tables, on TSV and Parquet files,
+under every strategy."""
 
 import csv
 import json
@@ -61,18 +62,25 @@ class DynamicVocabularyAppTest(tf.test.TestCase):
         runs += run_python_together(
             [train + ["--data", parquet, "--strategy", s, *replicas[s]] for s in strategies[1:]]
         )
+        # Hybrid: the dynamic tables on a table server, updated by each of the 2 workers.
+        served = os.path.join(out, "served")
+        hybrid = run_python(train + ["--data", parquet, "--strategy", "hybrid", "--num_workers", "2", "--num_ps", "1",
+                                     "--checkpoint_dir", served], timeout=300)  # fmt: skip
         proc = runs[0]
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
         self.assertIn("under parameter_server", proc.stdout)
         self.assertRegex(summary(proc), r"4 steps \(4 this run\) .* RMSE \d+\.\d+")
-        shown = run_python(["-m", "tf_sharded", "inspect", ckpt])
-        self.assertEqual(shown.returncode, 0, shown.stderr[-2000:])
-        keys = live_keys(shown.stdout)
-        self.assertEqual(sorted(keys), ["genres", "movie", "user"])
-        # Every distinct value is its own key: no more keys than distinct values in the file.
-        self.assertBetween(keys["user"], 40, len(set(columns["user"])))
-        self.assertBetween(keys["movie"], 20, len(set(columns["movie"])))
-        self.assertBetween(keys["genres"], 2, 8)
+        self.assertEqual(hybrid.returncode, 0, hybrid.stderr[-3000:])
+        self.assertRegex(summary(hybrid), r"hybrid \(local: 1 table server, 2 workers, a process each\) \| 4 steps")
+        for where in (ckpt, served):  # a DynamicTable's entries, whoever held the tables
+            shown = run_python(["-m", "tf_sharded", "inspect", where])
+            self.assertEqual(shown.returncode, 0, shown.stderr[-2000:])
+            keys = live_keys(shown.stdout)
+            self.assertEqual(sorted(keys), ["genres", "movie", "user"])
+            # Every distinct value is its own key: no more keys than distinct values in the file.
+            self.assertBetween(keys["user"], 40, len(set(columns["user"])))
+            self.assertBetween(keys["movie"], 20, len(set(columns["movie"])))
+            self.assertBetween(keys["genres"], 2, 8)
 
         for strategy, proc in zip(strategies, runs[1:]):
             self.assertEqual(proc.returncode, 0, f"{strategy}: {proc.stderr[-3000:]}")

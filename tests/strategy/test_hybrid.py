@@ -181,6 +181,170 @@ def test_one_worker_equals_training_on_one_device(servers):
     assert "ONE WORKER OK" in proc.stdout, proc.stdout
 
 
+ONE_WORKER_DYNAMIC = """
+import json, os, tempfile
+import keras, numpy as np, tensorflow as tf
+import tf_sharded as tfs
+
+strategy = tfs.hybrid.HybridStrategy(json.loads(os.environ["SERVERS"]))
+admit, evict = tfs.policies.MinCountAdmission(2), tfs.policies.CapacityEviction(6)
+with strategy.scope():
+    # int64 keys under an admission policy in 3 shards over 2 servers; string keys; a capacity bound.
+    a = strategy.create_dynamic_table("dyn_a", dim=4, seed=3, partitions=3, admission=admit)
+    b = strategy.create_dynamic_table("dyn_b", dim=4, key_dtype=tf.string, seed=4)
+    c = strategy.create_dynamic_table("dyn_c", dim=2, seed=5, eviction=evict)
+    w = tf.Variable(np.linspace(-1, 1, 10, dtype=np.float32)[:, None])
+    opt = tfs.optimizers.Adam(0.05)  # built by the first traced step
+assert isinstance(a, tfs.hybrid.ServedDynamicTable) and a.variables == (a.anchor,), a.variables
+# One device; the capacity bound is per shard, so the reference has c's shard count.
+ref_a = tfs.create_dynamic_table("ref_a", dim=4, seed=3, admission=admit)
+ref_b = tfs.create_dynamic_table("ref_b", dim=4, key_dtype=tf.string, seed=4)
+ref_c = tfs.create_dynamic_table("ref_c", dim=2, seed=5, eviction=evict, partitions=2)
+ref_w, ref_opt = tf.Variable(w.numpy()), tfs.optimizers.Adam(0.05)
+
+
+def loss_of(ta, tb, tc, w, ka, kb, kc):
+    x = tf.concat([tfs.embedding_lookup(ta, ka), tfs.embedding_lookup(tb, kb), tfs.embedding_lookup(tc, kc)], 1)
+    return tf.reduce_mean((tf.matmul(x, w) - 1.0) ** 2)
+
+
+@tf.function
+def step(ka, kb, kc):
+    def fn(ka, kb, kc):
+        with tf.GradientTape() as tape:
+            loss = loss_of(a, b, c, w, ka, kb, kc)
+        variables = [*a.variables, *b.variables, *c.variables, w]
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return loss
+    return strategy.run(fn, args=(ka, kb, kc))
+
+
+def by_key(table, columns=()):
+    keys, values, extra = table.export_columns(list(columns))
+    keys = keys.numpy()
+    order = np.argsort(keys)
+    return keys[order], values.numpy()[order], {k: v.numpy()[order] for k, v in extra.items()}
+
+
+def same(got, want, columns=(), what=""):
+    gk, gv, gx = by_key(got, columns)
+    wk, wv, wx = by_key(want, columns)
+    assert np.array_equal(gk, wk), (what, got.name, gk, wk)
+    assert np.abs(gv - wv).max(initial=0) < 1e-5, (what, got.name, np.abs(gv - wv).max())
+    for column in columns:
+        assert np.abs(gx[column] - wx[column]).max(initial=0) < 1e-5, (what, got.name, column)
+
+
+for s in range(6):
+    rng = np.random.RandomState(s)
+    ka = rng.randint(-5, 6, 8).astype(np.int64) * 2**40  # beyond 2**53 apart, negative too
+    kb = np.array([f"w{i}" for i in rng.randint(0, 6, 8)])
+    kc = rng.randint(0, 12, 8).astype(np.int64)
+    step(tf.constant(ka), tf.constant(kb), tf.constant(kc))
+    with tf.GradientTape() as tape:
+        loss = loss_of(ref_a, ref_b, ref_c, ref_w, ka, kb, kc)
+    variables = [*ref_a.variables, *ref_b.variables, *ref_c.variables, ref_w]
+    ref_opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+    for got, want in ((a, ref_a), (b, ref_b), (c, ref_c)):
+        same(got, want, ("momentum", "velocity", "seen", "hits"), f"step {s}")
+        assert int(got.step) == int(want.step.numpy()) == s + 1
+    assert np.abs(w.numpy() - ref_w.numpy()).max() < 1e-5, s
+assert int(a.size()) == int(ref_a.size()) < 11 and int(c.size()) <= 6  # admission and the bound turned keys away
+# Evaluation reads: absent keys read their initial row, and nothing is inserted or counted.
+before = by_key(a, ("hits",))
+fresh = tf.constant([2**62, -7, int(before[0][0])], tf.int64)
+got = tfs.embedding_lookup(a, fresh, training=False)
+assert np.abs(got.numpy() - tfs.embedding_lookup(ref_a, fresh, training=False).numpy()).max() < 1e-5
+after = by_key(a, ("hits",))
+assert np.array_equal(before[0], after[0]) and np.array_equal(before[2]["hits"], after[2]["hits"])
+assert int(a.step) == 6
+for got, want in ((a, ref_a), (b, ref_b)):  # the rows trained since a step (a serving delta)
+    assert sorted(got.export(since_step=4)[0].numpy().tolist()) == sorted(want.export(since_step=4)[0].numpy().tolist())
+print("custom loop: keys, rows, optimizer columns, counters equal the one-device reference", flush=True)
+
+# Checkpoints are a DynamicTable's: the served tables restore into tables of this process, and back.
+directory = tempfile.mkdtemp()
+path = tf.train.Checkpoint(a=a, b=b, w=w, opt=opt).save(os.path.join(directory, "served"))
+pa = tfs.create_dynamic_table("plain_a", dim=4, seed=0, partitions=2, admission=admit)
+pb = tfs.create_dynamic_table("plain_b", dim=4, key_dtype=tf.string, seed=0)
+pw, popt = tf.Variable(tf.zeros([10, 1])), tfs.optimizers.Adam(0.05)
+popt.build([*pa.variables, *pb.variables, pw])
+tf.train.Checkpoint(a=pa, b=pb, w=pw, opt=popt).restore(path).assert_consumed()
+for got, want in ((pa, a), (pb, b)):
+    same(got, want, ("momentum", "velocity", "seen", "hits"), "served -> plain")
+    assert int(got.step.numpy()) == int(want.step)
+rng2 = np.random.RandomState(9)
+for table in (ref_a, ref_b):  # make the reference's state differ from the served tables'
+    keys, values = table.export()
+    table.assign_keys(keys, rng2.uniform(-1, 1, values.shape).astype(np.float32))
+ref_path = tf.train.Checkpoint(a=ref_a, b=ref_b, w=ref_w, opt=ref_opt).save(os.path.join(directory, "ref"))
+with strategy.scope():  # new served tables, another shard count, an optimizer built before the restore
+    a2 = strategy.create_dynamic_table("dyn_a2", dim=4, seed=0, partitions=1, admission=admit)
+    b2 = strategy.create_dynamic_table("dyn_b2", dim=4, key_dtype=tf.string, seed=0, partitions=3)
+    w2, opt2 = tf.Variable(tf.zeros([10, 1])), tfs.optimizers.Adam(0.05)
+    opt2.build([*a2.variables, *b2.variables, w2])
+tf.train.Checkpoint(a=a2, b=b2, w=w2, opt=opt2).restore(ref_path).assert_consumed()
+for got, want in ((a2, ref_a), (b2, ref_b)):
+    same(got, want, ("momentum", "velocity", "seen", "hits"), "plain -> served")
+    assert int(got.step) == int(want.step.numpy())
+print("checkpoints: served <-> one device, optimizer columns and counters included", flush=True)
+
+# tfs.fit / evaluate / predict / export with a Keras model, against Keras's own fit on one device.
+rng = np.random.RandomState(1)
+x = rng.randint(-20, 20, (32, 3)).astype(np.int64) * 1_000_003
+x[:6] = 7
+y = rng.rand(32, 1).astype(np.float32)
+
+
+def fit_model(name):
+    inp = keras.Input((3,), dtype="int64")
+    emb = tfs.layers.DynamicEmbedding(4, combiner="mean", seed=7, name=name)
+    model = keras.Model(inp, keras.layers.Dense(1, kernel_initializer="ones")(emb(inp)))
+    model.compile(optimizer=tfs.optimizers.Adagrad(0.2), loss="mse")
+    return model, emb
+
+
+with strategy.scope():
+    model, emb = fit_model("served")
+data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+history = tfs.fit(model, data, epochs=2, verbose=0, validation_data=data)
+assert isinstance(emb.table, tfs.hybrid.ServedDynamicTable), emb.table
+single, single_emb = fit_model("single")
+single.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+same(emb.table, single_emb.table, ("accumulator", "hits"), "fit")
+want = single.evaluate(x, y, batch_size=8, verbose=0)
+assert abs(tfs.evaluate(model, data) - want) < 1e-5 and abs(history.history["val_loss"][-1] - want) < 1e-5
+assert np.allclose(tfs.predict(model, data), single.predict(x, batch_size=8, verbose=0), atol=1e-5)
+same(emb.table, single_emb.table, ("hits",), "evaluate and predict insert nothing")
+served = tf.saved_model.load(tfs.export(model, os.path.join(directory, "export")))
+unseen = x[:8] + 1  # keys never trained read their initial rows, as on one device
+for batch in (x[:8], unseen):
+    out = list(served.signatures["serving_default"](tf.constant(batch)).values())[0]
+    assert np.allclose(out, single.predict(batch, verbose=0), atol=1e-5)
+print("tfs.fit: table, optimizer column, evaluate, predict and export equal Keras on one device", flush=True)
+
+# What the strategy refuses, before anything is made.
+for kwargs, reason in (({"placement": "sharded"}, "does not apply under HybridStrategy"),
+                       ({"dtype": tf.float16}, "float32")):
+    try:
+        with strategy.scope():
+            tfs.create_dynamic_table("refused", dim=2, **kwargs)
+    except ValueError as e:
+        assert reason in str(e), e
+    else:
+        raise AssertionError(kwargs)
+print("ONE WORKER DYNAMIC OK", flush=True)
+"""
+
+
+def test_dynamic_tables_on_one_worker_equal_training_on_one_device(servers):
+    from tests.harness.subprocs import run_python
+
+    proc = run_python(["-c", ONE_WORKER_DYNAMIC], timeout=300, env={"SERVERS": json.dumps(servers)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "ONE WORKER DYNAMIC OK" in proc.stdout, proc.stdout
+
+
 TWO_WORKERS = """
 import json, os
 import keras, numpy as np, tensorflow as tf
@@ -194,6 +358,7 @@ rows, dim, lr = 40, 4, 0.1
 values = np.random.RandomState(0).uniform(-1, 1, (rows, dim)).astype(np.float32)
 with strategy.scope():
     table = strategy.create_sharded_variable("two_t", [rows, dim], initializer=values, partitions=3, scheme="mod")
+    dyn = strategy.create_dynamic_table("two_d", dim=dim, seed=1, partitions=3)  # keys: ids * 2**40 - 3
     w = tf.Variable(np.linspace(-1, 1, dim, dtype=np.float32)[:, None])
     opt = keras.optimizers.SGD(lr)  # Keras's own: the servers train with tf_sharded's of the same name
 
@@ -208,8 +373,9 @@ def train(ids):
         # Linear in the rows: a row's gradient is the dense `w` of the step (all-reduced, the same on both
         # workers), whatever the other worker has applied by then.
         with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(tf.matmul(tf.reduce_sum(tfs.embedding_lookup(table, ids), 1), w))
-        variables = [*table.variables, w]
+            x = tfs.embedding_lookup(table, ids) + tfs.embedding_lookup(dyn, ids * 2**40 - 3)
+            loss = tf.reduce_sum(tf.matmul(tf.reduce_sum(x, 1), w))
+        variables = [*table.variables, *dyn.variables, w]
         opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
         return loss
     return strategy.run(fn, args=(ids,))
@@ -227,6 +393,14 @@ for s in range(4):
         for i in batch(k, s).reshape(-1):
             expected[i] -= lr * used[s]
 err = float(np.abs(table.numpy() - expected).max())
+assert err < 1e-5, err
+# The dynamic table: every key either worker met, at its initial row minus every update applied to it.
+met = sorted({int(i) for s in range(4) for k in range(workers) for i in batch(k, s).reshape(-1)})
+keys, got = dyn.export()
+order = np.argsort(keys.numpy())
+assert keys.numpy()[order].tolist() == [i * 2**40 - 3 for i in met], keys
+want = dyn.initial_rows(tf.constant([i * 2**40 - 3 for i in met], tf.int64)).numpy() + expected[met] - values[met]
+err = max(err, float(np.abs(got.numpy()[order] - want).max()))
 assert err < 1e-5, err
 print("table error", err, flush=True)
 

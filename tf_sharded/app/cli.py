@@ -594,15 +594,10 @@ def _stray_cluster_flags(values) -> str:
 
 def _placement_problem(values) -> str:
     """Why `--placement`, `--cpu_replicas` or `--vocabulary dynamic` cannot apply ("" when they can): the first two
-    shape mirrored strategies; table servers hold static tables."""
+    shape mirrored strategies."""
     if values.cpu_replicas and values.strategy != "mirrored":
         return f"--cpu_replicas applies to --strategy mirrored; received --strategy {values.strategy}"
     dynamic = getattr(values, "vocabulary", "hashed") == "dynamic"
-    if dynamic and values.strategy == "hybrid":
-        return (
-            "--vocabulary dynamic: table servers (--strategy hybrid) hold tables of known rows only; dynamic "
-            "tables train under --strategy parameter_server|mirrored|multi_worker|default"
-        )
     if values.placement == "sharded" and dynamic and values.strategy == "mirrored":
         return (
             "--placement sharded with --vocabulary dynamic needs --strategy multi_worker (a shard per worker); "

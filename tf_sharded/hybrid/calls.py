@@ -5,6 +5,11 @@ take `tf.function`s with an input signature). A call that names several
 shards at once (`lookup`, `apply`) gives `counts[i]` rows of `rows` to
 `shards[i]`, and its values travel flat (float32), `counts[i] * dim_i` of
 them per shard: tables of different widths share one call.
+
+The shards of dynamic tables (raw keys) are reached by the calls named
+`*_keys` (int64 keys) and `*_strings` (string keys): their keys travel
+instead of rows, with each distinct key's occurrences in the worker's
+batch (what admission policies and the "hits" column count).
 """
 
 import tensorflow as tf
@@ -17,6 +22,9 @@ SCALAR_INT = tf.TensorSpec([], tf.int64)
 SCALAR_FLOAT = tf.TensorSpec([], tf.float32)
 PAIR = tf.TensorSpec([2], tf.int64)
 TEXT = tf.TensorSpec([], tf.string)
+INTS = tf.TensorSpec([None], tf.int64)
+# The key tensors of dynamic tables, by the suffix of their calls' names.
+KEYS = {"keys": tf.TensorSpec([None], tf.int64), "strings": tf.TensorSpec([None], tf.string)}
 
 # name: (argument types, result type)
 CALLS = {
@@ -28,3 +36,16 @@ CALLS = {
     "scatter": ([SCALAR_INT, TEXT, ROWS, FLAT], SCALAR_INT),
     "slots": ([SCALAR_INT], TEXT),  # JSON list of the shard's optimizer slot names
 }
+for _kind, _keys in KEYS.items():
+    CALLS.update(
+        {
+            # shards, counts, keys, occurrences, 1 to insert absent keys (training) -> rows, flat
+            f"lookup_{_kind}": ([SHARDS, COUNTS, _keys, COUNTS, SCALAR_INT], FLAT),
+            f"apply_{_kind}": ([SHARDS, COUNTS, _keys, FLAT, SCALAR_FLOAT, SCALAR_INT], SCALAR_INT),
+            # shard, JSON {"columns", "since_step"} -> live keys, [rows | columns] flat, [seen | hits | step | sketch]
+            f"export_{_kind}": ([SCALAR_INT, TEXT], (_keys, FLAT, INTS)),
+            # shard, JSON {"columns", "ints", "step", "sketch"}, keys, values as export gives them: the whole content
+            f"assign_{_kind}": ([SCALAR_INT, TEXT, _keys, FLAT, INTS], SCALAR_INT),
+            f"set_column_{_kind}": ([SCALAR_INT, TEXT, _keys, FLAT], SCALAR_INT),  # shard, column, keys, values
+        }
+    )

@@ -40,7 +40,7 @@ from typing import Dict, List
 
 import tensorflow as tf
 
-from tf_sharded.hybrid.calls import CALLS, COUNTS, FLAT, ROWS, SCALAR_FLOAT, SCALAR_INT
+from tf_sharded.hybrid.calls import CALLS, COUNTS, FLAT, KEYS, ROWS, SCALAR_FLOAT, SCALAR_INT
 
 _CHUNK_ROWS = 1 << 18
 # Inter-op threads of a server: each call holds one while it runs Python dispatch that runs TensorFlow ops,
@@ -93,24 +93,90 @@ class _Arena:
             offset += shard.size
 
     def configure(self, spec: dict, shard: _Shard):
-        from tf_sharded.keras.optimizers import get
-
-        if self.optimizer_spec is not None:
-            if spec != self.optimizer_spec:
-                raise ValueError(
-                    f"The tables of width {self.dim} here are trained by {self.optimizer_spec['class_name']} "
-                    f"{self.optimizer_spec['config']}; {shard.name} asked for {spec['class_name']} {spec['config']}"
-                )
-            return
-        optimizer = type(get(spec["class_name"])).from_config(spec["config"])
-        optimizer.build(self.table.variables)
-        self.optimizer, self.optimizer_spec = optimizer, spec
+        _configure(self, spec, f"The tables of width {self.dim} here are", shard.name)
 
     def slots(self) -> Dict[str, tf.Variable]:
         """The optimizer's slots, by name (none before `configure`)."""
         if self.optimizer is None:
             return {}
         return {name: self.optimizer.table_slot(self.table, name).variables[0] for name in self.optimizer.slot_names()}
+
+
+def _configure(owner, spec: dict, trained: str, asking: str) -> None:
+    """Sets `owner.optimizer` (a `tfs.optimizers` class and config, built for `owner.table`) once; a later ask
+    for another optimizer is refused."""
+    from tf_sharded.keras.optimizers import get
+
+    if owner.optimizer_spec is not None:
+        if spec != owner.optimizer_spec:
+            raise ValueError(
+                f"{trained} trained by {owner.optimizer_spec['class_name']} {owner.optimizer_spec['config']}; "
+                f"{asking} asked for {spec['class_name']} {spec['config']}"
+            )
+        return
+    optimizer = type(get(spec["class_name"])).from_config(spec["config"])
+    optimizer.build(owner.table.variables)
+    owner.optimizer, owner.optimizer_spec = optimizer, spec
+
+
+class _DynamicShard:
+    """One shard of a dynamic table on this server: a one-shard `tfs.DynamicTable` (its index, row pool,
+    policies' state and optimizer columns) and the optimizer that trains it. The table's bounds (`max_rows`, a
+    capacity eviction's keys) arrive as this shard's part of them."""
+
+    dynamic = True
+
+    def __init__(self, spec: dict):
+        from tf_sharded import initializers, policies
+        from tf_sharded.table.dynamic.table import DynamicTable
+
+        self.spec, self.dim = spec, int(spec["dim"])
+        self.table = DynamicTable(
+            f"{spec['name']}/shard_{spec['shard']}", self.dim, spec["key_dtype"],
+            initializer=initializers.RowInitializer(*spec["initializer"]), seed=int(spec["seed"]),
+            growth=float(spec["growth"]), max_rows=spec["max_rows"],
+            admission=policies.deserialize_policies(spec["admission"]),
+            eviction=policies.deserialize_policies(spec["eviction"]),
+        )  # fmt: skip
+        self.optimizer, self.optimizer_spec = None, None
+
+    @property
+    def name(self) -> str:
+        return f"dynamic table '{self.spec['name']}' shard {self.spec['shard']}"
+
+    def configure(self, spec: dict) -> None:
+        _configure(self, spec, f"The {self.name} is", "a worker")
+
+    def export(self, request: dict) -> tuple:
+        """`(keys, [rows | each column] flat, [seen | hits | step, live keys | sketch])` of the live keys (those
+        seen after `request["since_step"]` if given)."""
+        columns = list(request["columns"])
+        held = [c for c in columns if c in self.table.slot_columns]
+        keys, values, extra = self.table.export_columns(held + ["seen", "hits"], request.get("since_step"))
+        floats = [tf.reshape(values, [-1])]
+        for column in columns:  # a column this shard does not have yet (no optimizer): its fill, zeros
+            floats.append(tf.reshape(extra[column], [-1]) if column in extra else tf.zeros_like(floats[0]))
+        counters = [self.table.step.read_value(), tf.cast(self.table.size(), tf.int64)]
+        ints = [extra["seen"], extra["hits"], tf.stack(counters)]
+        sketch = self.table.shards[0].admission_state
+        if sketch is not None:
+            ints.append(tf.reshape(tf.cast(sketch, tf.int64), [-1]))
+        return keys, tf.concat(floats, 0), tf.concat(ints, 0)
+
+    def assign(self, request: dict, keys, floats, ints) -> None:
+        """Makes `keys` the shard's whole content: rows and `request["columns"]` from `floats`,
+        `request["ints"]` ("seen", "hits") from `ints`, then its step and admission sketch if given there."""
+        n, columns, int_columns = int(keys.shape[0]), list(request["columns"]), list(request["ints"])
+        parts = tf.split(tf.reshape(floats, [-1, self.dim]), [n] * (1 + len(columns)))
+        given = dict(zip(columns, parts[1:]))
+        given.update(zip(int_columns, tf.split(ints[: n * len(int_columns)], [n] * len(int_columns))))
+        self.table.assign_keys(keys, parts[0], given)
+        rest = ints[n * len(int_columns) :]
+        if request.get("step") is not None:
+            self.table.step.assign(request["step"])
+        sketch = self.table.shards[0].admission_state
+        if request.get("sketch") and sketch is not None:
+            sketch.assign(tf.cast(tf.reshape(rest, sketch.shape), sketch.dtype))
 
 
 class TableServer:
@@ -152,26 +218,78 @@ class TableServer:
                         f"{_structure(known)}. Received: {_structure(spec)}"
                     )
                 return tf.constant([self._by_key[key], 0], tf.int64)
-            self._shards.append(_Shard(spec))
+            self._shards.append(_DynamicShard(spec) if spec.get("kind") == "dynamic" else _Shard(spec))
             self._by_key[key] = len(self._shards) - 1
             return tf.constant([self._by_key[key], 1], tf.int64)
 
     def _packed(self, index: int) -> _Shard:
         """Shard `index`, packed: on first use, every unpacked shard of its width goes into a new arena."""
         shard = self._shards[index]
+        if getattr(shard, "dynamic", False):
+            raise ValueError(f"{shard.name} on {self.address} is reached by key, not by row")
         if shard.arena is None:
             with self._lock:
                 if shard.arena is None:
-                    waiting = [s for s in self._shards if s.arena is None and s.dim == shard.dim]
+                    waiting = [s for s in self._shards if not getattr(s, "dynamic", False) and s.arena is None
+                               and s.dim == shard.dim]  # fmt: skip
                     self._arenas.append(_Arena(waiting, len(self._arenas)))
         return shard
 
+    def _dynamic(self, index: int) -> _DynamicShard:
+        """Shard `index`, refused unless it is a dynamic table's."""
+        shard = self._shards[index] if 0 <= index < len(self._shards) else None
+        if not getattr(shard, "dynamic", False):
+            raise ValueError(f"Shard {index} on {self.address} is not a dynamic table's")
+        return shard
+
     def _configure(self, index, text) -> int:
+        spec, index = json.loads(text.numpy().decode()), int(index.numpy())
         with self._lock:
-            shard = self._packed(int(index.numpy()))
-            shard.arena.configure(json.loads(text.numpy().decode()), shard)
+            if getattr(self._shards[index], "dynamic", False):
+                self._shards[index].configure(spec)
+            else:
+                shard = self._packed(index)
+                shard.arena.configure(spec, shard)
             self._functions.clear()
         return 0
+
+    # ------------------------------------------------- dynamic tables --
+
+    def _compiled_dynamic(self, ids: tuple, training: bool) -> tuple:
+        """The lookup and apply functions of the dynamic shards `ids` (compiled once per set and mode)."""
+        with self._lock:
+            key = ("dynamic", ids, training)
+            if key not in self._functions:
+                self._functions[key] = _compile_dynamic([self._dynamic(i) for i in ids], training)
+            return self._functions[key]
+
+    def _lookup_keys(self, shards, counts, keys, occurrences, training):
+        lookup, _ = self._compiled_dynamic(tuple(int(i) for i in shards.numpy()), bool(training.numpy()))
+        return lookup(counts, keys, occurrences)
+
+    def _apply_keys(self, shards, counts, keys, gradients, learning_rate, iterations):
+        ids = tuple(int(i) for i in shards.numpy())
+        unconfigured = [self._dynamic(i).name for i in ids if self._dynamic(i).optimizer is None]
+        if unconfigured:
+            raise ValueError(f"{unconfigured} have no optimizer on {self.address}: configure them first")
+        _, apply = self._compiled_dynamic(ids, False)
+        with self._apply_lock:
+            return apply(counts, keys, gradients, learning_rate, iterations)
+
+    def _export_keys(self, index, text):
+        with self._apply_lock:
+            return self._dynamic(int(index.numpy())).export(json.loads(text.numpy().decode()))
+
+    def _assign_keys(self, index, text, keys, floats, ints):
+        with self._apply_lock:
+            self._dynamic(int(index.numpy())).assign(json.loads(text.numpy().decode()), keys, floats, ints)
+        return tf.size(keys, tf.int64)
+
+    def _set_column_keys(self, index, column, keys, values):
+        shard = self._dynamic(int(index.numpy()))
+        with self._apply_lock:
+            shard.table.set_column(column.numpy().decode(), keys, tf.reshape(values, [-1, shard.dim]))
+        return tf.size(keys, tf.int64)
 
     def _compiled(self, ids: tuple) -> tuple:
         """The lookup and apply functions of the shards `ids`, in that order (compiled once per set)."""
@@ -221,12 +339,15 @@ class TableServer:
         return json.dumps(sorted(self._packed(int(index.numpy())).arena.slots()))
 
     def _register(self):
-        def served(fn, specs, out_dtype, out_shape):
+        def served(fn, specs, out):
+            outs = out if isinstance(out, tuple) else (out,)
+
             @tf.function(input_signature=specs)
             def call(*args):
-                out = tf.py_function(fn, list(args), out_dtype)
-                out.set_shape(out_shape)
-                return out
+                found = tf.py_function(fn, list(args), [o.dtype for o in outs])
+                for value, o in zip(found, outs):
+                    value.set_shape(o.shape)
+                return tuple(found) if isinstance(out, tuple) else found[0]
 
             return call
 
@@ -239,7 +360,10 @@ class TableServer:
             "scatter": self._scatter,
             "slots": self._slot_names,
         }
-        calls = {name: served(handlers[name], args, out.dtype, out.shape) for name, (args, out) in CALLS.items()}
+        for kind in KEYS:  # one handler for either key dtype
+            for call in ("lookup", "apply", "export", "assign", "set_column"):
+                handlers[f"{call}_{kind}"] = getattr(self, f"_{call}_keys")
+        calls = {name: served(handlers[name], args, out) for name, (args, out) in CALLS.items()}
         for name, fn in calls.items():
             self._server.register(name, fn)
 
@@ -261,8 +385,50 @@ def _checked(rows, size: int) -> tf.Tensor:
 
 
 def _structure(spec: dict) -> dict:
-    """What two asks for one shard must agree on: its table's shape and layout."""
-    return {k: spec[k] for k in ("name", "rows", "dim", "shard", "num_shards", "scheme")}
+    """What two asks for one shard must agree on: its table's shape and layout (a dynamic table's: its keys,
+    rows and policies)."""
+    if spec.get("kind") == "dynamic":
+        return {k: spec[k] for k in ("kind", "name", "dim", "key_dtype", "shard", "num_shards", "seed", "initializer",
+                                     "admission", "eviction", "max_rows")}  # fmt: skip
+    return {k: spec.get(k) for k in ("kind", "name", "rows", "dim", "shard", "num_shards", "scheme")}
+
+
+def _compile_dynamic(shards: List[_DynamicShard], training: bool) -> tuple:
+    """`(lookup, apply)` traced for the dynamic `shards`, in order: a call's keys and values split by its `counts`.
+
+    A lookup resolves every shard's keys in one `lookup_many` (a training one
+    inserts them in one critical section), each key repeated as often as it
+    occurred in the worker's batch so that admission and hit counts see the
+    batch as it was. An apply reads the keys' rows without inserting and
+    applies the gradient that reading them gives (the rows of live keys) with
+    each shard's optimizer: as `tfs.optimizers` train a local dynamic table.
+    """
+    from tf_sharded.table.dynamic.table import lookup_many
+
+    n, key_spec = len(shards), KEYS["keys" if shards[0].table.key_dtype == tf.int64 else "strings"]
+    dims = tf.constant([s.dim for s in shards], tf.int64)
+
+    @tf.function(input_signature=[COUNTS, key_spec, COUNTS])
+    def lookup(counts, keys, occurrences):
+        parts, occurred = tf.split(keys, counts, num=n), tf.split(occurrences, counts, num=n)
+        found = lookup_many([(s.table, tf.repeat(k, o)) for s, k, o in zip(shards, parts, occurred)], training)
+        first = [tf.cumsum(o, exclusive=True) for o in occurred]  # each key's first occurrence
+        return tf.concat([tf.reshape(tf.gather(rows, f), [-1]) for rows, f in zip(found, first)], 0)
+
+    @tf.function(input_signature=[COUNTS, key_spec, FLAT, SCALAR_FLOAT, SCALAR_INT])
+    def apply(counts, keys, gradients, learning_rate, iterations):
+        parts, flat = tf.split(keys, counts, num=n), tf.split(gradients, counts * dims, num=n)
+        for shard, part, values in zip(shards, parts, flat):
+            variables = shard.table.variables
+            with tf.GradientTape() as tape:
+                rows = shard.table.lookup(part, training=False)
+            grads = tape.gradient(rows, variables, output_gradients=tf.reshape(values, [-1, shard.dim]))
+            shard.optimizer.learning_rate.assign(learning_rate)
+            shard.optimizer.iterations.assign(iterations)
+            shard.optimizer.apply_gradients([(g, v) for g, v in zip(grads, variables) if g is not None])
+        return tf.reduce_sum(counts)
+
+    return lookup, apply
 
 
 def _compile(shards: List[_Shard]) -> tuple:

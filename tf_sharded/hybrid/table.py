@@ -83,7 +83,8 @@ class Servers:
         return [v[0] if isinstance(v, (list, tuple)) else v for v in values]
 
 
-def _eager_call(servers: Servers, index: int, method: str, args, spec):
+def eager_call(servers: Servers, index: int, method: str, args, spec):
+    """`servers.call` outside any graph, on values made into tensors."""
     with tf.init_scope():
         return servers.call(index, method, [tf.constant(a) for a in args], spec)
 
@@ -186,8 +187,32 @@ class ServedSlot(_RowsOnServers):
         return f"<tfs.ServedSlot '{self.name}' of '{self._served.name}'>"
 
 
+class Served:
+    """What every table on table servers has: its shards' servers (`server_of`) and ids there (`ids`), an
+    `anchor` (the worker's variable that carries its gradient to the optimizer step) and the optimizer the
+    servers train it with (`configure`)."""
+
+    placement = "servers"
+    exchange = None
+    servers: Servers
+    server_of: List[int]
+    ids: List[int]
+    optimizer_spec: Optional[dict] = None
+
+    def configure(self, optimizer) -> None:
+        """Sets `optimizer`'s class and config (a tfs.optimizers one) as the servers' optimizer of this table."""
+        with tf.init_scope():  # the config reads the optimizer's variables' values
+            spec = optimizer_spec(optimizer)
+        if self.optimizer_spec == spec:
+            return
+        for s in range(self.num_shards):
+            args = [np.int64(self.ids[s]), json.dumps(spec, sort_keys=True)]
+            eager_call(self.servers, self.server_of[s], "configure", args, calls.SCALAR_INT)
+        self.optimizer_spec = spec
+
+
 @implements_table
-class ServedTable(_RowsOnServers):
+class ServedTable(Served, _RowsOnServers):
     """A `rows x dim` float32 table whose shards live on table servers (hybrid training).
 
     Made by `strategy.create_sharded_variable` (and the layers) under a
@@ -195,8 +220,6 @@ class ServedTable(_RowsOnServers):
     placement gives it. `variables` is the anchor alone: it holds no rows.
     """
 
-    placement = "servers"
-    exchange = None
     spread = False
     # Set per instance (declared for the table protocol's check).
     name = shape = dtype = variables = num_shards = devices = trainable = strategy = layout = partition = None
@@ -226,7 +249,7 @@ class ServedTable(_RowsOnServers):
                     "num_shards": self.num_shards, "scheme": self.layout.scheme,
                     "initializer": initializer}  # fmt: skip
             text = json.dumps(spec, sort_keys=True)
-            table_id, created = _eager_call(servers, self.server_of[shard], "create", [text], calls.PAIR).numpy()
+            table_id, created = eager_call(servers, self.server_of[shard], "create", [text], calls.PAIR).numpy()
             self.ids.append(int(table_id))
             made.append(bool(created))
         if written is not None:  # by the worker that made the shards: the others take its values
@@ -242,7 +265,6 @@ class ServedTable(_RowsOnServers):
                 anchor = variable_factory(0, initial, [], tf.float32, config.trainable)
         self.anchor = anchor
         self.variables = (anchor,)
-        self.optimizer_spec: Optional[dict] = None
         register_shards(self, self.variables)
 
     # ------------------------------------------------------- protocol --
@@ -258,17 +280,6 @@ class ServedTable(_RowsOnServers):
         return ServedSlot(self, name.rsplit("/", 1)[-1], name)
 
     # ------------------------------------------------------- training --
-
-    def configure(self, optimizer) -> None:
-        """Sets `optimizer`'s class and config (a tfs.optimizers one) as the servers' optimizer of this table."""
-        with tf.init_scope():  # the config reads the optimizer's variables' values
-            spec = optimizer_spec(optimizer)
-        if self.optimizer_spec == spec:
-            return
-        for s in range(self.num_shards):
-            args = [np.int64(self.ids[s]), json.dumps(spec, sort_keys=True)]
-            _eager_call(self.servers, self.server_of[s], "configure", args, calls.SCALAR_INT)
-        self.optimizer_spec = spec
 
     def __repr__(self):
         return f"<tfs.ServedTable '{self.name}' shape={self.shape.as_list()} on {list(self.devices)}>"
@@ -287,7 +298,7 @@ def is_served(table_or_tag) -> bool:
     """Whether a table, or the `(table, shard)` tag of a variable, is a table on table servers."""
     if isinstance(table_or_tag, tuple):
         table_or_tag = table_or_tag[0]
-    return isinstance(table_or_tag, ServedTable)
+    return isinstance(table_or_tag, Served)
 
 
 def optimizer_spec(optimizer) -> dict:
@@ -326,8 +337,14 @@ def _initializer_spec(initializer, shape, seed: int):
 # ------------------------------------------------------------------ lookups --
 
 
-def _pending_list() -> list:
-    """The pending sends of the graph being built (eager: of the process's eager graph); they end with it."""
+def pending_lock() -> threading.Lock:
+    """The lock of every graph's pending sends."""
+    return _PENDING_LOCK
+
+
+def pending_list() -> list:
+    """The pending sends of the graph being built (eager: of the process's eager graph); they end with it: per
+    backward pass, `(its tables, [(call, server, shard ids, counts, rows or keys, gradients)])`."""
     graph = tf.compat.v1.get_default_graph()
     if graph not in _PENDING:
         _PENDING[graph] = []
@@ -366,21 +383,29 @@ class _Group:
         """`(distinct keys' positions in keys, [(server, shard ids, counts, rows, positions of its rows)])`."""
         uniq, position = tf.unique(keys)
         g, local = self.route(uniq)
-        servers = sorted(set(self.server_of))
-        # Each distinct key's server, then within a server in shard order: `counts` describe contiguous runs.
-        server_index = tf.gather(tf.constant([servers.index(s) for s in self.server_of], tf.int32), g)
-        where = tf.dynamic_partition(tf.range(tf.size(uniq)), server_index, len(servers))
-        out = []
-        for k, server in enumerate(servers):
-            mine = [i for i, s in enumerate(self.server_of) if s == server]
-            index_of = tf.constant([mine.index(i) if i in mine else 0 for i in range(len(self.server_of))], tf.int32)
-            slots = tf.gather(index_of, tf.gather(g, where[k]))
-            order = tf.argsort(slots, stable=True)
-            positions = tf.gather(where[k], order)
-            counts = tf.math.bincount(slots, minlength=len(mine), maxlength=len(mine), dtype=tf.int64)
-            shard_ids = tf.constant([self.shard_ids[i] for i in mine], tf.int64)
-            out.append((server, shard_ids, counts, tf.gather(local, positions), positions))
-        return uniq, position, out
+        return uniq, position, by_server(g, local, self.server_of, self.shard_ids)
+
+
+def by_server(g: tf.Tensor, local: tf.Tensor, server_of: List[int], shard_ids: List[int]) -> list:
+    """Distinct entries routed to their shards (`g[i]`: entry i's shard among the `server_of` / `shard_ids`
+    lists; `local[i]`: what the shard is asked, a row or a key), as one request per server:
+    `[(server, its shard ids, counts, entries, positions of its entries)]`. Each server is asked for every
+    shard it holds here (a count of 0 for those without entries)."""
+    servers = sorted(set(server_of))
+    # Each entry's server, then within a server in shard order: `counts` describe contiguous runs.
+    server_index = tf.gather(tf.constant([servers.index(s) for s in server_of], tf.int32), g)
+    where = tf.dynamic_partition(tf.range(tf.size(g)), server_index, len(servers))
+    out = []
+    for k, server in enumerate(servers):
+        mine = [i for i, s in enumerate(server_of) if s == server]
+        index_of = tf.constant([mine.index(i) if i in mine else 0 for i in range(len(server_of))], tf.int32)
+        slots = tf.gather(index_of, tf.gather(g, where[k]))
+        order = tf.argsort(slots, stable=True)
+        positions = tf.gather(where[k], order)
+        counts = tf.math.bincount(slots, minlength=len(mine), maxlength=len(mine), dtype=tf.int64)
+        ids = tf.constant([shard_ids[i] for i in mine], tf.int64)
+        out.append((server, ids, counts, tf.gather(local, positions), positions))
+    return out
 
 
 def lookup_served(pairs) -> list:
@@ -390,13 +415,7 @@ def lookup_served(pairs) -> list:
     the server applies one update per shard and step); tables of one width
     are routed together (`_Group`).
     """
-    tables: List[ServedTable] = []
-    ids_of: Dict[int, list] = {}
-    for table, flat in pairs:
-        if id(table) not in ids_of:
-            tables.append(table)
-            ids_of[id(table)] = []
-        ids_of[id(table)].append(flat)
+    tables, ids_of = by_table(pairs)
     grouped: Dict[tuple, List[ServedTable]] = {}
     for table in tables:
         div = table.layout.scheme == "div"
@@ -425,9 +444,10 @@ def lookup_served(pairs) -> list:
             for group_rows, dy, (_, _, _, requests) in zip(out, upstream, plans):
                 dy = tf.zeros_like(group_rows) if dy is None else tf.convert_to_tensor(dy)
                 for server, shard_ids, counts, rows, positions in requests:
-                    sends.append((server, shard_ids, counts, rows, tf.reshape(tf.gather(dy, positions), [-1])))
+                    gradients = tf.reshape(tf.gather(dy, positions), [-1])
+                    sends.append(("apply", server, shard_ids, counts, rows, gradients))
             with _PENDING_LOCK:
-                _pending_list().append((tuple(ordered), sends))
+                pending_list().append((tuple(ordered), sends))
             return [tf.zeros_like(a) for a in anchors]
 
         return out, grad
@@ -440,7 +460,23 @@ def lookup_served(pairs) -> list:
         for table, part in zip(group.tables, parts):
             sizes = [tf.size(f) for f in ids_of[id(table)]]
             rows_of[id(table)] = list(tf.split(part, sizes)) if len(sizes) > 1 else [part]
-    used = {id(t): 0 for t in tables}
+    return in_pair_order(pairs, rows_of)
+
+
+def by_table(pairs) -> tuple:
+    """`(the tables of (table, ids) pairs in first-seen order, {id(table): its ids, pair by pair})`."""
+    tables, ids_of = [], {}
+    for table, flat in pairs:
+        if id(table) not in ids_of:
+            tables.append(table)
+            ids_of[id(table)] = []
+        ids_of[id(table)].append(flat)
+    return tables, ids_of
+
+
+def in_pair_order(pairs, rows_of: Dict[int, list]) -> list:
+    """The rows of each pair, from `rows_of[id(table)]` (the table's rows, pair by pair)."""
+    used = {id(table): 0 for table, _ in pairs}
     results = []
     for table, _ in pairs:
         results.append(rows_of[id(table)][used[id(table)]])
@@ -456,7 +492,7 @@ def apply_pending(optimizer, tables: Optional[Sequence[ServedTable]] = None) -> 
     loop that applies gradients itself calls it after the backward pass.
     """
     with _PENDING_LOCK:
-        pending = _pending_list()
+        pending = pending_list()
         wanted = None if tables is None else {id(t) for t in tables}
         mine = [p for p in pending if wanted is None or {id(t) for t in p[0]} & wanted]
         pending[:] = [p for p in pending if not any(p is m for m in mine)]
@@ -465,15 +501,15 @@ def apply_pending(optimizer, tables: Optional[Sequence[ServedTable]] = None) -> 
     for table_set, _ in mine:
         for table in table_set:
             table.configure(optimizer)
-    # One call per server for all of them: each server steps each of its arenas once.
-    by_server: Dict[int, list] = {}
+    # One call per server and kind of table for all of them: each server steps each of its arenas once.
+    sent: Dict[tuple, list] = {}
     for _, sends in mine:
-        for server, *arrays in sends:
-            by_server.setdefault(server, []).append(arrays)
+        for method, server, *arrays in sends:
+            sent.setdefault((server, method), []).append(arrays)
     learning_rate = tf.cast(optimizer.learning_rate, tf.float32)
     iterations = tf.cast(optimizer.iterations, tf.int64)
     requests = []
-    for server, parts in sorted(by_server.items()):
+    for (server, method), parts in sorted(sent.items()):
         arrays = [tf.concat([part[k] for part in parts], 0) if len(parts) > 1 else parts[0][k] for k in range(4)]
-        requests.append((server, "apply", [*arrays, learning_rate, iterations], calls.SCALAR_INT))
+        requests.append((server, method, [*arrays, learning_rate, iterations], calls.SCALAR_INT))
     return mine[0][0][0].servers.call_many(requests)

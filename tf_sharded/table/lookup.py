@@ -19,6 +19,7 @@ import tensorflow as tf
 from tf_sharded import _compat, trace
 from tf_sharded.config import Combiner
 from tf_sharded.exchange.workers import exchange_rows, gather_everywhere
+from tf_sharded.hybrid.dynamic import lookup_served_dynamic
 from tf_sharded.hybrid.table import is_served, lookup_served
 from tf_sharded.table.batched import storage_of
 from tf_sharded.table.dynamic.table import DynamicTable
@@ -238,7 +239,11 @@ def lookup_many(pairs, max_norm: Optional[float] = None, training: bool = True) 
             results[i] = rows
     for i, rows in zip(dynamic, dynamic_lookup_many([pairs[i] for i in dynamic], training)):
         results[i] = _clip_rows(rows, max_norm, [1]) if max_norm is not None else rows
-    for i, rows in zip(served, lookup_served([pairs[i] for i in served]) if served else []):
+    keyed = [i for i in served if isinstance(pairs[i][0], DynamicTable)]
+    served = [i for i in served if i not in keyed]
+    found = list(zip(served, lookup_served([pairs[i] for i in served]) if served else []))
+    found += zip(keyed, lookup_served_dynamic([pairs[i] for i in keyed], training) if keyed else [])
+    for i, rows in found:
         results[i] = _clip_rows(rows, max_norm, [1]) if max_norm is not None else rows
     return results
 
