@@ -426,8 +426,10 @@ class KillAndResumeTest(tf.test.TestCase):
 
     def test_hybrid_job_whose_table_server_is_killed_restarts_itself_to_the_uninterrupted_result(self):
         # The table server killed mid-run: the job stops its cluster and runs its command again, which starts a
-        # new server and restores the tables and their slots into it. One worker: every run is deterministic.
-        flags = ["--strategy", "hybrid", "--num_workers", "1", "--num_ps", "1", "--steps", "45"]
+        # new server and restores the tables and their slots into it. Dynamic tables: their keys, counters and
+        # optimizer columns too. One worker: every run is deterministic.
+        flags = ["--strategy", "hybrid", "--num_workers", "1", "--num_ps", "1", "--steps", "45",
+                 "--vocabulary", "dynamic"]  # fmt: skip
         self._kill_and_resume(flags, 45, 15, kill=lambda procs: os.kill(self._started_by(procs[0], "tf_sharded.hybrid"),
                                                                          signal.SIGKILL), restarts=True)  # fmt: skip
         restarted = (r"(?m)^restarting: the local hybrid cluster's table server localhost:\d+ ended \(exit code -9\); "
@@ -534,10 +536,23 @@ class KillAndResumeTest(tf.test.TestCase):
         self.assertLess(done, steps)
         self.assertIn(f"{steps} steps ({steps - done} this run)", resumed)
         a, b = (tf.train.load_checkpoint(tf.train.latest_checkpoint(d)) for d in (whole, killed))
-        tables = [k for k in a.get_variable_to_shape_map() if k.startswith("model/") and "tables_" in k]
+        entries = [k for k in a.get_variable_to_shape_map() if k.startswith("model/") and "tables_" in k]
+        tables = sorted({k.split("/.ATTRIBUTES/")[0] for k in entries})
         self.assertLen(tables, 26)
-        for key in tables:
-            self.assertAllClose(b.get_tensor(key), a.get_tensor(key), atol=1e-5, msg=key)
+        for table in tables:
+            attribute = f"{table}/.ATTRIBUTES/"
+            if attribute + "keys" not in entries:
+                value = attribute + "VARIABLE_VALUE"
+                self.assertAllClose(b.get_tensor(value), a.get_tensor(value), atol=1e-5, msg=table)
+                continue
+            # A dynamic table: its live keys (in any order) with their rows and counters.
+            order = [np.argsort(r.get_tensor(attribute + "keys")) for r in (a, b)]
+            keys = [r.get_tensor(attribute + "keys")[o].tolist() for r, o in zip((a, b), order)]
+            self.assertEqual(keys[1], keys[0], msg=table)
+            for name in ("values", "seen", "hits"):
+                want, got = (r.get_tensor(attribute + name)[o] for r, o in zip((a, b), order))
+                self.assertAllClose(got, want, atol=1e-5, msg=f"{table} {name}")
+            self.assertEqual(b.get_tensor(attribute + "step"), a.get_tensor(attribute + "step"))
         # Only the chief's checkpoints are left in the directory.
         self.assertEqual([f for f in os.listdir(killed) if f.startswith("workertemp")], [])
         auc = [float(re.search(r"held-out AUC (\d\.\d{4})", out).group(1)) for out in (uninterrupted, resumed)]
