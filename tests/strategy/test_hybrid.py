@@ -97,7 +97,7 @@ def refused(method, args, spec, reason):
 
 
 other_shape = {"name": "one_a", "rows": 31, "dim": 4, "shard": 0, "num_shards": 3, "scheme": "mod", "initializer": None}
-refused("create", [tf.constant(json.dumps(other_shape))], calls.PAIR, "exists on")
+refused("create", [tf.constant(json.dumps(other_shape))], calls.INTS, "exists on")
 refused("configure", [shard, tf.constant(json.dumps({"class_name": "RMSprop", "config": {}}))], calls.SCALAR_INT,
         "RMSprop")
 sgd = {"class_name": "SGD", "config": {"learning_rate": 0.0}}
@@ -359,8 +359,12 @@ values = np.random.RandomState(0).uniform(-1, 1, (rows, dim)).astype(np.float32)
 with strategy.scope():
     table = strategy.create_sharded_variable("two_t", [rows, dim], initializer=values, partitions=3, scheme="mod")
     dyn = strategy.create_dynamic_table("two_d", dim=dim, seed=1, partitions=3)  # keys: ids * 2**40 - 3
+    unseeded = strategy.create_dynamic_table("two_u", dim=2)  # each worker draws a seed: the first one's wins
     w = tf.Variable(np.linspace(-1, 1, dim, dtype=np.float32)[:, None])
     opt = keras.optimizers.SGD(lr)  # Keras's own: the servers train with tf_sharded's of the same name
+initial = unseeded.initial_rows(tf.constant([5, -5], tf.int64)).numpy()
+assert np.array_equal(initial, tfs.embedding_lookup(unseeded, [5, -5], training=False).numpy())  # the servers' rows
+print("seeds", unseeded.seed, json.dumps(initial.tolist()), flush=True)
 
 
 def batch(worker, step):
@@ -421,8 +425,8 @@ def test_two_workers_keep_dense_equal_and_apply_every_sparse_update(servers):
     for code, out, err in outputs:
         assert code == 0, out[-3000:] + err[-5000:]
         assert "TWO WORKERS OK" in out, out
-        dense.append([line for line in out.splitlines() if line.startswith("dense")])
-    assert len(dense[0]) == 4 and dense[0] == dense[1], dense  # identical on both workers after every step
+        dense.append([line for line in out.splitlines() if line.startswith(("dense", "seeds"))])
+    assert len(dense[0]) == 5 and dense[0] == dense[1], dense  # identical on both workers after every step
 
 
 def test_readme_example_runs_as_written(servers):

@@ -20,7 +20,6 @@ ROWS = tf.TensorSpec([None], tf.int64)
 FLAT = tf.TensorSpec([None], tf.float32)
 SCALAR_INT = tf.TensorSpec([], tf.int64)
 SCALAR_FLOAT = tf.TensorSpec([], tf.float32)
-PAIR = tf.TensorSpec([2], tf.int64)
 TEXT = tf.TensorSpec([], tf.string)
 INTS = tf.TensorSpec([None], tf.int64)
 # The key tensors of dynamic tables, by the suffix of their calls' names.
@@ -28,7 +27,8 @@ KEYS = {"keys": tf.TensorSpec([None], tf.int64), "strings": tf.TensorSpec([None]
 
 # name: (argument types, result type)
 CALLS = {
-    "create": ([TEXT], PAIR),  # JSON spec -> [shard id, 1 if this call made it]
+    # JSON spec -> [shard id, 1 if this call made it] (a dynamic table's shard: then its seed and its rows' seed)
+    "create": ([TEXT], INTS),
     "configure": ([SCALAR_INT, TEXT], SCALAR_INT),  # shard, JSON optimizer spec
     "lookup": ([SHARDS, COUNTS, ROWS], FLAT),
     "apply": ([SHARDS, COUNTS, ROWS, FLAT, SCALAR_FLOAT, SCALAR_INT], SCALAR_INT),  # ..., learning rate, step

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
-from tf_sharded import policies
+from tf_sharded import initializers, policies
 from tf_sharded.errors import positive_int
 from tf_sharded.hybrid import calls
 from tf_sharded.hybrid.table import (
@@ -78,8 +78,9 @@ class ServedDynamicTable(Served, DynamicTable):
         start, servers.placed = servers.placed, servers.placed + self._count
         self.server_of = [(start + s) % len(servers.addresses) for s in range(self._count)]
         self._shards, self._held, self._ids = [], [], []
-        init, evictions = self._initializer, _per_shard(self._evictions, self._count)
+        evictions = _per_shard(self._evictions, self._count)
         for shard in range(self._count):
+            init = self._initializer
             spec = {"kind": "dynamic", "name": name, "shard": shard, "num_shards": self._count, "dim": self._dim,
                     "key_dtype": self._key_dtype.name, "seed": self._seed, "trainable": self._trainable,
                     "initializer": [init.kind, init.a, init.b, init.seed], "growth": float(growth),
@@ -87,7 +88,12 @@ class ServedDynamicTable(Served, DynamicTable):
                     "admission": policies.serialize_policies(self._admission),
                     "eviction": [policies.serialize_policies(e) for e in evictions]}  # fmt: skip
             text = json.dumps(spec, sort_keys=True)
-            self._ids.append(int(eager_call(servers, self.server_of[shard], "create", [text], calls.PAIR)[0]))
+            made = eager_call(servers, self.server_of[shard], "create", [text], calls.INTS).numpy()
+            self._ids.append(int(made[0]))
+            # The first worker to make shard 0 sets the seeds (unseeded workers draw their own): every worker, and
+            # every shard, then gives a key the same initial row.
+            self._seed = int(made[2])
+            self._initializer = initializers.RowInitializer(init.kind, init.a, init.b, int(made[3]))
         with tf.init_scope(), strategy.scope():
             self.anchor = tf.Variable(lambda: tf.zeros([], tf.float32), name=f"{name}/anchor", trainable=trainable)
         self.optimizer_spec: Optional[dict] = None

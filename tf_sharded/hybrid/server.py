@@ -217,10 +217,10 @@ class TableServer:
                         f"Table '{spec['name']}' shard {spec['shard']} exists on {self.address} as "
                         f"{_structure(known)}. Received: {_structure(spec)}"
                     )
-                return tf.constant([self._by_key[key], 0], tf.int64)
+                return tf.constant([self._by_key[key], 0, *_seed_of(known)], tf.int64)
             self._shards.append(_DynamicShard(spec) if spec.get("kind") == "dynamic" else _Shard(spec))
             self._by_key[key] = len(self._shards) - 1
-            return tf.constant([self._by_key[key], 1], tf.int64)
+            return tf.constant([self._by_key[key], 1, *_seed_of(spec)], tf.int64)
 
     def _packed(self, index: int) -> _Shard:
         """Shard `index`, packed: on first use, every unpacked shard of its width goes into a new arena."""
@@ -384,12 +384,17 @@ def _checked(rows, size: int) -> tf.Tensor:
     return rows
 
 
+def _seed_of(spec: dict) -> list:
+    """`[the table's seed, its initial rows' seed]` for a dynamic table's shard, else `[]`."""
+    return [int(spec["seed"]), int(spec["initializer"][3])] if spec.get("kind") == "dynamic" else []
+
+
 def _structure(spec: dict) -> dict:
     """What two asks for one shard must agree on: its table's shape and layout (a dynamic table's: its keys,
-    rows and policies)."""
+    rows and policies; the first ask's seed wins, as the first ask's initial values do for other tables)."""
     if spec.get("kind") == "dynamic":
-        return {k: spec[k] for k in ("kind", "name", "dim", "key_dtype", "shard", "num_shards", "seed", "initializer",
-                                     "admission", "eviction", "max_rows")}  # fmt: skip
+        agreed = ("kind", "name", "dim", "key_dtype", "shard", "num_shards", "admission", "eviction", "max_rows")
+        return {"initializer": spec["initializer"][:3], **{k: spec[k] for k in agreed}}  # its seed: the first ask's
     return {k: spec.get(k) for k in ("kind", "name", "rows", "dim", "shard", "num_shards", "scheme")}
 
 

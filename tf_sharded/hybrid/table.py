@@ -249,7 +249,7 @@ class ServedTable(Served, _RowsOnServers):
                     "num_shards": self.num_shards, "scheme": self.layout.scheme,
                     "initializer": initializer}  # fmt: skip
             text = json.dumps(spec, sort_keys=True)
-            table_id, created = eager_call(servers, self.server_of[shard], "create", [text], calls.PAIR).numpy()
+            table_id, created = eager_call(servers, self.server_of[shard], "create", [text], calls.INTS).numpy()
             self.ids.append(int(table_id))
             made.append(bool(created))
         if written is not None:  # by the worker that made the shards: the others take its values
