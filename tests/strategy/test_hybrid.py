@@ -14,7 +14,7 @@ import tf_sharded as tfs
 from tests.harness.strategies import TableServers, run_multi_worker
 from tests.harness.subprocs import ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=31)]  # table servers and worker processes
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=61)]  # table servers and worker processes
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +258,11 @@ assert np.abs(got.numpy() - tfs.embedding_lookup(ref_a, fresh, training=False).n
 after = by_key(a, ("hits",))
 assert np.array_equal(before[0], after[0]) and np.array_equal(before[2]["hits"], after[2]["hits"])
 assert int(a.step) == 6
+with strategy.scope():  # a table that is not trained: lookups insert nothing, here as on one device
+    frozen = strategy.create_dynamic_table("dyn_frozen", dim=2, seed=1, trainable=False)
+assert not frozen.trainable_variables
+tfs.embedding_lookup(frozen, [1, 2])
+assert int(frozen.size()) == 0 and int(frozen.step) == 0
 for got, want in ((a, ref_a), (b, ref_b)):  # the rows trained since a step (a serving delta)
     assert sorted(got.export(since_step=4)[0].numpy().tolist()) == sorted(want.export(since_step=4)[0].numpy().tolist())
 print("custom loop: keys, rows, optimizer columns, counters equal the one-device reference", flush=True)

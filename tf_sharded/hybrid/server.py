@@ -21,6 +21,12 @@ trains it, and answers these calls (`tf.distribute.experimental.rpc`):
   training step (checkpoints, exports, initial values given as arrays);
   `slots(shard)`: the slot names.
 
+A dynamic table's shard (`create` with `"kind": "dynamic"`) is a one-shard
+`tfs.DynamicTable` here with an optimizer of its own, reached by key: the
+calls `lookup_*` (insert, under its policies, when training), `apply_*`,
+`export_*`, `assign_*` and `set_column_*`, for int64 (`*_keys`) or string
+(`*_strings`) keys (`tf_sharded.hybrid.calls`).
+
 One lookup and one apply call per server and step carry every table that
 the step touches there. The shards of one width are packed into one
 variable (an arena) on first use, trained by one optimizer, so a call costs
@@ -134,7 +140,7 @@ class _DynamicShard:
         self.table = DynamicTable(
             f"{spec['name']}/shard_{spec['shard']}", self.dim, spec["key_dtype"],
             initializer=initializers.RowInitializer(*spec["initializer"]), seed=int(spec["seed"]),
-            growth=float(spec["growth"]), max_rows=spec["max_rows"],
+            growth=float(spec["growth"]), max_rows=spec["max_rows"], trainable=bool(spec["trainable"]),
             admission=policies.deserialize_policies(spec["admission"]),
             eviction=policies.deserialize_policies(spec["eviction"]),
         )  # fmt: skip
