@@ -20,7 +20,7 @@ from tests.harness.subprocs import ROOT, network, run_python, run_python_togethe
 from tf_sharded.app import parquet
 
 # The application's commands on process clusters, killed and rerun.
-pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=680)]
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=820)]
 
 TINY = [
     "--steps",
