@@ -76,13 +76,6 @@ def _sharded_devices(strategy, config, num_shards: int) -> list:
             f"MultiWorkerMirroredStrategy with its replicas meeting in merge_call or collectives. Received: "
             f"placement='sharded' under {type(strategy).__name__} with {list(strategy.extended.worker_devices)}"
         )
-    if _compat.in_multi_worker_mode(strategy) and len(strategy.extended.worker_devices) != 1:
-        raise ValueError(
-            f"Argument `placement` of table '{config.name}': placement='sharded' under "
-            f"MultiWorkerMirroredStrategy needs one replica per worker (each worker holds one shard). Received: "
-            f"{len(strategy.extended.worker_devices)} local devices {list(strategy.extended.worker_devices)}; "
-            f"use one device per worker process, or placement='device' or 'host'."
-        )
     if config.exchange is not None:
         raise ValueError(
             f"Argument `exchange` of table '{config.name}' does not apply to placement='sharded': each shard's "
@@ -100,19 +93,19 @@ def _sharded_devices(strategy, config, num_shards: int) -> list:
 
 
 def _replica_devices(strategy) -> list:
-    """The device of every replica in sync, in replica order (across workers: one per worker)."""
+    """The device of every replica in sync, in replica order (across workers: each worker's local devices)."""
     if not _compat.in_multi_worker_mode(strategy):
         return list(strategy.extended.worker_devices)
-    return _compat.cluster_workers(strategy)[1]
+    return _compat.cluster_replicas(strategy)[1]
 
 
 def _remote(strategy, devices):
-    """`remote(i)` for the shards on `devices`: the device of shard `i` if another worker holds it, else None
-    (None altogether within one process)."""
+    """`remote(i)` for the shards on `devices`: the device of shard `i` if another worker holds it (not one of
+    this worker's replicas), else None (None altogether within one process)."""
     if not _compat.in_multi_worker_mode(strategy):
         return None
-    me = _compat.cluster_workers(strategy)[0]
-    return lambda i: None if i == me else devices[i]
+    first, local = _compat.cluster_replicas(strategy)[0], len(strategy.extended.worker_devices)
+    return lambda i: None if first <= i < first + local else devices[i]
 
 
 def replica_memory(strategy) -> Optional[int]:

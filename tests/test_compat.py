@@ -464,6 +464,21 @@ def test_cluster_workers_orders_the_chief_first():
     assert _compat.cluster_workers(SimpleNamespace(extended=local)) == (0, ["/device:CPU:0"])
 
 
+@exercises("cluster_replicas")
+def test_cluster_replicas_numbers_each_workers_local_replicas_after_the_workers_before_it():
+    """TensorFlow's replica numbering with two local devices per worker (`_get_replica_id_in_sync_group`);
+    `test_multi_worker` runs such a cluster."""
+    from types import SimpleNamespace
+
+    spec = tf.train.ClusterSpec({"worker": ["w0:1", "w1:1"]})
+    local = ("/job:worker/replica:0/task:1/device:GPU:0", "/job:worker/replica:0/task:1/device:GPU:1")
+    strategy = SimpleNamespace(extended=SimpleNamespace(_cluster_spec=spec, _id_in_cluster=1, worker_devices=local))
+    first, devices = _compat.cluster_replicas(strategy)
+    assert first == 2
+    assert devices == [f"/job:worker/replica:0/task:{t}/device:GPU:{g}" for t in (0, 1) for g in (0, 1)]
+    assert _compat.cluster_workers(strategy) == (1, devices[::2])
+
+
 @exercises("plain_variable")
 def test_plain_variable_skips_the_strategy_creator():
     strategy = tf.distribute.MirroredStrategy(["/cpu:0"])

@@ -335,14 +335,27 @@ def in_multi_worker_mode(strategy) -> bool:
 def cluster_workers(strategy) -> Tuple[int, List[str]]:
     """`(this worker's position, every worker's first device)` of a MultiWorkerMirroredStrategy, in its order
     of replicas: the chief first, then the workers by index (TensorFlow's `id_in_cluster`)."""
+    me, replicas = cluster_replicas(strategy)
+    local = len(strategy.extended.worker_devices)
+    return me // local, replicas[::local]
+
+
+def cluster_replicas(strategy) -> Tuple[int, List[str]]:
+    """`(this worker's first replica, every replica's device)` of a MultiWorkerMirroredStrategy, in replica order.
+
+    TensorFlow numbers replica `l` of the worker at position `w` (`id_in_cluster`:
+    the chief first, then the workers by index) `w * L + l`, L the local
+    replicas of a worker; like TensorFlow, this assumes every worker has as
+    many local devices as this one.
+    """
     extended = strategy.extended
     spec = extended._cluster_spec.as_dict() if extended._cluster_spec is not None else {}
-    local = tf.DeviceSpec.from_string(extended.worker_devices[0])
+    local = [tf.DeviceSpec.from_string(d) for d in extended.worker_devices]
     tasks = [("chief", i) for i in range(len(spec.get("chief", [])))]
     tasks += [("worker", i) for i in range(len(spec.get("worker", [])))]
-    devices = [local.replace(job=job, replica=0, task=index).to_string() for job, index in tasks]
-    devices = devices or [extended.worker_devices[0]]
-    return int(extended._id_in_cluster), devices
+    devices = [d.replace(job=job, replica=0, task=index).to_string() for job, index in tasks for d in local]
+    devices = devices or list(extended.worker_devices)
+    return int(extended._id_in_cluster) * len(local), devices
 
 
 @contextlib.contextmanager

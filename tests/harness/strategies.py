@@ -149,3 +149,27 @@ class TableServers:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+
+
+def multi_worker_with_local_replicas(local: int) -> tf.distribute.MultiWorkerMirroredStrategy:
+    """This worker's MultiWorkerMirroredStrategy (its `TF_CONFIG`) with `local` replicas, on logical CPUs.
+
+    MultiWorkerMirroredStrategy gives a worker one replica per GPU, and one
+    replica on a machine without a GPU. To run several replicas per worker
+    here, the worker's CPU is split into `local` logical devices and the
+    strategy is given them where it would list its GPUs (its
+    `_initialize_local_devices`). The collectives, replica numbering and
+    variable placement are then those of a worker with `local` GPUs; NCCL and
+    GPU memory are what this does not exercise. Call before TensorFlow
+    initialises its devices.
+    """
+    from tensorflow.python.distribute import collective_all_reduce_strategy as collective
+
+    (cpu,) = tf.config.list_physical_devices("CPU")
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * local)
+
+    def local_cpus(self, cluster_resolver, worker_device):
+        return tuple(f"{worker_device}/device:CPU:{i}" for i in range(local)), "CPU"
+
+    collective.CollectiveAllReduceExtended._initialize_local_devices = local_cpus
+    return tf.distribute.MultiWorkerMirroredStrategy()

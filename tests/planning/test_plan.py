@@ -136,7 +136,7 @@ def test_mirrored_exchange_follows_the_cost_model_and_placement_the_memory():
 
 def test_replica_budget_copies_then_shards_then_the_host():
     """`memory_per_replica`: in table order, a copy per replica while it fits, else a shard per replica (one
-    process, or one replica per worker), else the host; a configured device copy that does not fit is an error
+    process, or of every worker), else the host; a configured device copy that does not fit is an error
     naming its bytes and the budget."""
     mb = 2**20
     rows = {"a": 40_000, "b": 200_000, "c": 2_000_000}  # x 8 floats x (table + 1 slot): 2.4, 12.2, 122 MB
@@ -150,7 +150,7 @@ def test_replica_budget_copies_then_shards_then_the_host():
     assert plan.tables["b"].arguments()["placement"] == "sharded"
     # What one replica then holds: a's copy and a quarter of b (c is on the host).
     assert need["a"] + need["b"] / 4 <= 8
-    # Across workers a table is sharded over one replica per worker (4 workers: a quarter each, as above) ...
+    # Across workers a table is sharded over every replica (4 workers of one replica: a quarter each, as above) ...
     four = {"kind": "multi_worker_mirrored", "replicas": 4, "workers": 4}
     workers = tfs.plan(tables, four, memory_per_replica=8 * mb)
     assert [t.placement for t in workers.tables.values()] == ["device", "sharded", "host"]
@@ -158,9 +158,11 @@ def test_replica_budget_copies_then_shards_then_the_host():
     # ... and a worker holds its quarter of b, not all of it (a: its copy; c: on its host).
     np.testing.assert_allclose(workers.tables["b"].memory_mb, need["b"] / 4)
     np.testing.assert_allclose(plan.tables["b"].memory_mb, need["b"])  # one process holds all 4 shards
-    # ... but not over several replicas per worker: the host instead.
+    # ... and over two replicas on each of two workers alike: each worker then holds two quarters of b.
     multi = tfs.plan(tables, {"kind": "multi_worker_mirrored", "replicas": 4, "workers": 2}, memory_per_replica=8 * mb)
-    assert multi.tables["b"].placement == "host"
+    assert [t.placement for t in multi.tables.values()] == ["device", "sharded", "host"]
+    assert "a shard of 3.1 MB per replica (4) does" in multi.tables["b"].reason
+    np.testing.assert_allclose(multi.tables["b"].memory_mb, need["b"] / 2)
     # A large budget copies everything; a configured placement is kept.
     assert {t.placement for t in tfs.plan(tables, MIRRORED, memory_per_replica=400 * mb).tables.values()} == {"device"}
     fixed = dict(tables, c={"input_dim": 2_000_000, "output_dim": 8, "placement": "sharded"})

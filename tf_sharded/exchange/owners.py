@@ -84,3 +84,36 @@ def reduce_to_owners(grads: List[Tuple[object, object, int]], ctx) -> List[tf.In
             shape = tf.constant([table.shard_rows(shard)] + table.shape[1:].as_list(), tf.int64)
             out[k] = tf.IndexedSlices(values, indices, shape)
     return out
+
+
+def from_local_owners(grads: List[Tuple[object, object]], ctx) -> list:
+    """The gradients of shards spread over workers, each the one made on its owner, on every local replica.
+
+    Across workers the lookup's backward pass already summed each shard's
+    gradient on the replica that owns it (`tfs.exchange.workers`); a worker's
+    other replicas hold an empty gradient for it. With several replicas on a
+    worker they meet here, in one `merge_call`, and each takes the owner's,
+    so that every replica holds the same gradient (as Keras's update expects).
+
+    Args:
+      grads: `(gradient, shard variable)` of shards held by this worker.
+      ctx: the replica context.
+    """
+    local = [tf.DeviceSpec.from_string(d) for d in ctx.strategy.extended.worker_devices]
+    owners = []
+    for _, variable in grads:
+        device = tf.DeviceSpec.from_string(variable.device)
+        owners.append(next(i for i, d in enumerate(local) if d == device))
+    payloads = [
+        (tf.convert_to_tensor(g.indices), g.values) if isinstance(g, tf.IndexedSlices) else (g,) for g, _ in grads
+    ]
+
+    def on_owners(strategy, payloads):
+        return [tuple(strategy.experimental_local_results(t)[o] for t in p) for p, o in zip(payloads, owners)]
+
+    with tf.name_scope("tfs_from_owners"):
+        chosen = ctx.merge_call(on_owners, args=(payloads,))
+    out = []
+    for (g, _), parts in zip(grads, chosen):
+        out.append(tf.IndexedSlices(parts[1], parts[0], g.dense_shape) if isinstance(g, tf.IndexedSlices) else parts[0])
+    return out

@@ -14,7 +14,7 @@ from typing import Callable, List, Optional, Tuple
 import tensorflow as tf
 
 from tf_sharded import trace
-from tf_sharded.exchange.owners import reduce_to_owners, sharded_owner
+from tf_sharded.exchange.owners import from_local_owners, reduce_to_owners, sharded_owner
 from tf_sharded.exchange.policy import trace_time_choice
 from tf_sharded.exchange.transports import (
     adaptive_exchange,
@@ -101,19 +101,21 @@ def all_reduce_gradients(
     ctx = tf.distribute.get_replica_context()
     if ctx is None or ctx.num_replicas_in_sync == 1:
         return _one_replica(pairs, fallback)
-    ours, others, sharded = [], [], []
+    ours, others, sharded, spread = [], [], [], []
     for i, (g, v) in enumerate(pairs):
         if g is not None and is_served(owner_of(v)):
             continue  # a table on table servers: its rows' gradients go to them in the optimizer step, unsummed
         tag = sharded_owner(v) if g is not None else None
         if tag is not None:
             # Spread over workers, a shard's gradient was summed on its owner in the lookup's backward pass.
-            if not tag[0].spread:
-                sharded.append((i, tag))
+            (spread if tag[0].spread else sharded).append((i, tag))
             continue
         tag = owner(v) if g is not None else None
         (ours if tag is not None else others).append((i, tag))
     result = list(pairs)
+    if spread and len(ctx.strategy.extended.worker_devices) > 1:
+        for (i, _), grad in zip(spread, from_local_owners([pairs[i] for i, _ in spread], ctx)):
+            result[i] = (grad, pairs[i][1])
     if sharded:
         summed = reduce_to_owners([(pairs[i][0], table, shard) for i, (table, shard) in sharded], ctx)
         for (i, _), grad in zip(sharded, summed):

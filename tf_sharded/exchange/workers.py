@@ -1,7 +1,8 @@
 """Lookups of tables sharded over the workers of MultiWorkerMirroredStrategy: ids out, rows back, gradients home.
 
-With `placement="sharded"` across processes, worker `r` holds shard `r` of
-each table and nothing of the others (`tf_sharded.table.remote`). A step's
+With `placement="sharded"` across processes, replica `r` holds shard `r`
+of each table, and a worker only its replicas' shards
+(`tf_sharded.table.remote`). A step's
 lookup of a group of such tables (one id space: `tf_sharded.table.lookup`)
 is an all-to-all made of two of TensorFlow's collectives, which run on CPU
 and GPU alike:
@@ -12,7 +13,8 @@ and GPU alike:
 * backward: the replicas all-gather their rows' gradients; each owner keeps
   those of its own rows and sums them per distinct row. The shard's gradient
   is then already the global batch's sum: it goes to the optimizer as it is
-  (`tfs.exchange.all_reduce_gradients` passes it through), which updates
+  (`tfs.exchange.all_reduce_gradients` passes it through, or with several
+  replicas on a worker hands every one of them the owner's), which updates
   each row once, on its owner.
 
 One id gather, one row all-reduce and one gradient gather per group and
@@ -103,14 +105,14 @@ def exchange_rows(
         return tf.ensure_shape(to_replicas(tf.cast(held, dtype)), [None] + list(row_shape))
 
 
-def gather_everywhere(uniq, starts, owners, shifts, read_held, row_shape, strategy, me: int) -> tf.Tensor:
+def gather_everywhere(uniq, starts, owners, shifts, read_held, row_shape, strategy, mine: range) -> tf.Tensor:
     """Rows at `uniq` outside a replica context: every worker asks for the same keys (it runs the same program),
-    each gives the rows it holds and zeros for the others, and one all-reduce sums them (with one row more, so
-    that it is never empty). No gradient."""
+    each gives the rows its replicas (`mine`, replica ids) hold and zeros for the others, and one all-reduce
+    sums them (with one row more, so that it is never empty). No gradient."""
     starts = tf.constant(starts, tf.int64)
     owners, shifts = tf.constant(owners, tf.int32), tf.constant(shifts, tf.int64)
     owner, shard, row = _route(uniq, starts, owners, shifts)
-    here = tf.where(tf.equal(owner, me))[:, 0]
+    here = tf.where((owner >= mine.start) & (owner < mine.stop))[:, 0]
     held = read_held(tf.gather(shard, here), tf.gather(row, here))
     total = tf.concat([tf.shape(uniq, out_type=tf.int64) + 1, tf.constant(list(row_shape), tf.int64)], 0)
     contribution = tf.scatter_nd(here[:, None], tf.stop_gradient(held), total)

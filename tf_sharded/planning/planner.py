@@ -195,9 +195,8 @@ def plan(
       memory_per_replica: optional bytes one replica's device may hold for
         tables and slots (mirrored strategies): in table order, a copy per
         replica while it fits beside the tables before it, else the table
-        sharded over the replicas while a shard fits (MirroredStrategy, or
-        MultiWorkerMirroredStrategy with one replica per worker), else the
-        host. A table whose config says `placement="device"`
+        sharded over the replicas (of every worker) while a shard fits, else
+        the host. A table whose config says `placement="device"`
         and whose copy does not fit is an error naming it. With a sample,
         a table whose copy fits is still sharded where the cost model
         estimates its step cheaper so (the module docstring).
@@ -418,8 +417,8 @@ def _plan_mirrored(configs, stats, topology, slots, budgets, groups):
 
     in_process = topology.kind == MIRRORED
     local_replicas = max(1, topology.replicas // topology.workers)
-    # A table is sharded over every replica: those of one process, or across workers one replica per worker.
-    shard_over = topology.replicas if in_process or local_replicas == 1 else 1
+    # A table is sharded over every replica: those of one process, or every replica of every worker.
+    shard_over = topology.replicas
     memory = budgets.per_device
     cores_shared = topology.devices == "cpu"
     # Across workers, the tables that may be sharded with a sample share their group's rendezvous (one per width).

@@ -182,16 +182,18 @@ def _spread_rows(tables, uniq, starts, owners, shift, placed, max_norm):
     def read_held(shard, row):
         if not held:
             return tf.zeros(tf.concat([tf.shape(row), tf.constant(row_shape, tf.int32)], 0), tables[0].dtype)
-        with tf.device(held[0].device):
-            rows = _device_rows(held, row, tf.gather(slot, shard))
+        # Every shard this worker holds is read (each on its own device, the replica's asks only for its own):
+        # its other replicas' shards get an empty gradient from this replica, and every local replica
+        # trains the same variables, as Keras's optimizer asks.
+        rows = _device_rows(held, row, tf.gather(slot, shard))
         return _clip_rows(rows, max_norm, list(range(1, len(row_shape) + 1))) if max_norm is not None else rows
 
     strategy = tables[0].strategy
     ctx = tf.distribute.get_replica_context()
     if ctx is not None and ctx.strategy is strategy:
         return exchange_rows(uniq, starts, owners, shift, read_held, row_shape, tables[0].dtype)
-    me = _compat.cluster_workers(strategy)[0]
-    return gather_everywhere(uniq, starts, owners, shift, read_held, row_shape, strategy, me)
+    first, local = _compat.cluster_replicas(strategy)[0], len(strategy.extended.worker_devices)
+    return gather_everywhere(uniq, starts, owners, shift, read_held, row_shape, strategy, range(first, first + local))
 
 
 def _note_storage_lookups(tables, counts) -> None:

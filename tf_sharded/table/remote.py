@@ -1,7 +1,7 @@
 """Shards held by other workers: a table sharded over the replicas of several processes.
 
 Under MultiWorkerMirroredStrategy a `placement="sharded"` table has one shard
-per worker, and each worker creates only its own. The others are
+per replica, and each worker creates only those of its own replicas. The others are
 `RemoteShard`s: they answer what a table asks of a shard's metadata (shape,
 dtype, device, trainable, name) and hold no memory. Every worker runs the
 same program, so what needs another worker's rows is done by all of them at
@@ -17,7 +17,6 @@ once, over the strategy's collectives:
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import tensorflow as tf
 
@@ -49,10 +48,9 @@ def is_remote(shard) -> bool:
     return isinstance(shard, RemoteShard)
 
 
-def own_shard(variables) -> Optional[int]:
-    """Index of the one shard held here among a spread table's `variables` (None: it holds none)."""
-    held = [i for i, v in enumerate(variables) if not is_remote(v)]
-    return held[0] if held else None
+def held_shards(variables) -> list:
+    """Indices of the shards held here among a spread table's `variables` (one per local replica)."""
+    return [i for i, v in enumerate(variables) if not is_remote(v)]
 
 
 def collective_rows(strategy, contribution: tf.Tensor) -> tf.Tensor:

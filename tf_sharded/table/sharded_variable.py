@@ -19,7 +19,7 @@ from tf_sharded.layout import Layout, PartitionSpec
 from tf_sharded.table import saveable
 from tf_sharded.table.ids import check_ids
 from tf_sharded.table.protocol import MAX_IDS_RANK, implements_table, register_shards
-from tf_sharded.table.remote import collective_rows, is_remote, own_shard
+from tf_sharded.table.remote import collective_rows, held_shards, is_remote
 from tf_sharded.table.segment import RowSegment
 
 
@@ -93,7 +93,7 @@ class ShardedVariable(_compat.Trackable):
     def held_variables(self) -> tuple:
         """The shard variables held by this process: all of them, except for a table sharded over the workers
         of MultiWorkerMirroredStrategy, where `variables` lists the other workers' shards as `RemoteShard`s
-        (metadata, no memory) and this is the one shard to train here."""
+        (metadata, no memory) and these are the shards of this worker's replicas, to train here."""
         return tuple(v for v in self._variables if not is_remote(v))
 
     @property
@@ -213,15 +213,15 @@ class ShardedVariable(_compat.Trackable):
     def _held_rows(self, rows: tf.Tensor) -> tf.Tensor:
         """A spread table's rows at `rows` that this worker holds, zeros for the others'."""
         shape = tf.concat([tf.shape(rows, out_type=tf.int64), tf.constant(self._shape[1:].as_list(), tf.int64)], 0)
-        mine = own_shard(self._variables)
-        if mine is None:
-            return tf.zeros(shape, self._dtype)
+        contribution = tf.zeros(shape, self._dtype)
         shard, local = self._layout.route(rows)
-        where = tf.where(tf.equal(shard, mine))[:, 0]
-        v = self._variables[mine]
-        with tf.device(v.device):
-            held = gather_rows(v, tf.gather(local, where))
-        return tf.scatter_nd(where[:, None], held, shape)
+        for mine in held_shards(self._variables):
+            where = tf.where(tf.equal(shard, mine))[:, 0]
+            v = self._variables[mine]
+            with tf.device(v.device):
+                held = gather_rows(v, tf.gather(local, where))
+            contribution = tf.tensor_scatter_nd_update(contribution, where[:, None], held)
+        return contribution
 
     def sparse_read(self, ids, name: Optional[str] = None) -> tf.Tensor:
         """Rows at `ids` (any shape); same as `tfs.embedding_lookup(self, ids)` (dispatched by TensorFlow)."""
@@ -367,8 +367,8 @@ class ShardedVariable(_compat.Trackable):
         v = self._variables[shard]
         if not is_remote(v):
             return v.device
-        mine = own_shard(self._variables)
-        return self._variables[mine].device if mine is not None else ""
+        mine = held_shards(self._variables)
+        return self._variables[mine[0]].device if mine else ""
 
     def read_slice(self, start: int, stop: int, shard: int) -> tf.Tensor:
         if self.spread:
