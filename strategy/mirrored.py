@@ -303,26 +303,20 @@ MIRRORED = register(
 
 
 def multi_worker_dynamic_devices(strategy, num_shards):
-    """Dynamic tables: one copy per worker, kept equal by inserting every replica's keys on every worker.
+    """Dynamic tables: one copy per worker on its host, shared by its replicas, kept equal by inserting every
+    replica's keys on every worker.
 
     The copies agree because each worker applies the same inserts in the same
-    order (`tf_sharded.table.dynamic.agree`); several replicas of one worker
-    would insert the gathered keys once each, so one replica per worker only.
+    order (`tf_sharded.table.dynamic.agree`); a worker's replicas split those
+    inserts between them, so each key is inserted once per worker.
     """
-    local = len(strategy.extended.worker_devices)
-    if local != 1:
-        raise ValueError(
-            f"Dynamic tables under MultiWorkerMirroredStrategy need one replica per worker (each worker's copy "
-            f"inserts every replica's keys once). Received: {local} local devices per worker "
-            f"({list(strategy.extended.worker_devices)}); use one device per worker process."
-        )
     return dynamic_devices(strategy, num_shards)
 
 
 def sharded_dynamic(strategy, name: str) -> tuple:
-    """A dynamic table sharded over the workers: shard `r` on worker `r`'s host (in the order of replicas), the
-    others' shards stand-ins here (one worker: one shard, held here). One replica per worker."""
-    multi_worker_dynamic_devices(strategy, None)  # refuses several replicas per worker
+    """A dynamic table sharded over the workers: shard `r` on worker `r`'s host (in the order of workers), shared
+    by that worker's replicas (one index per host, as a copy is); the others' shards stand-ins here (one
+    worker: one shard, held here)."""
     me, firsts = _compat.cluster_workers(strategy)
     hosts = [tf.DeviceSpec.from_string(d).replace(device_type="CPU", device_index=0).to_string() for d in firsts]
     return hosts, [r != me for r in range(len(hosts))]

@@ -84,3 +84,15 @@ def check_string_admission(check, strategy, per_replica, train_step, **table_opt
     check.assertAllClose(got[b"b"], initial[1] - 0.1 * 2 * (initial[1] - 1), atol=1e-6)
     check.assertAllClose(got[b""], initial[2] - 0.1 * 2 * 2 * (initial[2] - 1), atol=1e-6)
     return words
+
+
+def table_digest(table) -> str:
+    """A short hash of a dynamic table's keys, rows, optimizer columns, "seen" and "hits" in key order: equal on
+    workers whose copies are equal."""
+    import hashlib
+
+    keys, values, extra = table.export_columns(sorted(table._slots) + ["seen", "hits"])
+    order = np.argsort(keys.numpy())
+    parts = [keys.numpy()[order], values.numpy()[order]] + [extra[c].numpy()[order] for c in sorted(extra)]
+    data = [b"".join(p.tolist()) if p.dtype == object else np.ascontiguousarray(p).tobytes() for p in parts]
+    return hashlib.sha256(b"".join(data)).hexdigest()[:16]

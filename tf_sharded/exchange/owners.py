@@ -87,29 +87,31 @@ def reduce_to_owners(grads: List[Tuple[object, object, int]], ctx) -> List[tf.In
 
 
 def from_local_owners(grads: List[Tuple[object, object]], ctx) -> list:
-    """The gradients of shards spread over workers, each the one made on its owner, on every local replica.
+    """The gradients of shards spread over workers, each summed over the worker's replicas, on all of them.
 
     Across workers the lookup's backward pass already summed each shard's
-    gradient on the replica that owns it (`tfs.exchange.workers`); a worker's
-    other replicas hold an empty gradient for it. With several replicas on a
-    worker they meet here, in one `merge_call`, and each takes the owner's,
-    so that every replica holds the same gradient (as Keras's update expects).
+    gradient on the replica that owns it (`tfs.exchange.workers`), or for a
+    dynamic table's shard on the worker's first replica; the worker's other
+    replicas hold an empty or zero gradient for it. With several replicas on
+    a worker they meet here, in one `merge_call`, and each gets the sum (the
+    owner's gradient), so that every replica holds the same gradient, which
+    Keras's update applies once.
 
     Args:
       grads: `(gradient, shard variable)` of shards held by this worker.
       ctx: the replica context.
     """
-    local = [tf.DeviceSpec.from_string(d) for d in ctx.strategy.extended.worker_devices]
-    owners = []
-    for _, variable in grads:
-        device = tf.DeviceSpec.from_string(variable.device)
-        owners.append(next(i for i, d in enumerate(local) if d == device))
     payloads = [
         (tf.convert_to_tensor(g.indices), g.values) if isinstance(g, tf.IndexedSlices) else (g,) for g, _ in grads
     ]
 
     def on_owners(strategy, payloads):
-        return [tuple(strategy.experimental_local_results(t)[o] for t in p) for p, o in zip(payloads, owners)]
+        summed = []
+        for (_, variable), parts in zip(grads, payloads):
+            with tf.device(variable.device):
+                every = [strategy.experimental_local_results(t) for t in parts]
+                summed.append(tuple(tf.concat(e, 0) for e in every) if len(parts) == 2 else (tf.add_n(every[0]),))
+        return summed
 
     with tf.name_scope("tfs_from_owners"):
         chosen = ctx.merge_call(on_owners, args=(payloads,))

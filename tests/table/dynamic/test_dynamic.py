@@ -63,12 +63,14 @@ def train_step(table, optimizer, loss_of=lambda rows: tf.reduce_sum(tf.square(ro
     return step
 
 
-def two_replica_steps_match_reference(check, strategy, table, optimizer, reference_optimizer, per_replica):
-    """Four steps of power-law keys over two replicas (replica r feeds `steps[s][r]`; replica 1 meets none in
-    step 2), each step's summed loss checked against one dense variable trained by `reference_optimizer` on
-    both replicas' keys. Returns that `Reference`."""
+def two_replica_steps_match_reference(
+    check, strategy, table, optimizer, reference_optimizer, per_replica, replicas: int = 2
+):
+    """Four steps of power-law keys over two (or `replicas`) replicas (replica r feeds `steps[s][r]`; replica 1
+    meets none in step 2), each step's summed loss checked against one dense variable trained by
+    `reference_optimizer` on every replica's keys. Returns that `Reference`."""
     rng = np.random.default_rng(2)  # the same keys in every process
-    steps = [[power_law_keys(rng, 24) for _ in range(2)] for _ in range(4)]
+    steps = [[power_law_keys(rng, 24) for _ in range(replicas)] for _ in range(4)]
     steps[1][1] = steps[1][1][:0]
     ref = Reference(table, [np.concatenate(s) for s in steps], reference_optimizer)
     step = train_step(table, optimizer)

@@ -16,28 +16,20 @@ import tensorflow as tf
 import tf_sharded as tfs
 from tests.harness.strategies import run_multi_worker, uid
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=90)]  # clusters of worker processes
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=130)]  # clusters of worker processes
 
 WORKER = """
-import hashlib, os, sys
+import os, sys
 import numpy as np, tensorflow as tf
 import tf_sharded as tfs
 from tests.harness.models import IDS, LABELS, RAW_KEYS, assert_matches_dynamic_reference, make_dynamic_model
-from tests.harness.references import check_string_admission
+from tests.harness.references import check_string_admission, table_digest as digest
 from tests.table.dynamic.test_dynamic import train_step, two_replica_steps_match_reference
 
 task = int(os.environ["TASK"])
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
 assert strategy.num_replicas_in_sync == 2
 check = tf.test.TestCase()
-
-
-def digest(table):
-    keys, values, extra = table.export_columns(sorted(table._slots) + ["seen", "hits"])
-    order = np.argsort(keys.numpy())
-    parts = [keys.numpy()[order], values.numpy()[order]] + [extra[c].numpy()[order] for c in sorted(extra)]
-    data = [b"".join(p.tolist()) if p.dtype == object else np.ascontiguousarray(p).tobytes() for p in parts]
-    return hashlib.sha256(b"".join(data)).hexdigest()[:16]
 
 
 def per_replica(batches):
@@ -197,6 +189,113 @@ print("MWMS SHARDED DYNAMIC OK", flush=True)
 """
 
 
+# Two replicas on each worker (logical CPUs standing in for a worker's GPUs) share the worker's copy.
+LOCAL_REPLICAS_WORKER = """
+CHECKPOINTS = %r
+import os
+import numpy as np, tensorflow as tf
+from tests.harness.strategies import multi_worker_with_local_replicas
+
+strategy = multi_worker_with_local_replicas(2)
+import tf_sharded as tfs
+from tests.harness.models import IDS, LABELS, RAW_KEYS, assert_matches_dynamic_reference, make_dynamic_model
+from tests.table.dynamic.test_dynamic import train_step, two_replica_steps_match_reference
+from tests.harness.references import table_digest as digest
+
+task = int(os.environ["TASK"])
+assert strategy.num_replicas_in_sync == 4
+check = tf.test.TestCase()
+
+
+def per_replica(batches):
+    return strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(batches[ctx.replica_id_in_sync_group]))
+
+
+# 1. Custom loop, int64 keys over 2 shards, Adagrad: each worker's copy, shared by its two replicas, matches one
+#    dense variable trained on all four replicas' keys.
+with strategy.scope():
+    table = strategy.create_dynamic_table("users", dim=4, partitions=2, seed=3)
+    optimizer = tfs.optimizers.Adagrad(0.3)
+assert table.placement == "host" and len(table.held_variables) == 2
+ref = two_replica_steps_match_reference(check, strategy, table, optimizer, tfs.optimizers.Adagrad(0.3), per_replica,
+                                        replicas=4)
+keys, values = table.export()
+rows = dict(zip(keys.numpy().tolist(), values.numpy()))
+assert set(rows) == set(ref.row), (len(rows), len(ref.row))
+for key, value in rows.items():
+    check.assertAllClose(value, ref.var.numpy()[ref.row[key]], atol=1e-5)
+print(f"worker {task} custom digest {digest(table)} keys {len(rows)}", flush=True)
+
+# 2. Admission counts each occurrence once: "b" met on both replicas of worker 0 and "d" on the second replica of
+#    each worker reach their count of 2; "c", met once per step, waits for its second step.
+with strategy.scope():
+    words = strategy.create_dynamic_table("words", dim=2, key_dtype=tf.string, seed=1,
+                                          admission=tfs.policies.MinCountAdmission(2))
+    sgd = tfs.optimizers.SGD(0.1)
+step = train_step(words, sgd)
+initial = dict(zip([b"a", b"b", b"c", b"d"], words.initial_rows(tf.constant([b"a", b"b", b"c", b"d"])).numpy()))
+step(per_replica([np.array([b"a", b"b"]), np.array([b"b"]), np.array([b"a"]), np.array([b"c"])]))
+check.assertEqual(sorted(words.export()[0].numpy().tolist()), [b"a", b"b"])
+step(per_replica([np.array([b"c"]), np.array([b"d"]), np.array([], dtype="S1"), np.array([b"d"])]))
+got = dict(zip(*[t.numpy().tolist() for t in words.export()]))
+check.assertEqual(sorted(got), [b"a", b"b", b"c", b"d"])
+# Each occurrence of an admitted key adds 2 * (row - 1) to its gradient; SGD(0.1) moves the row by 0.1 times that.
+for key, occurrences in ((b"a", 2), (b"b", 2), (b"c", 1), (b"d", 2)):
+    check.assertAllClose(got[key], initial[key] - 0.1 * 2 * occurrences * (initial[key] - 1), atol=1e-6)
+print(f"worker {task} strings digest {digest(words)}", flush=True)
+
+# 3. tfs.fit with tfs.layers.DynamicEmbedding against plain Keras on one device (the same global batches).
+with strategy.scope():
+    model = make_dynamic_model(partitions=2)
+data = tf.data.Dataset.from_tensor_slices((RAW_KEYS[IDS], LABELS)).batch(len(IDS)).repeat()
+tfs.fit(model, data, epochs=3, steps_per_epoch=1, verbose=0)
+assert_matches_dynamic_reference(check, model, 3)
+print(f"worker {task} fit digest {digest(model.get_layer('emb').table)}", flush=True)
+
+# 4. A collection's int64 tables share one pool in each worker's copy: every table matches its reference.
+from tests.table.dynamic.test_dynamic_pooled import (NAMES, assert_like_reference, key_batches, pooled_collection,
+                                                     train_replicas)
+
+layer, adagrad = pooled_collection(strategy)
+pooled = layer.tables
+assert pooled["a"].variables[0] is pooled["b"].variables[0] is not pooled["c"].variables[0]
+batches = [key_batches(np.random.default_rng(3 + s), 4, n=16) for s in range(3)]  # per step, one per replica
+batches[1][3] = {n: v[:0] for n, v in batches[1][3].items()}  # replica 3 meets no keys in step 2
+reference = train_replicas(strategy, layer, adagrad, batches)
+assert_like_reference(check, pooled, reference, accumulator_rtol=1e-5)
+print(f"worker {task} pooled digest {'-'.join(digest(pooled[n]) for n in NAMES)}", flush=True)
+
+# 5. placement="sharded": worker r holds shard r, shared by its two replicas; the table matches one dense variable
+#    trained on every replica's keys, and a key met on both replicas of a worker is admitted once, at its count.
+with strategy.scope():
+    spread = strategy.create_dynamic_table("spread", dim=4, seed=3, placement="sharded")
+    optimizer = tfs.optimizers.Adagrad(0.3)
+assert (spread.placement, spread.spread, spread.num_shards) == ("sharded", True, 2), spread
+(held,) = spread.held_variables
+assert spread.variables[task] is held
+ref = two_replica_steps_match_reference(check, strategy, spread, optimizer, tfs.optimizers.Adagrad(0.3), per_replica,
+                                        replicas=4)
+mine = spread.shards[task].export()[0].numpy()
+assert len(mine) and np.all(spread.shard_of(mine).numpy() == task), "a worker holds only its shard's keys"
+keys, values = spread.export()
+rows = dict(zip(keys.numpy().tolist(), values.numpy()))
+assert set(rows) == set(ref.row) and int(spread.size()) == len(ref.row), (len(rows), len(ref.row))
+for key, value in rows.items():
+    check.assertAllClose(value, ref.var.numpy()[ref.row[key]], atol=1e-5)
+path = tf.train.Checkpoint(table=spread).write(os.path.join(CHECKPOINTS, f"worker{task}", "ckpt"))
+with strategy.scope():
+    again = strategy.create_dynamic_table("spread2", dim=4, seed=9, placement="sharded")
+tf.train.Checkpoint(table=again).read(path).assert_consumed()
+restored = dict(zip(*[t.numpy().tolist() for t in again.export()]))
+assert set(restored) == set(rows)
+for key, value in rows.items():
+    check.assertAllClose(restored[key], value, atol=0)
+print(f"worker {task} holds {len(mine)} of {len(rows)} keys", flush=True)
+print("MWMS LOCAL REPLICAS DYNAMIC OK", flush=True)
+"""
+
+
 class DynamicMultiWorkerTest(tf.test.TestCase):
     def test_tables_sharded_over_two_workers_match_references(self):
         workdir = tempfile.mkdtemp()
@@ -213,6 +312,18 @@ class DynamicMultiWorkerTest(tf.test.TestCase):
         tf.train.Checkpoint(table=table).read(os.path.join(workdir, "worker0", "ckpt")).expect_partial()
         self.assertEqual(int(table.size()), len(saved["keys"]))
         self.assertAllClose(table.lookup(tf.constant(saved["keys"]), training=False), saved["values"], atol=0)
+
+    def test_two_replicas_on_each_of_two_workers_share_its_copy_and_match_references(self):
+        outputs = run_multi_worker(LOCAL_REPLICAS_WORKER % tempfile.mkdtemp(), num_workers=2, timeout=360)
+        for rc, out, err in outputs:
+            self.assertEqual(rc, 0, msg=out + err[-4000:])
+            self.assertIn("MWMS LOCAL REPLICAS DYNAMIC OK", out)
+        for part in ("custom", "strings", "fit", "pooled"):
+            digests = {re.search(rf"{part} digest ([\w-]+)", out).group(1) for _, out, _ in outputs}
+            self.assertEqual(len(digests), 1, msg=f"{part}: the workers' copies differ: {digests}")
+        held = [int(re.search(r"holds (\d+) of (\d+) keys", out).group(1)) for _, out, _ in outputs]
+        total = {int(re.search(r"holds (\d+) of (\d+) keys", out).group(2)) for _, out, _ in outputs}
+        self.assertEqual({sum(held)}, total)  # each key on one worker only
 
     def test_two_workers_agree_and_match_references(self):
         workdir = tempfile.mkdtemp()

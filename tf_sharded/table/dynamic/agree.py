@@ -49,13 +49,22 @@ def join_codes(lengths: tf.Tensor, codes: tf.Tensor) -> tf.Tensor:
     return tf.strings.reduce_join(tf.RaggedTensor.from_row_lengths(pieces, lengths), axis=1)
 
 
-def gather_keys(ctx, keys: tf.Tensor, counts: tf.Tensor, tags: Optional[tf.Tensor] = None):
+def gather_keys(ctx, keys: tf.Tensor, counts: tf.Tensor, tags: Optional[tf.Tensor] = None, share: bool = False):
     """All replicas' distinct `keys` and their `counts`, in replica order, and where this replica's keys start.
 
     Returns `(keys, counts, start)`, or `(keys, counts, start, tags)` when
     `tags` (int64, one per key: the table of a key in a group of tables)
     travel with them; the same on every replica, and
     `keys[start : start + len(keys)]` are this replica's.
+
+    `share`: with several replicas on each worker (one copy per worker, shared
+    by them), whether this replica's occurrences count: the worker's first
+    replica (local index 0, TensorFlow's numbering) inserts every key with
+    its counts, and the others insert the same keys with counts of zero,
+    after it (their critical sections on the copy's device run in the order
+    they are traced, the first replica's first, the same on every worker).
+    Every key then meets its admission once with all its occurrences, as with
+    one replica per worker, and each replica gets the rows of its own keys.
     """
     marker = tf.constant([-1], tf.int64)
     if keys.dtype == tf.string:
@@ -75,4 +84,7 @@ def gather_keys(ctx, keys: tf.Tensor, counts: tf.Tensor, tags: Optional[tf.Tenso
     if keys.dtype == tf.string:
         all_codes = ctx.all_gather(tf.concat([marker, codes], 0), 0)
         words = join_codes(words, tf.boolean_mask(all_codes, all_codes >= 0))
+    local = len(ctx.strategy.extended.worker_devices)
+    if share and local > 1:
+        all_counts = tf.where(tf.equal(rid % local, 0), all_counts, tf.zeros_like(all_counts))
     return (words, all_counts, start) + extra

@@ -186,7 +186,8 @@ def lookup_pooled(pairs) -> List[tf.Tensor]:
     position = tf.range(total)  # of each pair inserted, among this replica's pairs (-1: another replica's only)
     ctx = agreeing_context(tables[0].strategy)
     if ctx is not None:
-        every_keys, every_counts, start, every_table = gather_keys(ctx, keys, counts, tf.cast(table, tf.int64))
+        tags = tf.cast(table, tf.int64)
+        every_keys, every_counts, start, every_table = gather_keys(ctx, keys, counts, tags, share=True)
         keys, table, at = _distinct_pairs(every_keys, every_table, m)
         counts = tf.math.unsorted_segment_sum(every_counts, at, tf.size(keys))
         mine = tf.slice(at, [start], [total])

@@ -42,11 +42,21 @@ def is_remote_shard(shard) -> bool:
     return isinstance(shard, RemoteDynamicShard)
 
 
+def _first_of_worker(ctx) -> tf.Tensor:
+    """Whether this replica is its worker's first (TensorFlow numbers a worker's `L` replicas `w * L + l`):
+    with several replicas per worker, it speaks for the worker's shard in collectives over the replicas."""
+    local = len(ctx.strategy.extended.worker_devices)
+    return tf.equal(ctx.replica_id_in_sync_group % local, 0)
+
+
 def sum_over_workers(strategy, value: tf.Tensor) -> tf.Tensor:
     """The sum over the workers of each one's `value` (every worker calls it, in the same order): in a
-    replica context by its all-reduce, else over the strategy."""
+    replica context by its all-reduce (with several replicas per worker, the first one's value counts, the
+    others' are zeros), else over the strategy."""
     ctx = tf.distribute.get_replica_context()
     if ctx is not None and not tf.distribute.in_cross_replica_context() and ctx.num_replicas_in_sync > 1:
+        if len(ctx.strategy.extended.worker_devices) > 1:
+            value = tf.where(_first_of_worker(ctx), value, tf.zeros_like(value))
         return ctx.all_reduce(tf.distribute.ReduceOp.SUM, value)
     return strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
 
@@ -65,10 +75,18 @@ def rows_over_workers(strategy, contribution: tf.Tensor) -> tf.Tensor:
 _GATHERS = weakref.WeakKeyDictionary()
 
 
+def _worker_value(ctx, value: tf.Tensor) -> tf.Tensor:
+    """`value` from a worker's first replica, nothing (no rows) from its others: an all-gather over the
+    replicas then holds each worker's value once."""
+    if len(ctx.strategy.extended.worker_devices) == 1:
+        return value
+    return value[: tf.where(_first_of_worker(ctx), tf.shape(value)[0], 0)]
+
+
 def _gather(strategy, value: tf.Tensor) -> tf.Tensor:
     ctx = tf.distribute.get_replica_context()
     if ctx is not None and not tf.distribute.in_cross_replica_context() and ctx.num_replicas_in_sync > 1:
-        return ctx.all_gather(value, 0)
+        return ctx.all_gather(_worker_value(ctx, value), 0)
     functions = _GATHERS.setdefault(strategy, {})
     key = (value.dtype, value.shape.rank)
     if key not in functions:
@@ -77,7 +95,11 @@ def _gather(strategy, value: tf.Tensor) -> tf.Tensor:
         @tf.function(input_signature=[spec])
         def gather(v):
             # The identity places the value on the replica device (an argument has none, which a collective needs).
-            out = strategy.run(lambda x: tf.distribute.get_replica_context().all_gather(tf.identity(x), 0), args=(v,))
+            def each(x):
+                ctx = tf.distribute.get_replica_context()
+                return ctx.all_gather(_worker_value(ctx, tf.identity(x)), 0)
+
+            out = strategy.run(each, args=(v,))
             return strategy.experimental_local_results(out)[0]
 
         functions[key] = gather

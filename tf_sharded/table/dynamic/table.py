@@ -285,7 +285,7 @@ class DynamicTable(_compat.Trackable):
         ctx = agreeing_context(self._strategy) if inserting else None
         if ctx is not None:
             # Several workers, one copy each: every worker inserts everyone's keys, then reads its own.
-            all_keys, all_counts, start = gather_keys(ctx, uniq, counts)
+            all_keys, all_counts, start = gather_keys(ctx, uniq, counts, share=True)
             every, at = tf.unique(all_keys, out_idx=tf.int32)
             summed = tf.math.unsorted_segment_sum(all_counts, at, tf.size(every, out_type=tf.int32))
             plan.agreed = (uniq, every, tf.slice(at, [start], [num_unique]))
@@ -535,7 +535,7 @@ def _plan_spread_together(pairs, training: bool, ctx) -> list:
         local.append((uniq, idx, n, tf.math.unsorted_segment_sum(tf.ones_like(idx, tf.int64), idx, n)))
     tags = tf.concat([tf.fill([n], tf.constant(t, tf.int64)) for t, (_, _, n, _) in enumerate(local)], 0)
     words, counts, start, all_tags = gather_keys(
-        ctx, tf.concat([u for u, _, _, _ in local], 0), tf.concat([c for _, _, _, c in local], 0), tags
+        ctx, tf.concat([u for u, _, _, _ in local], 0), tf.concat([c for _, _, _, c in local], 0), tags, share=True
     )
     plans, offset = [], tf.cast(start, tf.int32)
     for t, ((table, _), (uniq, idx, n, _)) in enumerate(zip(pairs, local)):
