@@ -307,8 +307,8 @@ def multi_worker_dynamic_devices(strategy, num_shards):
     replica's keys on every worker.
 
     The copies agree because each worker applies the same inserts in the same
-    order (`tf_sharded.table.dynamic.agree`); a worker's replicas split those
-    inserts between them, so each key is inserted once per worker.
+    order (`tf_sharded.table.dynamic.agree`); of a worker's replicas, the
+    first inserts the keys with their counts, the others with none.
     """
     return dynamic_devices(strategy, num_shards)
 

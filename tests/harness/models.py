@@ -75,6 +75,20 @@ def assert_matches_dynamic_reference(test, model, steps, table=None):
     test.assertAllClose(model.get_layer("dense").kernel.numpy(), kernel, atol=1e-5)
 
 
+def fit_dynamic_like_keras(test, strategy, steps: int = 3, **model_options):
+    """`make_dynamic_model(**model_options)` built under `strategy` and trained by `tfs.fit` for `steps` steps on
+    the global batch `RAW_KEYS[IDS]`, checked against Keras on one device (`assert_matches_dynamic_reference`).
+    Returns the model."""
+    import tensorflow as tf
+
+    with strategy.scope():
+        model = make_dynamic_model(**model_options)
+    data = tf.data.Dataset.from_tensor_slices((RAW_KEYS[IDS], LABELS)).batch(len(IDS)).repeat()
+    tfs.fit(model, data, epochs=steps, steps_per_epoch=1, verbose=0)
+    assert_matches_dynamic_reference(test, model, steps)
+    return model
+
+
 LORA_RANK = 2
 
 

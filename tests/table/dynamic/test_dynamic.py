@@ -80,6 +80,23 @@ def two_replica_steps_match_reference(
     return ref
 
 
+def adagrad_rows_match_reference(check, strategy, table, per_replica, replicas: int = 2) -> dict:
+    """`two_replica_steps_match_reference` with Adagrad(0.3), then every live key's row checked against the
+    reference's (the same keys, none more). Returns `{key: row}`."""
+    with strategy.scope():
+        optimizer = tfs.optimizers.Adagrad(0.3)
+    ref = two_replica_steps_match_reference(
+        check, strategy, table, optimizer, tfs.optimizers.Adagrad(0.3), per_replica, replicas
+    )
+    keys, values = table.export()
+    rows = dict(zip(keys.numpy().tolist(), values.numpy()))
+    check.assertEqual(set(rows), set(ref.row))
+    check.assertEqual(int(table.size()), len(ref.row))
+    for key, value in rows.items():
+        check.assertAllClose(value, ref.var.numpy()[ref.row[key]], atol=1e-5)
+    return rows
+
+
 class DynamicTableTest(tf.test.TestCase):
     def test_adagrad_training_matches_dense_reference(self):
         rng = np.random.default_rng(0)

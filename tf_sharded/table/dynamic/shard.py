@@ -133,6 +133,8 @@ class DynamicShard:
             missing = self.admission.admit(
                 self.admission_state, part.fingerprints, part.counts, part.step, missing, part.seed
             )
+            # Only a batch that meets a key admits it (a worker's other replicas insert its keys with no count).
+            missing = tf.logical_and(missing, part.counts > 0)
         positions = tf.where(missing)
         if self.capacity_eviction is not None:
             positions = self._make_room(positions, found)
