@@ -284,7 +284,13 @@ def _mirrored_fit_loop(strategy, steps_per_execution: int) -> FitLoop:
 
 
 def dynamic_devices(strategy, num_shards):
-    """Dynamic tables: one copy on this worker's host, shared by its replicas (their inserts meet in one index)."""
+    """Dynamic tables: one copy on this worker's host, shared by its replicas (their inserts meet in one index).
+
+    Across workers the copies agree because each worker applies the same
+    inserts in the same order (`tf_sharded.table.dynamic.agree`); of a
+    worker's replicas, the first inserts the keys with their counts, the
+    others with none.
+    """
     return [host_device(strategy)] * (num_shards or 1)
 
 
@@ -300,17 +306,6 @@ MIRRORED = register(
     ),
     tf.distribute.MirroredStrategy,
 )
-
-
-def multi_worker_dynamic_devices(strategy, num_shards):
-    """Dynamic tables: one copy per worker on its host, shared by its replicas, kept equal by inserting every
-    replica's keys on every worker.
-
-    The copies agree because each worker applies the same inserts in the same
-    order (`tf_sharded.table.dynamic.agree`); of a worker's replicas, the
-    first inserts the keys with their counts, the others with none.
-    """
-    return dynamic_devices(strategy, num_shards)
 
 
 def sharded_dynamic(strategy, name: str) -> tuple:
@@ -330,7 +325,7 @@ MULTI_WORKER = register(
         mirrors_tables=True,
         transport=transport,
         fit_loop=lambda strategy, steps_per_execution: FitLoop.REPLICAS,
-        dynamic_devices=multi_worker_dynamic_devices,
+        dynamic_devices=dynamic_devices,
         create_group=create_group,
         sharded_dynamic=sharded_dynamic,
     ),
