@@ -358,6 +358,43 @@ def cluster_replicas(strategy) -> Tuple[int, List[str]]:
     return int(extended._id_in_cluster) * len(local), devices
 
 
+def collective_all_to_all(strategy, tensor: tf.Tensor) -> tf.Tensor:
+    """`CollectiveAllToAllV2` of `tensor` among the replicas of a MultiWorkerMirroredStrategy, from a replica.
+
+    `tensor[i]` (its first axis is the number of replicas, and every replica
+    gives the same shape) goes to replica `i`; `result[i]` came from replica
+    `i`. TensorFlow has this collective
+    but no strategy method for it: it is issued on the strategy's own
+    launcher for this replica (its group key, its next instance key, its
+    ordering token and communication options), so it is ordered with the
+    strategy's other collectives and no separate group is formed. On GPUs the
+    options' NCCL hint selects NCCL's all-to-all.
+    """
+    from tensorflow.python.ops import collective_ops
+
+    extended = strategy.extended
+    ctx = tf.distribute.get_replica_context()
+    local = _local_replica(strategy, ctx)
+    launcher = extended._cross_device_ops._launchers[local]
+    options = launcher._options
+    with tf.device(launcher._device):
+        return collective_ops.all_to_all_v2(
+            tensor,
+            launcher._group_size,
+            launcher._group_key,
+            launcher._next_instance_key(),
+            communication_hint=options.implementation.value,
+            timeout=options.timeout_seconds,
+            ordering_token=launcher._get_ordering_token(),
+        )
+
+
+def _local_replica(strategy, ctx) -> int:
+    """This replica's position among the replicas of its worker (its launcher's index)."""
+    replica = tf.get_static_value(ctx.replica_id_in_sync_group)
+    return int(replica) - cluster_replicas(strategy)[0]
+
+
 @contextlib.contextmanager
 def outside_keras_stateless_scope():
     """Leaves Keras 3's StatelessScope for the duration of the block.

@@ -83,18 +83,19 @@ SHARDED_WORKER = (
     """
 CHECKPOINTS, LOCAL = %r, %d
 """
-    + """import os
+    + """import contextlib, os
 import numpy as np, tensorflow as tf, keras
 from tests.harness.strategies import multi_worker_with_local_replicas
 
 strategy = multi_worker_with_local_replicas(LOCAL) if LOCAL > 1 else tf.distribute.MultiWorkerMirroredStrategy()
 import tf_sharded as tfs
-from tests.harness.graphs import whole_table_reads
+from tests.harness.graphs import op_types, whole_table_reads
 from tests.harness.models import mixed_width_layer, one_device_embedding, optimizer_cases, pooled_model
 from tests.harness.references import squared_norm_adagrad_collection
 from tests.harness.steps import squared_norm_collection_step
 from tests.harness.strategies import per_replica
 from tf_sharded import _compat
+from tf_sharded.exchange import workers
 from tf_sharded.table.protocol import owner_of
 
 task, replicas = int(os.environ["TASK"]), strategy.num_replicas_in_sync
@@ -184,10 +185,8 @@ except ValueError as e:
 assert not os.path.exists(checkpoint_dir + "_secs")
 
 # A collection of mixed widths, ragged ids with a combiner, tables batched in one storage per width and replica:
-# two steps against NumPy on the global batch.
+# two steps against NumPy on the global batch, over each transport (the cost model's, the all-to-all, first).
 rows = 1009
-layer, optimizer, reference = mixed_width_layer(strategy, rows, "owners")
-step = squared_norm_collection_step(strategy, layer, optimizer)
 arrays = {
     "fa": [np.array([1, 2, 2]), np.array([1, 700, 1000]), np.array([2]), np.array([999, 1])],
     "fb": [np.array([0, 5]), np.array([1010, 5]), np.array([5]), np.array([6, 0])],
@@ -200,24 +199,34 @@ empty = tf.ragged.constant([[]], dtype=tf.int32)
 steps = [arrays, {"fa": [np.array([3]), np.array([4, 4]), np.array([4]), np.array([3])][:replicas],
                   "fb": [np.array([1]), np.array([2]), np.array([1]), np.array([2])][:replicas],
                   "fc": [empty] * replicas}]
-for arrays_k in steps:
-    step({k: per_replica(strategy, v) for k, v in arrays_k.items()})
-want = squared_norm_adagrad_collection(reference, steps)
-for name in reference:
-    err = float(np.abs(layer.tables[name].numpy() - want[name]).max())
-    assert err < 1e-5, (name, err)
-# One storage variable per width and replica here (a and b together), each with one slot: its replica's rows only.
-shard = {name: [layer.tables[name].layout.shard_sizes[r] for r in mine] for name in reference}
-got = sorted(int(v.shape[0]) for v in layer.trainable_variables)
-assert got == sorted([a + b for a, b in zip(shard["a"], shard["b"])] + shard["c"]), got
-for storage in {id(v): v for v in layer.trainable_variables}.values():
-    storage_table = owner_of(storage)[0]
-    placed = [(v.shape, v.device) for v in storage_table.held_variables]
-    assert [(v.shape, v.device) for v in optimizer.table_slot(storage_table, "accumulator").held_variables] == placed
-inputs = {k: per_replica(strategy, v) for k, v in arrays.items()}
-problems = [p for p in whole_table_reads(step.get_concrete_function(inputs), rows) if "produces" in p]
-assert problems == [], problems
-print(f"worker {task} collection matches NumPy", flush=True)
+collectives = {"alltoall": "CollectiveAllToAllV2", "gather": "CollectiveGatherV2"}
+for transport in (None, "gather"):
+    with contextlib.nullcontext() if transport is None else workers.transport_scope(transport):
+        layer, optimizer, reference = mixed_width_layer(strategy, rows, "owners")
+        step = squared_norm_collection_step(strategy, layer, optimizer)
+        for arrays_k in steps:
+            step({k: per_replica(strategy, v) for k, v in arrays_k.items()})
+        inputs = {k: per_replica(strategy, v) for k, v in arrays.items()}
+        ops = op_types(step.get_concrete_function(inputs))
+    want = squared_norm_adagrad_collection(reference, steps)
+    for name in reference:
+        err = float(np.abs(layer.tables[name].numpy() - want[name]).max())
+        assert err < 1e-5, (transport, name, err)
+    # The lookups' collectives are the transport's alone (the copies' exchange has no table here to gather).
+    used = {t for t, op in collectives.items() if op in ops}
+    assert used == {transport or "alltoall"}, (transport, used)
+    # One storage variable per width and replica here (a and b together), each with one slot: its replica's rows.
+    shard = {name: [layer.tables[name].layout.shard_sizes[r] for r in mine] for name in reference}
+    got = sorted(int(v.shape[0]) for v in layer.trainable_variables)
+    assert got == sorted([a + b for a, b in zip(shard["a"], shard["b"])] + shard["c"]), got
+    for storage in {id(v): v for v in layer.trainable_variables}.values():
+        storage_table = owner_of(storage)[0]
+        placed = [(v.shape, v.device) for v in storage_table.held_variables]
+        slots = optimizer.table_slot(storage_table, "accumulator").held_variables
+        assert [(v.shape, v.device) for v in slots] == placed
+    problems = [p for p in whole_table_reads(step.get_concrete_function(inputs), rows) if "produces" in p]
+    assert problems == [], problems
+    print(f"worker {task} collection over {transport or 'the chosen transport'} matches NumPy", flush=True)
 
 # tfs.plan shards a table whose copy does not fit a replica over every replica of both workers.
 tables = {"big": {"input_dim": 20_000, "output_dim": 4, "seed": 1}, "small": {"input_dim": 50, "output_dim": 4}}

@@ -39,6 +39,23 @@ more rendezvous per step than the copies' exchange; that latency is the
 planner's (`tfs.plan`), per step and group of tables, not per byte.
 `APPLY_FACTOR` comes from B12's in-process points (`python -m tf_sharded
 bench sharded`), which refit it in every run.
+
+Transport of a sharded lookup across workers (`sharded_transport_costs`), per
+replica and step, `P` the largest number of one replica's keys that one
+owner holds (about `u / R` for ids spread evenly, `u` at worst), `r` one
+rendezvous (`RENDEZVOUS_BYTES`):
+
+    gather    = (R - 1) * u * (8 + 3 * b) + k * R * P * (b + 8) + 5 * r
+                # id all-gather, ring all-reduce of the R * u rows, gradient all-gather, the owner's merge of
+                # its keys; each all-gather of unequal parts is two rendezvous (sizes, then the padded
+                # parts), the all-reduce one
+    alltoall  = (R - 1) * P * (8 + 2 * b) + k * R * P * (b + 8) + 4 * r
+                # one scalar all-reduce (the chunk length), ids out, rows back, gradients home, the same merge
+
+Each owner receives only its own keys and rows, and the all-to-all needs one
+rendezvous fewer, so wherever its collective runs it is the cheaper of the
+two at every size; the gather form stays for a forced choice
+(`tfs.exchange.workers.transport_scope`).
 """
 
 from __future__ import annotations
@@ -52,6 +69,9 @@ LOCAL_MERGE_FACTOR = 1.1
 MAP_BYTES_PER_ROW = 8
 # An optimizer's update of one row per byte of the row and its slots, relative to receiving a byte (B12).
 APPLY_FACTOR = 1.3
+# One rendezvous of the workers' collectives in bytes-equivalent: half of `tfs.plan`'s SHARDED_RENDEZVOUS_MS
+# (two rendezvous, B12) at its EXCHANGE_BYTES_PER_MS (B11).
+RENDEZVOUS_BYTES = 6.0e5
 
 
 def cost_bytes(
@@ -194,3 +214,39 @@ def placement_costs(
             + MERGE_FACTOR * u * (row_bytes + ID_BYTES)
         )
     return {"device": float(device), "sharded": float(sharded)}
+
+
+def sharded_transport_costs(
+    replicas: int,
+    distinct_ids: int,
+    row_bytes: int,
+    chunk: Optional[int] = None,
+    merge_factor: Optional[float] = None,
+) -> dict:
+    """`{"alltoall": ..., "gather": ...}`: bytes-equivalent per replica and step of one group's sharded lookup
+    across workers (see the module docstring).
+
+    Args:
+      replicas: `R`, the replicas the group's shards are spread over.
+      distinct_ids: `u`, the largest number of distinct keys of one replica in a step.
+      row_bytes: `b`.
+      chunk: `P`, the largest number of one replica's keys held by one owner (default: `u / R`, rounded up).
+      merge_factor: instead of `MERGE_FACTOR`.
+
+    Example:
+
+    >>> costs = sharded_transport_costs(replicas=2, distinct_ids=4096, row_bytes=64)
+    >>> {k: round(v) for k, v in costs.items()}
+    {'alltoall': 3858176, 'gather': 4998848}
+    >>> costs = sharded_transport_costs(replicas=2, distinct_ids=4096, row_bytes=64, chunk=4096)
+    >>> costs["alltoall"] < costs["gather"]
+    True
+    """
+    k = MERGE_FACTOR if merge_factor is None else merge_factor
+    u = max(1, int(distinct_ids))
+    p = -(-u // replicas) if chunk is None else max(1, int(chunk))
+    sent = replicas - 1
+    merge = k * replicas * p * (row_bytes + ID_BYTES)
+    gather = sent * u * (ID_BYTES + 3 * row_bytes) + merge + 5 * RENDEZVOUS_BYTES
+    alltoall = sent * p * (ID_BYTES + 2 * row_bytes) + merge + 4 * RENDEZVOUS_BYTES
+    return {"alltoall": float(alltoall), "gather": float(gather)}

@@ -2,37 +2,82 @@
 
 With `placement="sharded"` across processes, replica `r` holds shard `r`
 of each table, and a worker only its replicas' shards
-(`tf_sharded.table.remote`). A step's
-lookup of a group of such tables (one id space: `tf_sharded.table.lookup`)
-is an all-to-all made of two of TensorFlow's collectives, which run on CPU
-and GPU alike:
+(`tf_sharded.table.remote`). A step's lookup of a group of such tables (one
+id space: `tf_sharded.table.lookup`) sends each distinct key to the replica
+that owns it and its row back; backward, each row's gradient goes to its
+owner, which sums it per distinct row. The shard's gradient is then
+already the global batch's sum: it goes to the optimizer as it is
+(`tfs.exchange.all_reduce_gradients` passes it through, or with several
+replicas on a worker hands every one of them the owner's), which updates
+each row once, on its owner. One exchange per group and step carries every
+table of the group.
 
-* forward: the replicas all-gather their distinct ids; each owner reads the
-  rows it holds among all of them, and an all-reduce of those rows (zeros
-  where another worker owns the id) gives every replica its rows;
-* backward: the replicas all-gather their rows' gradients; each owner keeps
-  those of its own rows and sums them per distinct row. The shard's gradient
-  is then already the global batch's sum: it goes to the optimizer as it is
-  (`tfs.exchange.all_reduce_gradients` passes it through, or with several
-  replicas on a worker hands every one of them the owner's), which updates
-  each row once, on its owner.
+Two transports, the cost model's choice (`tfs.exchange.cost.sharded_transport_costs`):
 
-One id gather, one row all-reduce and one gradient gather per group and
-step carry every table of the group (three rendezvous, whatever the number
-of tables). A replica's traffic is the global
-batch's distinct ids and their rows, the same order as the mirrored
-exchange's all-gather; `CollectiveAllToAllV2` would send each replica only
-its own rows but needs equal splits (padding to the largest) and has no
-gradient, and RFC.md says why this form was kept.
+* `"alltoall"`: TensorFlow's `CollectiveAllToAllV2` (kernels on CPU and GPU;
+  across workers its generic implementation, NCCL's on GPUs with the NCCL
+  hint), on the strategy's own collective group. The collective needs equal
+  chunks, so the replicas first agree on the largest per-owner bucket (one
+  scalar all-reduce) and pad to it; each owner then receives only its own
+  keys and sends back only their rows. It has no gradient in TensorFlow:
+  the backward pass is the same all-to-all of the gradients, in the same
+  slots. Four rendezvous per step.
+* `"gather"`: the replicas all-gather their distinct ids; each owner reads
+  the rows it holds among all of them, and an all-reduce of those rows
+  (zeros where another replica owns the id) gives every replica its rows;
+  backward, the gradients are all-gathered and each owner keeps its own.
+  Every replica receives the global batch's ids and rows, and each
+  all-gather of unequal parts is two rendezvous: five per step.
+
+The all-to-all moves fewer bytes in fewer rendezvous at every size, so
+`transport_for` takes it in traced steps; `transport_scope` forces either
+(B12 times both).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Optional
 
+import numpy as np
 import tensorflow as tf
 
+from tf_sharded import _compat
+from tf_sharded.exchange.cost import sharded_transport_costs
 from tf_sharded.table.remote import collective_rows
+
+ALLTOALL, GATHER = "alltoall", "gather"
+TRANSPORTS = (ALLTOALL, GATHER)
+_FORCED = []  # the innermost transport_scope's transport (module-wide: replica functions run in other threads)
+
+
+@contextlib.contextmanager
+def transport_scope(transport: str):
+    """Steps traced inside the block look sharded tables up across workers by `transport` ("alltoall" or
+    "gather") instead of the cost model's choice."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"Argument `transport` must be one of {TRANSPORTS}. Received: transport={transport!r}")
+    _FORCED.append(transport)
+    try:
+        yield
+    finally:
+        _FORCED.pop()
+
+
+def transport_for(replicas: int, row_bytes: int, bound: Optional[int]) -> str:
+    """The transport of one group's lookup: a `transport_scope`'s, else the cheaper by the cost model at
+    `bound` distinct keys per replica (1 if unknown), keys spread evenly over the owners.
+
+    Executed eagerly, the all-to-all waits forever for replicas of this worker
+    that issue theirs in other threads, so an eager step takes the gather form
+    (whose all-gather TensorFlow refuses in eager mode with its own error).
+    """
+    if tf.executing_eagerly():
+        return GATHER
+    if _FORCED:
+        return _FORCED[-1]
+    costs = sharded_transport_costs(replicas, bound or 1, row_bytes)
+    return min(costs, key=costs.get)
 
 
 def _route(keys, starts, owners, shifts):
@@ -52,8 +97,9 @@ def exchange_rows(
     read_held: Callable[[tf.Tensor, tf.Tensor], tf.Tensor],
     row_shape,
     dtype,
+    bound: Optional[int] = None,
 ) -> tf.Tensor:
-    """Rows at this replica's distinct group keys `uniq`, from the workers that hold them.
+    """Rows at this replica's distinct group keys `uniq`, from the replicas that hold them.
 
     Args:
       uniq: int64 distinct keys of the group's id space (this replica's).
@@ -63,30 +109,102 @@ def exchange_rows(
       read_held: `(shard, row) -> rows` of the shards held here (a gradient
         reaches those variables through it).
       row_shape, dtype: of the group's rows.
+      bound: the number of keys before de-duplication, if static (the cost
+        model's estimate of `size(uniq)`).
 
     Returns:
       `[size(uniq)] + row_shape` rows, with a gradient that sends each row's
-      gradient to its owner.
-
-    Each replica's keys end with a marker (-1): a collective to which every
-    replica sends nothing never completes (a step whose feature has no id
-    anywhere), and the markers tell where each replica's keys start.
+      gradient to its owner. The transport is `transport_for`'s choice.
     """
     ctx = tf.distribute.get_replica_context()
-    starts = tf.constant(starts, tf.int64)
-    owners, shifts = tf.constant(owners, tf.int32), tf.constant(shifts, tf.int64)
+    route = (tf.constant(starts, tf.int64), tf.constant(owners, tf.int32), tf.constant(shifts, tf.int64))
+    row_bytes = tf.as_dtype(dtype).size * max(1, int(np.prod(row_shape)) if row_shape else 1)
+    transport = transport_for(ctx.num_replicas_in_sync, row_bytes, bound)
+    exchange = _all_to_all if transport == ALLTOALL else _gather_reduce
+    with tf.name_scope(f"tfs_workers_{transport}"):
+        return tf.ensure_shape(exchange(ctx, uniq, route, read_held, list(row_shape), dtype), [None] + list(row_shape))
+
+
+def _all_to_all(ctx, uniq, route, read_held, row_shape, dtype):
+    """`exchange_rows` over `CollectiveAllToAllV2`: each owner receives only its own keys, sends back only their rows.
+
+    Forward: the keys are bucketed by owner into `replicas` chunks of one
+    length, the largest bucket of any replica (one scalar all-reduce; the
+    collective needs equal chunks), padded with -1; one all-to-all sends
+    chunk `r` to replica `r`, which reads the rows of the keys it received
+    (zeros at padding), and a second one returns them in the same slots.
+    Backward: the row gradients travel in those slots to the owners, which
+    sum them per distinct row.
+    """
+    replicas = ctx.num_replicas_in_sync
+    strategy = ctx.strategy
+    owner, _, _ = _route(uniq, *route)
+    bucket = tf.math.bincount(owner, minlength=replicas, maxlength=replicas)
+    # Every replica's largest bucket, by one all-reduce of each at its replica's position (the strategies
+    # reduce by SUM or MEAN only); at least one slot: a collective to which every replica sends nothing never
+    # completes.
+    me = ctx.replica_id_in_sync_group
+    largest = tf.one_hot(me, replicas, on_value=tf.reduce_max(bucket), off_value=0, dtype=tf.int32)
+    chunk = tf.maximum(tf.reduce_max(ctx.all_reduce(tf.distribute.ReduceOp.SUM, largest)), 1)
+    order = tf.argsort(owner, stable=True)
+    first = tf.math.cumsum(bucket, exclusive=True)
+    sorted_owner = tf.gather(owner, order)
+    in_bucket = tf.range(tf.size(uniq)) - tf.gather(first, sorted_owner)
+    slot = tf.scatter_nd(order[:, None], sorted_owner * chunk + in_bucket, tf.shape(owner))  # uniq[i]'s slot
+    slots = replicas * chunk
+    sent = tf.tensor_scatter_nd_update(tf.fill([slots], tf.constant(-1, tf.int64)), slot[:, None], uniq)
+    received = tf.reshape(_compat.collective_all_to_all(strategy, tf.reshape(sent, [replicas, chunk])), [-1])
+    asked = tf.where(received >= 0)[:, 0]  # slots that carry a key held here
+    keys, which = tf.unique(tf.gather(received, asked), out_idx=tf.int32)
+    _, shard, row = _route(keys, *route)
+    held = read_held(shard, row)
+    slots_shape = tf.concat([[slots], tf.constant(row_shape, tf.int32)], 0)
+
+    def travel(rows):
+        """`[slots] + row_shape` rows exchanged chunk for chunk."""
+        out = _compat.collective_all_to_all(strategy, tf.reshape(rows, [replicas, -1]))
+        return tf.reshape(out, slots_shape)
+
+    @tf.custom_gradient
+    def to_replicas(held):
+        answered = tf.scatter_nd(asked[:, None], tf.gather(held, which), tf.cast(slots_shape, tf.int64))
+        rows = tf.gather(travel(answered), slot)
+
+        def home(upstream):
+            if isinstance(upstream, tf.IndexedSlices):
+                upstream = tf.math.unsorted_segment_sum(upstream.values, upstream.indices, tf.size(uniq))
+            grads = travel(tf.scatter_nd(slot[:, None], upstream, slots_shape))
+            return tf.math.unsorted_segment_sum(tf.gather(grads, asked), which, tf.size(keys))
+
+        return rows, home
+
+    return to_replicas(tf.cast(held, dtype))
+
+
+def _gather_reduce(ctx, uniq, route, read_held, row_shape, dtype):
+    """`exchange_rows` over an all-gather of ids, an all-reduce of rows and an all-gather of gradients.
+
+    Forward: the replicas all-gather their distinct keys; each owner reads
+    its rows among all of them, and an all-reduce of those rows (zeros
+    where another replica owns the key) gives every replica its rows.
+    Backward: the gradients are all-gathered and each owner sums its own per
+    distinct row. Each replica's keys end with a marker (-1): a collective to
+    which every replica sends nothing never completes (a step whose feature
+    has no id anywhere), and the markers tell where each replica's keys
+    start.
+    """
     me = tf.cast(ctx.replica_id_in_sync_group, tf.int32)
     n = tf.size(uniq)
     every = ctx.all_gather(tf.concat([uniq, [-1]], 0), 0)  # every replica's keys and marker, in replica order
     ends = tf.where(every < 0)[:, 0]
     start = tf.concat([[-1], ends], 0)[me] + 1
-    owner, _, _ = _route(every, starts, owners, shifts)
+    owner, _, _ = _route(every, *route)
     asked = tf.where(tf.equal(owner, me))[:, 0]  # positions in `every` of the keys held here
     keys, which = tf.unique(tf.gather(every, asked), out_idx=tf.int32)
-    _, shard, row = _route(keys, starts, owners, shifts)
+    _, shard, row = _route(keys, *route)
     held = read_held(shard, row)
-    total = tf.concat([tf.shape(every, out_type=tf.int64), tf.constant(list(row_shape), tf.int64)], 0)
-    marker_row = tf.zeros([1] + list(row_shape), dtype)
+    total = tf.concat([tf.shape(every, out_type=tf.int64), tf.constant(row_shape, tf.int64)], 0)
+    marker_row = tf.zeros([1] + row_shape, dtype)
 
     @tf.custom_gradient
     def to_replicas(held):
@@ -101,8 +219,7 @@ def exchange_rows(
 
         return rows, home
 
-    with tf.name_scope("tfs_workers_exchange"):
-        return tf.ensure_shape(to_replicas(tf.cast(held, dtype)), [None] + list(row_shape))
+    return to_replicas(tf.cast(held, dtype))
 
 
 def gather_everywhere(uniq, starts, owners, shifts, read_held, row_shape, strategy, mine: range) -> tf.Tensor:

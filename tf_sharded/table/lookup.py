@@ -123,7 +123,8 @@ def _lookup_group(members, max_norm):
     _note_storage_lookups(tables, counts)
     shift = [start - offset for start, (_, offset) in zip(starts, placed)]  # key - shift = row in its variable
     if any(is_remote(v) for v in storage):
-        return _split(_spread_rows(tables, uniq, starts, owners, shift, placed, max_norm), idx, members)
+        rows = _spread_rows(tables, uniq, starts, owners, shift, placed, max_norm, keys.shape[0])
+        return _split(rows, idx, members)
     if len(shards) == 1:
         shard = tf.zeros_like(uniq, tf.int32)
         local = uniq - shift[0] if shift[0] else uniq
@@ -172,7 +173,7 @@ def _split(rows, idx, members) -> list:
     return tf.split(rows, sizes, num=len(members))
 
 
-def _spread_rows(tables, uniq, starts, owners, shift, placed, max_norm):
+def _spread_rows(tables, uniq, starts, owners, shift, placed, max_norm, bound):
     """Rows at a group's distinct keys `uniq` when its shards are spread over workers (`tfs.exchange.workers`)."""
     held = list({id(v): v for v, _ in placed if not is_remote(v)}.values())
     position = {id(v): i for i, v in enumerate(held)}
@@ -191,7 +192,7 @@ def _spread_rows(tables, uniq, starts, owners, shift, placed, max_norm):
     strategy = tables[0].strategy
     ctx = tf.distribute.get_replica_context()
     if ctx is not None and ctx.strategy is strategy:
-        return exchange_rows(uniq, starts, owners, shift, read_held, row_shape, tables[0].dtype)
+        return exchange_rows(uniq, starts, owners, shift, read_held, row_shape, tables[0].dtype, bound)
     first, local = _compat.cluster_replicas(strategy)[0], len(strategy.extended.worker_devices)
     return gather_everywhere(uniq, starts, owners, shift, read_held, row_shape, strategy, range(first, first + local))
 
