@@ -74,7 +74,9 @@ How to read the ratios (each benchmark's module docstring, `tf_sharded/benchmark
 * **B12** (`bench sharded`): `/ even share` is the bytes of tables and slots on the fullest replica over
   (tables + slots) / replicas (goal at most 1.15); `sharded / device` is the step time of tables sharded
   over the replicas over that of a copy per replica: above 1, copies are faster where both fit. `chosen /
-  fastest` is the step time of the placement `tfs.plan` picks from the point's ids over the faster one's.
+  gather` is the sharded step over the transport the cost model chose over the gather form's: below 1, the
+  choice is faster. `chosen / fastest` is the step time of the placement `tfs.plan` picks from the point's
+  ids over the faster one's.
 * **B13** (`bench hybrid`): `hybrid / this` is hybrid training's samples/s over this strategy's (goal at
   least 1.3 against the multi-worker mirrored runs); AUC differences are hybrid's minus this run's (goal
   within 0.005 of the synchronous runs, and at least 0 against the parameter servers')."""
@@ -474,6 +476,17 @@ def _sharded(report: Dict) -> List[str]:
         "sharded ms | device ms | sharded / device",
         table,
     )
+    across = [(per, r) for per in report["results"] for r in per["results"] if "sharded_gather_step_s" in r]
+    if across:
+        lines += _para(
+            "Across workers, the sharded step over the transport the cost model chose (`sharded ms` above) and "
+            "over the gather form (`tfs.exchange.workers`):"
+        )
+        lines += _table(
+            "replicas | tables | rows per table | chosen transport | chosen ms | gather ms | chosen / gather",
+            ([replicas_label(per), str(r["tables"]), f"{r['rows']:,}", r["transport"], _ms(r["sharded_step_s"]),
+              _ms(r["sharded_gather_step_s"]), f"{r['chosen_vs_gather_step']:.2f}"] for per, r in across),
+        )  # fmt: skip
     placement = report.get("placement")
     if placement:
         lines += _para(

@@ -13,7 +13,9 @@ tests run the multi-worker case and the application on their own):
 * **step time**, sharded / mirrored (`placement="device"`), on tables both
   fit, at several table sizes: 8 tables of `rows` x 16, 512 uniform ids per
   table and replica, a lookup, a dense head and an Adagrad update per step
-  (median of timed rounds after a traced warm-up);
+  (median of timed rounds after a traced warm-up); across workers the
+  sharded step also over the gather transport, against the one the cost
+  model chooses (`tfs.exchange.workers`: the all-to-all);
 * **the cost model**: the same run fits `APPLY_FACTOR`
   (`tfs.exchange.cost`, from the replicas of one process) and
   `SHARDED_RENDEZVOUS_MS` (`tfs.plan`, from the workers, whose points
@@ -145,11 +147,17 @@ def _features(strategy, rows: int, seed: int, count: int = TABLES):
     return strategy.experimental_distribute_values_from_function(value)
 
 
-def _time(strategy, rows: int, placement: str, sizes: Dict, count: int = TABLES) -> Dict:
+def _time(strategy, rows: int, placement: str, sizes: Dict, count: int = TABLES, transport=None) -> Dict:
+    """One placement's step; `transport` forces the sharded lookup's across workers (None: the cost model's)."""
+    import contextlib
+
+    from tf_sharded.exchange import workers
+
     layer, head, optimizer, _ = _collection(strategy, rows, placement, count=count)
     step = _step(strategy, layer, head, optimizer)
     batches = [_features(strategy, rows, s, count) for s in range(STEPS_SAMPLED)]
-    step(batches[0])  # traced
+    with workers.transport_scope(transport) if transport else contextlib.nullcontext():
+        step(batches[0])  # traced: the transport is chosen here
     rounds = []
     for _ in range(sizes["rounds"]):
         start = time.perf_counter()
@@ -188,8 +196,17 @@ def _child(replicas: int, quick: bool, out: Optional[str]) -> int:
     for rows, count in points:
         sharded, device = (_time(strategy, rows, p, sizes, count) for p in ("sharded", "device"))
         whole = count * rows * DIM * 4 * 2  # tables and one Adagrad slot, float32
+        transports = {}
+        if workers:  # the sharded lookup over each transport: the cost model's choice, and the gather form
+            from tf_sharded.exchange import workers as spread
+
+            chosen = spread.transport_for(replicas, DIM * 4, count * IDS)
+            other = _time(strategy, rows, "sharded", sizes, count, transport=spread.GATHER)
+            transports = {"transport": chosen, "sharded_gather_step_s": other["step_s"],
+                          "chosen_vs_gather_step": sharded["step_s"] / other["step_s"]}  # fmt: skip
         rows_out.append(
             {
+                **transports,
                 "rows": rows,
                 "tables": count,
                 "table_and_slot_bytes": whole,
@@ -375,6 +392,14 @@ def format_rows(report: Dict) -> List[str]:
             f"{'':>8} plan with memory_per_replica {plan['memory_per_replica'] / 2**20:.1f} MB (a third of a table "
             f"and its slot): {plan['placements']}, built {plan['built']}; {plan['reason']}"
         )
+    for per in report["results"]:
+        for r in per["results"]:
+            if "sharded_gather_step_s" in r:
+                lines.append(
+                    f"{replicas_label(per)}, {r['tables']} tables of {r['rows']:,} rows: sharded over {r['transport']} "
+                    f"{r['sharded_step_s'] * 1e3:.1f}ms, over gather {r['sharded_gather_step_s'] * 1e3:.1f}ms: "
+                    f"{r['chosen_vs_gather_step']:.2f}"
+                )
     placement = report["placement"]
     for p in placement["points"]:
         where = replicas_label(p) if p["workers"] else f"{p['replicas']} replicas"

@@ -226,6 +226,9 @@ def _plot(name: str, reports: List[Dict], out: str) -> str:
             label = f"{per['workers']} workers" if per.get("workers") else f"{per['replicas']} replicas"
             a.plot([r["rows"] for r in rows], [r["sharded_vs_even_share"] for r in rows], marker="o", label=label)
             b.plot([r["rows"] for r in rows], [r["sharded_vs_device_step"] for r in rows], marker="o", label=label)
+            if any("sharded_gather_step_s" in r for r in rows):
+                b.plot([r["rows"] for r in rows], [r["sharded_gather_step_s"] / r["device_step_s"] for r in rows],
+                       marker="x", linestyle=":", label=f"{label}, gather transport")  # fmt: skip
         a.axhline(1.15, color="gray", linestyle="--", label="goal (1.15)")
         a.set(xscale="log", xlabel="rows per table", ylabel="bytes per replica / even share", title="B12: memory")
         b.axhline(1.0, color="gray", linestyle="--")

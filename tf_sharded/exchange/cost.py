@@ -28,9 +28,7 @@ row's optimizer update:
                 sharded = R * u * (8 + 2 * b) + k1 * R * u * (b + 8) + G * a * c / R
                           # ids to owners, rows back, gradients home; one merge; each row applied once
     collective  device  = exchange                              # its k covers merging and applying
-                sharded = (R - 1) * u * (8 + b) + 2 * (R - 1) * u * b + k * u * (b + 8)
-                          # id all-gather, all-reduce of the R * u rows, gradient all-gather; owners merge
-                          # their share
+                sharded = the lookup's transport (below), its bytes only
 
 `c` is R where the replicas share one process's cores (logical CPU
 devices: R copies' updates add up) and 1 where each has its own (GPUs: they
@@ -172,6 +170,7 @@ def placement_costs(
     shared_cores: bool = True,
     exchange: Optional[str] = None,
     apply_factor: Optional[float] = None,
+    transport: Optional[str] = None,
 ) -> dict:
     """`{"device": ..., "sharded": ...}`: bytes-equivalent per step of one table copied on every replica and
     sharded over them (see the module docstring).
@@ -185,6 +184,7 @@ def placement_costs(
       shared_cores: in process, whether the replicas share the process's cores (logical CPU devices).
       exchange: the copies' exchange, "allgather" or "dense" (None: the cheaper).
       apply_factor: instead of `APPLY_FACTOR`.
+      transport: across workers, the sharded lookup's, "alltoall" or "gather" (None: the cheaper).
 
     Example:
 
@@ -193,7 +193,7 @@ def placement_costs(
     {'device': 1525350, 'sharded': 781517}
     >>> costs = placement_costs(rows=100_000, row_bytes=64, replicas=2, distinct_ids=512)
     >>> {k: round(v) for k, v in costs.items()}
-    {'device': 331776, 'sharded': 249856}
+    {'device': 331776, 'sharded': 182272}
     """
     u = min(int(distinct_ids), int(rows))
     touched = min(replicas * u, rows)
@@ -208,11 +208,10 @@ def placement_costs(
         route = sent * (ID_BYTES + 2 * row_bytes) + LOCAL_MERGE_FACTOR * sent * (row_bytes + ID_BYTES)
         sharded = route + touched * update * cores / replicas
     else:
-        sharded = (
-            (replicas - 1) * u * (ID_BYTES + row_bytes)
-            + 2.0 * (replicas - 1) * u * row_bytes
-            + MERGE_FACTOR * u * (row_bytes + ID_BYTES)
-        )
+        if transport is None:
+            ways = sharded_transport_costs(replicas, u, row_bytes)
+            transport = min(ways, key=ways.get)
+        sharded = sharded_transport_costs(replicas, u, row_bytes, rendezvous=False)[transport]
     return {"device": float(device), "sharded": float(sharded)}
 
 
@@ -222,6 +221,7 @@ def sharded_transport_costs(
     row_bytes: int,
     chunk: Optional[int] = None,
     merge_factor: Optional[float] = None,
+    rendezvous: bool = True,
 ) -> dict:
     """`{"alltoall": ..., "gather": ...}`: bytes-equivalent per replica and step of one group's sharded lookup
     across workers (see the module docstring).
@@ -232,6 +232,7 @@ def sharded_transport_costs(
       row_bytes: `b`.
       chunk: `P`, the largest number of one replica's keys held by one owner (default: `u / R`, rounded up).
       merge_factor: instead of `MERGE_FACTOR`.
+      rendezvous: whether to count the rendezvous (`tfs.plan` prices a group's waits per step instead).
 
     Example:
 
@@ -247,6 +248,7 @@ def sharded_transport_costs(
     p = -(-u // replicas) if chunk is None else max(1, int(chunk))
     sent = replicas - 1
     merge = k * replicas * p * (row_bytes + ID_BYTES)
-    gather = sent * u * (ID_BYTES + 3 * row_bytes) + merge + 5 * RENDEZVOUS_BYTES
-    alltoall = sent * p * (ID_BYTES + 2 * row_bytes) + merge + 4 * RENDEZVOUS_BYTES
+    r = RENDEZVOUS_BYTES if rendezvous else 0.0
+    gather = sent * u * (ID_BYTES + 3 * row_bytes) + merge + 5 * r
+    alltoall = sent * p * (ID_BYTES + 2 * row_bytes) + merge + 4 * r
     return {"alltoall": float(alltoall), "gather": float(gather)}
