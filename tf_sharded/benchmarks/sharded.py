@@ -158,6 +158,8 @@ def _time(strategy, rows: int, placement: str, sizes: Dict, count: int = TABLES,
     batches = [_features(strategy, rows, s, count) for s in range(STEPS_SAMPLED)]
     with workers.transport_scope(transport) if transport else contextlib.nullcontext():
         step(batches[0])  # traced: the transport is chosen here
+    graph = step.get_concrete_function(batches[0]).graph.as_graph_def()
+    ops = {n.op for n in graph.node} | {n.op for f in graph.library.function for n in f.node_def}
     rounds = []
     for _ in range(sizes["rounds"]):
         start = time.perf_counter()
@@ -170,7 +172,9 @@ def _time(strategy, rows: int, placement: str, sizes: Dict, count: int = TABLES,
     stored = {id(storage_of(t) or t): storage_of(t) or t for t in layer.tables.values()}.values()
     slots = [v for table in stored for v in optimizer.table_slot(table, "accumulator").held_variables]
     held = _bytes_by_device(layer.trainable_variables + slots)
-    return {"step_s": statistics.median(rounds), "bytes_per_replica": max(held.values()), "devices": len(held)}
+    used = workers.ALLTOALL if "CollectiveAllToAllV2" in ops else workers.GATHER  # what the traced step holds
+    return {"step_s": statistics.median(rounds), "bytes_per_replica": max(held.values()), "devices": len(held),
+            "transport": used}  # fmt: skip
 
 
 def _child(replicas: int, quick: bool, out: Optional[str]) -> int:
@@ -198,11 +202,11 @@ def _child(replicas: int, quick: bool, out: Optional[str]) -> int:
         whole = count * rows * DIM * 4 * 2  # tables and one Adagrad slot, float32
         transports = {}
         if workers:  # the sharded lookup over each transport: the cost model's choice, and the gather form
-            from tf_sharded.exchange import workers as spread
+            from tf_sharded.exchange.workers import GATHER
 
-            chosen = spread.transport_for(replicas, DIM * 4, count * IDS)
-            other = _time(strategy, rows, "sharded", sizes, count, transport=spread.GATHER)
-            transports = {"transport": chosen, "sharded_gather_step_s": other["step_s"],
+            other = _time(strategy, rows, "sharded", sizes, count, transport=GATHER)
+            assert other["transport"] == GATHER, other
+            transports = {"transport": sharded["transport"], "sharded_gather_step_s": other["step_s"],
                           "chosen_vs_gather_step": sharded["step_s"] / other["step_s"]}  # fmt: skip
         rows_out.append(
             {
