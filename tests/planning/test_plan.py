@@ -208,7 +208,7 @@ def test_with_a_sample_a_copy_that_fits_is_sharded_where_the_cost_model_says_it_
     assert (user.placement, user.exchange, user.exchange_ids) == ("device", "allgather", u)
     np.testing.assert_allclose(user.estimate_ms, ms["device"])
     assert user.reason.startswith(f"device: est. {ms['device']:.2f} ms a step against {ms['sharded']:.2f} sharded")
-    # Two workers: the sharded lookup's two more rendezvous (shared by the two tables of width 16) outweigh the
+    # Two workers: the sharded lookup's rendezvous (shared by the two tables of width 16) outweigh the
     # bytes it saves at 512 ids, not at 50,000.
     two = {"kind": "multi_worker_mirrored", "replicas": 2, "workers": 2}
     ms = expected(two, False, sharing=2)

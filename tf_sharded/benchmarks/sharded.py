@@ -13,7 +13,7 @@ tests run the multi-worker case and the application on their own):
 * **step time**, sharded / mirrored (`placement="device"`), on tables both
   fit, at several table sizes: 8 tables of `rows` x 16, 512 uniform ids per
   table and replica, a lookup, a dense head and an Adagrad update per step
-  (median of timed rounds after a traced warm-up); across workers the
+  (median of interleaved timed rounds after a traced warm-up); across workers the
   sharded step also over the gather transport, against the one the cost
   model chooses (`tfs.exchange.workers`: the all-to-all);
 * **the cost model**: the same run fits `APPLY_FACTOR`
@@ -147,34 +147,42 @@ def _features(strategy, rows: int, seed: int, count: int = TABLES):
     return strategy.experimental_distribute_values_from_function(value)
 
 
-def _time(strategy, rows: int, placement: str, sizes: Dict, count: int = TABLES, transport=None) -> Dict:
-    """One placement's step; `transport` forces the sharded lookup's across workers (None: the cost model's)."""
+def _time(strategy, rows: int, variants, sizes: Dict, count: int = TABLES) -> List[Dict]:
+    """The step of each `(placement, transport)` of `variants`, in interleaved rounds on the same batches
+    (drift on a shared machine then touches each alike); `transport` forces the sharded lookup's across
+    workers (None: the cost model's)."""
     import contextlib
 
     from tf_sharded.exchange import workers
-
-    layer, head, optimizer, _ = _collection(strategy, rows, placement, count=count)
-    step = _step(strategy, layer, head, optimizer)
-    batches = [_features(strategy, rows, s, count) for s in range(STEPS_SAMPLED)]
-    with workers.transport_scope(transport) if transport else contextlib.nullcontext():
-        step(batches[0])  # traced: the transport is chosen here
-    graph = step.get_concrete_function(batches[0]).graph.as_graph_def()
-    ops = {n.op for n in graph.node} | {n.op for f in graph.library.function for n in f.node_def}
-    rounds = []
-    for _ in range(sizes["rounds"]):
-        start = time.perf_counter()
-        for s in range(sizes["steps"]):
-            loss = step(batches[s % len(batches)])
-        strategy.experimental_local_results(loss)[0].numpy()
-        rounds.append((time.perf_counter() - start) / sizes["steps"])
     from tf_sharded.table.batched import storage_of
 
-    stored = {id(storage_of(t) or t): storage_of(t) or t for t in layer.tables.values()}.values()
-    slots = [v for table in stored for v in optimizer.table_slot(table, "accumulator").held_variables]
-    held = _bytes_by_device(layer.trainable_variables + slots)
-    used = workers.ALLTOALL if "CollectiveAllToAllV2" in ops else workers.GATHER  # what the traced step holds
-    return {"step_s": statistics.median(rounds), "bytes_per_replica": max(held.values()), "devices": len(held),
-            "transport": used}  # fmt: skip
+    batches = [_features(strategy, rows, s, count) for s in range(STEPS_SAMPLED)]
+    built = []
+    for placement, transport in variants:
+        layer, head, optimizer, _ = _collection(strategy, rows, placement, count=count)
+        step = _step(strategy, layer, head, optimizer)
+        with workers.transport_scope(transport) if transport else contextlib.nullcontext():
+            step(batches[0])  # traced: the transport is chosen here
+        graph = step.get_concrete_function(batches[0]).graph.as_graph_def()
+        ops = {n.op for n in graph.node} | {n.op for f in graph.library.function for n in f.node_def}
+        built.append((layer, optimizer, step, ops))
+    rounds = [[] for _ in built]
+    for _ in range(sizes["rounds"]):
+        for times, (_, _, step, _) in zip(rounds, built):
+            start = time.perf_counter()
+            for s in range(sizes["steps"]):
+                loss = step(batches[s % len(batches)])
+            strategy.experimental_local_results(loss)[0].numpy()
+            times.append((time.perf_counter() - start) / sizes["steps"])
+    out = []
+    for times, (layer, optimizer, _, ops) in zip(rounds, built):
+        stored = {id(storage_of(t) or t): storage_of(t) or t for t in layer.tables.values()}.values()
+        slots = [v for table in stored for v in optimizer.table_slot(table, "accumulator").held_variables]
+        held = _bytes_by_device(layer.trainable_variables + slots)
+        used = workers.ALLTOALL if "CollectiveAllToAllV2" in ops else workers.GATHER  # what the traced step holds
+        out.append({"step_s": statistics.median(times), "bytes_per_replica": max(held.values()),
+                    "devices": len(held), "transport": used})  # fmt: skip
+    return out
 
 
 def _child(replicas: int, quick: bool, out: Optional[str]) -> int:
@@ -198,16 +206,15 @@ def _child(replicas: int, quick: bool, out: Optional[str]) -> int:
     points = [(rows, TABLES) for rows in sizes["rows"]]
     points += [(sizes["rows"][len(sizes["rows"]) // 2], n) for n in (sizes["worker_counts"] if workers else [])]
     for rows, count in points:
-        sharded, device = (_time(strategy, rows, p, sizes, count) for p in ("sharded", "device"))
+        # Across workers the sharded lookup also over the gather form, beside the cost model's choice.
+        variants = [("sharded", None), ("device", None)] + ([("sharded", "gather")] if workers else [])
+        sharded, device, *other = _time(strategy, rows, variants, sizes, count)
         whole = count * rows * DIM * 4 * 2  # tables and one Adagrad slot, float32
         transports = {}
-        if workers:  # the sharded lookup over each transport: the cost model's choice, and the gather form
-            from tf_sharded.exchange.workers import GATHER
-
-            other = _time(strategy, rows, "sharded", sizes, count, transport=GATHER)
-            assert other["transport"] == GATHER, other
-            transports = {"transport": sharded["transport"], "sharded_gather_step_s": other["step_s"],
-                          "chosen_vs_gather_step": sharded["step_s"] / other["step_s"]}  # fmt: skip
+        if other:
+            assert other[0]["transport"] == "gather", other
+            transports = {"transport": sharded["transport"], "sharded_gather_step_s": other[0]["step_s"],
+                          "chosen_vs_gather_step": sharded["step_s"] / other[0]["step_s"]}  # fmt: skip
         rows_out.append(
             {
                 **transports,

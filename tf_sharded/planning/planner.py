@@ -61,8 +61,8 @@ SKEW_LIMIT = 1.5
 # constants come from B2) per millisecond of step above a lookup-only step.
 EXCHANGE_BYTES_PER_MS = 4.0e5
 # Fitted by B12 (`bench sharded`, 2 workers, 2 to 26 tables): what a step of tables sharded across workers
-# waits beyond the copies' exchange, for its two more rendezvous (ids out, then rows back), once per group of
-# tables of one width.
+# waits beyond the copies' exchange for the rendezvous its lookup puts between the forward pass and the rest
+# (the all-to-all's chunk agreement, ids out, rows back), once per group of tables of one width.
 SHARDED_RENDEZVOUS_MS = 3.0
 # Slots assumed per table for memory (Adagrad's accumulator; Adam has 2).
 DEFAULT_SLOTS = 1
