@@ -221,14 +221,23 @@ def _plot(name: str, reports: List[Dict], out: str) -> str:
             ax.legend()
     elif name == "sharded":
         fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+        tables = reports[0]["tables"]
         for per in reports[0]["results"]:
-            rows = per["results"]
             label = f"{per['workers']} workers" if per.get("workers") else f"{per['replicas']} replicas"
+            # Lines over the table sizes at the usual number of tables; other numbers of tables as labelled points.
+            rows = [r for r in per["results"] if r.get("tables", tables) == tables]
+            others = [r for r in per["results"] if r.get("tables", tables) != tables]
             a.plot([r["rows"] for r in rows], [r["sharded_vs_even_share"] for r in rows], marker="o", label=label)
-            b.plot([r["rows"] for r in rows], [r["sharded_vs_device_step"] for r in rows], marker="o", label=label)
+            line = b.plot([r["rows"] for r in rows], [r["sharded_vs_device_step"] for r in rows], marker="o",
+                          label=f"{label}, {tables} tables")[0]  # fmt: skip
+            for r in others:
+                b.plot([r["rows"]], [r["sharded_vs_device_step"]], marker="s", color=line.get_color())
+                b.annotate(f"{r['tables']} tables", (r["rows"], r["sharded_vs_device_step"]), fontsize=7,
+                           xytext=(4, 0), textcoords="offset points")  # fmt: skip
             if any("sharded_gather_step_s" in r for r in rows):
                 b.plot([r["rows"] for r in rows], [r["sharded_gather_step_s"] / r["device_step_s"] for r in rows],
-                       marker="x", linestyle=":", label=f"{label}, gather transport")  # fmt: skip
+                       marker="x", linestyle=":", color=line.get_color(),
+                       label=f"{label}, {tables} tables, gather transport")  # fmt: skip
         a.axhline(1.15, color="gray", linestyle="--", label="goal (1.15)")
         a.set(xscale="log", xlabel="rows per table", ylabel="bytes per replica / even share", title="B12: memory")
         b.axhline(1.0, color="gray", linestyle="--")
