@@ -363,19 +363,16 @@ def collective_all_to_all(strategy, tensor: tf.Tensor) -> tf.Tensor:
 
     `tensor[i]` (its first axis is the number of replicas, and every replica
     gives the same shape) goes to replica `i`; `result[i]` came from replica
-    `i`. TensorFlow has this collective
-    but no strategy method for it: it is issued on the strategy's own
-    launcher for this replica (its group key, its next instance key, its
-    ordering token and communication options), so it is ordered with the
-    strategy's other collectives and no separate group is formed. On GPUs the
-    options' NCCL hint selects NCCL's all-to-all.
+    `i`. TensorFlow has this collective but no strategy method for it: it is
+    issued on the strategy's own launcher for this replica (its group key,
+    its next instance key, its ordering token and communication options), so
+    it is ordered with the strategy's other collectives and no separate group
+    is formed. On GPUs the options' NCCL hint selects NCCL's all-to-all.
     """
     from tensorflow.python.ops import collective_ops
 
-    extended = strategy.extended
     ctx = tf.distribute.get_replica_context()
-    local = _local_replica(strategy, ctx)
-    launcher = extended._cross_device_ops._launchers[local]
+    launcher = strategy.extended._cross_device_ops._launchers[_local_replica(strategy, ctx)]
     options = launcher._options
     with tf.device(launcher._device):
         return collective_ops.all_to_all_v2(

@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Optional
 
-import numpy as np
 import tensorflow as tf
 
 from tf_sharded import _compat
@@ -68,9 +67,9 @@ def transport_for(replicas: int, row_bytes: int, bound: Optional[int]) -> str:
     """The transport of one group's lookup: a `transport_scope`'s, else the cheaper by the cost model at
     `bound` distinct keys per replica (1 if unknown), keys spread evenly over the owners.
 
-    Executed eagerly, the all-to-all waits forever for replicas of this worker
-    that issue theirs in other threads, so an eager step takes the gather form
-    (whose all-gather TensorFlow refuses in eager mode with its own error).
+    Executed eagerly by several replicas of one worker, the all-to-all did not
+    complete here, so an eager step takes the gather form (whose all-gather
+    TensorFlow refuses in eager mode with its own error).
     """
     if tf.executing_eagerly():
         return GATHER
@@ -118,11 +117,26 @@ def exchange_rows(
     """
     ctx = tf.distribute.get_replica_context()
     route = (tf.constant(starts, tf.int64), tf.constant(owners, tf.int32), tf.constant(shifts, tf.int64))
-    row_bytes = tf.as_dtype(dtype).size * max(1, int(np.prod(row_shape)) if row_shape else 1)
+    row_bytes = tf.as_dtype(dtype).size * (tf.TensorShape(row_shape).num_elements() or 1)
     transport = transport_for(ctx.num_replicas_in_sync, row_bytes, bound)
     exchange = _all_to_all if transport == ALLTOALL else _gather_reduce
     with tf.name_scope(f"tfs_workers_{transport}"):
         return tf.ensure_shape(exchange(ctx, uniq, route, read_held, list(row_shape), dtype), [None] + list(row_shape))
+
+
+def _read_owned(candidates, asked, route, read_held):
+    """`(which, count, rows)` of the keys at positions `asked` of `candidates`, all held here: each one's
+    position among their distinct keys, how many distinct keys, and those keys' rows (read once each)."""
+    keys, which = tf.unique(tf.gather(candidates, asked), out_idx=tf.int32)
+    _, shard, row = _route(keys, *route)
+    return which, tf.size(keys), read_held(shard, row)
+
+
+def _dense(upstream, n):
+    """The gradient of `n` rows as one dense tensor (an `IndexedSlices` summed per row)."""
+    if isinstance(upstream, tf.IndexedSlices):
+        return tf.math.unsorted_segment_sum(upstream.values, upstream.indices, n)
+    return upstream
 
 
 def _all_to_all(ctx, uniq, route, read_held, row_shape, dtype):
@@ -155,9 +169,7 @@ def _all_to_all(ctx, uniq, route, read_held, row_shape, dtype):
     sent = tf.tensor_scatter_nd_update(tf.fill([slots], tf.constant(-1, tf.int64)), slot[:, None], uniq)
     received = tf.reshape(_compat.collective_all_to_all(strategy, tf.reshape(sent, [replicas, chunk])), [-1])
     asked = tf.where(received >= 0)[:, 0]  # slots that carry a key held here
-    keys, which = tf.unique(tf.gather(received, asked), out_idx=tf.int32)
-    _, shard, row = _route(keys, *route)
-    held = read_held(shard, row)
+    which, owned, held = _read_owned(received, asked, route, read_held)
     slots_shape = tf.concat([[slots], tf.constant(row_shape, tf.int32)], 0)
 
     def travel(rows):
@@ -171,10 +183,8 @@ def _all_to_all(ctx, uniq, route, read_held, row_shape, dtype):
         rows = tf.gather(travel(answered), slot)
 
         def home(upstream):
-            if isinstance(upstream, tf.IndexedSlices):
-                upstream = tf.math.unsorted_segment_sum(upstream.values, upstream.indices, tf.size(uniq))
-            grads = travel(tf.scatter_nd(slot[:, None], upstream, slots_shape))
-            return tf.math.unsorted_segment_sum(tf.gather(grads, asked), which, tf.size(keys))
+            grads = travel(tf.scatter_nd(slot[:, None], _dense(upstream, tf.size(uniq)), slots_shape))
+            return tf.math.unsorted_segment_sum(tf.gather(grads, asked), which, owned)
 
         return rows, home
 
@@ -200,9 +210,7 @@ def _gather_reduce(ctx, uniq, route, read_held, row_shape, dtype):
     start = tf.concat([[-1], ends], 0)[me] + 1
     owner, _, _ = _route(every, *route)
     asked = tf.where(tf.equal(owner, me))[:, 0]  # positions in `every` of the keys held here
-    keys, which = tf.unique(tf.gather(every, asked), out_idx=tf.int32)
-    _, shard, row = _route(keys, *route)
-    held = read_held(shard, row)
+    which, owned, held = _read_owned(every, asked, route, read_held)
     total = tf.concat([tf.shape(every, out_type=tf.int64), tf.constant(row_shape, tf.int64)], 0)
     marker_row = tf.zeros([1] + row_shape, dtype)
 
@@ -212,10 +220,8 @@ def _gather_reduce(ctx, uniq, route, read_held, row_shape, dtype):
         rows = ctx.all_reduce(tf.distribute.ReduceOp.SUM, answered)[start : start + tf.cast(n, tf.int64)]
 
         def home(upstream):
-            if isinstance(upstream, tf.IndexedSlices):
-                upstream = tf.math.unsorted_segment_sum(upstream.values, upstream.indices, n)
-            every_grad = ctx.all_gather(tf.concat([upstream, marker_row], 0), 0)
-            return tf.math.unsorted_segment_sum(tf.gather(every_grad, asked), which, tf.size(keys))
+            every_grad = ctx.all_gather(tf.concat([_dense(upstream, n), marker_row], 0), 0)
+            return tf.math.unsorted_segment_sum(tf.gather(every_grad, asked), which, owned)
 
         return rows, home
 
