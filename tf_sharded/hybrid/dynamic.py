@@ -126,17 +126,17 @@ class ServedDynamicTable(Served, DynamicTable):
             return self.servers.call_many(requests)
 
     def _exports(self, columns: Sequence[str], since_step: Optional[int]) -> list:
-        """Per shard: `(keys, rows, {column: values}, seen, hits, step, size, sketch or None)`."""
+        """Per shard: `(keys, rows, {column: values}, seen, hits, step, size, sketch or None, index buckets)`."""
         text = tf.constant(json.dumps({"columns": list(columns), "since_step": since_step}))
         spec = (calls.KEYS[self._kind], calls.FLAT, calls.INTS)
         out = []
         for keys, floats, ints in self._call_each("export", lambda s: [text], spec):
             n = int(keys.shape[0])
             parts = tf.split(tf.reshape(floats, [-1, self._dim]), [n] * (1 + len(columns)))
-            seen, hits, sketch = ints[:n], ints[n : 2 * n], ints[2 * n + 2 :]
-            step, size = ints[2 * n : 2 * n + 2].numpy()
+            seen, hits, sketch = ints[:n], ints[n : 2 * n], ints[2 * n + 3 :]
+            step, size, buckets = ints[2 * n : 2 * n + 3].numpy()
             out.append((keys, parts[0], dict(zip(columns, parts[1:])), seen, hits, step, size,
-                        sketch if int(sketch.shape[0]) else None))  # fmt: skip
+                        sketch if int(sketch.shape[0]) else None, buckets))  # fmt: skip
         return out
 
     @property
@@ -146,6 +146,9 @@ class ServedDynamicTable(Served, DynamicTable):
 
     def size(self) -> tf.Tensor:
         return tf.constant(sum(int(e[6]) for e in self._exports((), _COUNTERS_ONLY)), tf.int64)
+
+    def index_buckets(self) -> tf.Tensor:
+        return tf.constant(sum(int(e[8]) for e in self._exports((), _COUNTERS_ONLY)), tf.int64)
 
     def export_columns(self, columns: Sequence[str] = (), since_step: Optional[int] = None):
         wanted = [c for c in columns if c not in ("seen", "hits")]

@@ -154,7 +154,7 @@ class _DynamicShard:
         _configure(self, spec, f"The {self.name} is", "a worker")
 
     def export(self, request: dict) -> tuple:
-        """`(keys, [rows | each column] flat, [seen | hits | step, live keys | sketch])` of the live keys (those
+        """`(keys, [rows | each column] flat, [seen | hits | step, live keys, index buckets | sketch])` of the live keys (those
         seen after `request["since_step"]` if given)."""
         columns = list(request["columns"])
         held = [c for c in columns if c in self.table.slot_columns]
@@ -162,7 +162,7 @@ class _DynamicShard:
         floats = [tf.reshape(values, [-1])]
         for column in columns:  # a column this shard does not have yet (no optimizer): its fill, zeros
             floats.append(tf.reshape(extra[column], [-1]) if column in extra else tf.zeros_like(floats[0]))
-        counters = [self.table.step.read_value(), tf.cast(self.table.size(), tf.int64)]
+        counters = [self.table.step.read_value(), tf.cast(self.table.size(), tf.int64), self.table.index_buckets()]
         ints = [extra["seen"], extra["hits"], tf.stack(counters)]
         sketch = self.table.shards[0].admission_state
         if sketch is not None:

@@ -10,6 +10,18 @@
   int64 is a key.
 * string keys: a `MutableHashTable` (any string is a key; none is reserved).
 
+The dense table marks an erased key's bucket deleted and grows by its count
+of live keys only, so under eviction the deleted markers take the place of
+the empty buckets until a lookup of an absent key, which stops only at an
+empty bucket, probes every bucket and fails. `KeyIndex.remove` therefore
+compacts the table once the deleted markers hold an eighth of its buckets:
+the live keys are inserted into a second, empty dense table (`spare`) of
+twice their count, rounded up to a power of two, whose buckets then replace
+the index's in one import. A concurrent lookup sees the old buckets or the
+new ones, never an empty table; each compaction is paid for by the removals
+that made it necessary, and the buckets stay below four times the most keys
+held at once (one insert's keys included).
+
 Rows are int64 outside (-1: absent) and below 2**31 per shard (`MAX_ROWS`).
 
 `find_many` and `insert_many` serve all shards (parts) of one insert body:
@@ -29,6 +41,7 @@ from tf_sharded.table.dynamic.lock import settled
 EMPTY, DELETED = -(2**63), -(2**63) + 1  # the dense table's markers; keys <= DELETED go to `reserved`
 MAX_ROWS = 2**31 - 1
 MIN_BUCKETS = 64  # TF's default (2**17 buckets, 1.5 MB) would dominate small tables
+DELETED_SHARE = 8  # an index is compacted once its deleted markers hold 1/DELETED_SHARE of its buckets
 
 
 class KeyIndex:
@@ -54,10 +67,11 @@ class KeyIndex:
             self.main = tf.lookup.experimental.MutableHashTable(tf.string, tf.int64, -1, name=f"{name}_index")
             self.reserved, self.row_dtype = None, tf.int64
         else:
-            self.main = tf.lookup.experimental.DenseHashTable(
+            self.main, self.spare = [tf.lookup.experimental.DenseHashTable(
                 tf.int64, tf.int32, -1, empty_key=EMPTY, deleted_key=DELETED,
-                initial_num_buckets=MIN_BUCKETS, name=f"{name}_index",
-            )  # fmt: skip
+                initial_num_buckets=MIN_BUCKETS, name=f"{name}_index{suffix}",
+            ) for suffix in ("", "_spare")]  # fmt: skip
+            _compat.local_table_default(self.spare)
             self.reserved = reserved_table(f"{name}_index") if reserved is None else reserved
             self.row_dtype = tf.int32
         _compat.local_table_default(self.main)  # what a step reads stays valid across a ps restart
@@ -72,16 +86,57 @@ class KeyIndex:
         return insert_many([self], keys, tf.reshape(rows, [-1]), tf.size(keys, out_type=tf.int64)[None])
 
     def remove(self, keys) -> tf.Tensor:
-        """Removes `keys` (those absent are ignored)."""
+        """Removes `keys` (those absent are ignored), then compacts the dense table if it needs it (see the
+        module doc); call under the shard's lock, which every writer of the index holds."""
         if self.reserved is None:
             return settled([tf.raw_ops.LookupTableRemoveV2(table_handle=self.main.resource_handle, keys=keys)])
         keys = tf.reshape(keys, [-1])
         ordinary, low = _ordinary_and_low(keys)
-        return settled([
+        removed = [
             tf.raw_ops.LookupTableRemoveV2(table_handle=self.main.resource_handle, keys=tf.gather(keys, ordinary)),
             tf.raw_ops.LookupTableRemoveV2(table_handle=self.reserved.resource_handle,
                                            keys=_codes([self], keys, low, None)),
-        ])  # fmt: skip
+        ]  # fmt: skip
+        with tf.control_dependencies(removed):
+            return settled([self.compact_if_needed()])
+
+    def buckets(self) -> tf.Tensor | None:
+        """The dense table's bucket count (int64; what its memory is proportional to), None for string keys."""
+        if self.reserved is None:
+            return None
+        return tf.shape(self._buckets()[0], out_type=tf.int64)[0]
+
+    def compact_if_needed(self) -> tf.Tensor:
+        """Rebuilds the dense table from its live keys if deleted markers hold 1/DELETED_SHARE of its buckets."""
+        keys, rows = self._buckets()
+        count = tf.shape(keys, out_type=tf.int64)[0]
+        live = self.main.size()
+        deleted = count - live - tf.reduce_sum(tf.cast(tf.equal(keys, EMPTY), tf.int64))
+        return tf.cond(deleted * DELETED_SHARE >= count, lambda: self._rebuild(keys, rows, live),
+                       lambda: tf.constant(0, tf.int64))  # fmt: skip
+
+    def _rebuild(self, keys, rows, live) -> tf.Tensor:
+        """The dense table with only its live keys, in `_fitting(live)` buckets, swapped in by one import."""
+        held = tf.where(keys[:, 0] > DELETED)[:, 0]
+        spare = self.spare.resource_handle
+        # Buckets of a shape computed at run time: a fresh buffer, which the spare table then writes in place.
+        filled = _import(spare, _fitting(live))
+        with tf.control_dependencies([filled]):
+            inserted = tf.raw_ops.LookupTableInsertV2(
+                table_handle=spare, keys=tf.gather(keys[:, 0], held), values=tf.gather(rows[:, 0], held)
+            )
+        with tf.control_dependencies([inserted]):
+            new_keys, new_rows = tf.raw_ops.LookupTableExportV2(table_handle=spare, Tkeys=tf.int64, Tvalues=tf.int32)
+            swapped = _import_buckets(self.main.resource_handle, new_keys, new_rows)
+        # The spare lets go of the buckets the index now holds. Its small buckets may be a constant's: it never
+        # writes them, since a rebuild first imports fresh ones.
+        with tf.control_dependencies([swapped]):
+            return settled([_import(spare, tf.constant(MIN_BUCKETS, tf.int64))])
+
+    def _buckets(self) -> Tuple[tf.Tensor, tf.Tensor]:
+        """The dense table's `[buckets, 1]` keys (EMPTY and DELETED included) and rows, as it holds them."""
+        return tf.raw_ops.LookupTableExportV2(table_handle=self.main.resource_handle, Tkeys=tf.int64,
+                                              Tvalues=tf.int32)  # fmt: skip
 
     def export(self) -> Tuple[tf.Tensor, tf.Tensor]:
         """`(keys, rows)` of every key held, rank 1."""
@@ -164,6 +219,30 @@ def insert_many(indexes: Sequence[KeyIndex], keys, rows, sizes) -> tf.Tensor:
 def _ordinary_and_low(keys) -> Tuple[tf.Tensor, tf.Tensor]:
     """Positions of `keys`'s ordinary keys and of its reserved ones."""
     return tf.where(keys > DELETED)[:, 0], tf.where(keys <= DELETED)[:, 0]
+
+
+def _fitting(live) -> tf.Tensor:
+    """Buckets for `live` keys after a compaction: the power of two at or above 2 x `live` (and MIN_BUCKETS)."""
+    need = tf.maximum(2 * live, MIN_BUCKETS)
+    log2 = tf.math.log(tf.cast(need, tf.float64)) / tf.math.log(tf.constant(2.0, tf.float64))
+    power = tf.cast(tf.math.ceil(log2), tf.int64)
+    count = tf.bitwise.left_shift(tf.constant(1, tf.int64), power)
+    return tf.where(count // 2 >= need, count // 2, count)  # the logarithm's rounding may overshoot by one
+
+
+def _import(table, count) -> tf.Tensor:
+    """Makes the dense `table` empty with `count` buckets."""
+    shape = tf.stack([count, tf.constant(1, tf.int64)])
+    keys, rows = tf.fill(shape, tf.constant(EMPTY, tf.int64)), tf.fill(shape, tf.constant(0, tf.int32))
+    return _import_buckets(table, keys, rows)
+
+
+def _import_buckets(table, keys, rows) -> tf.Tensor:
+    """Gives the dense `table` the `[buckets, 1]` `keys` and `rows` as its buckets. The import op's static
+    shape check wants rank-1 keys, where a dense table's kernel needs this layout (a checkpoint restore
+    passes it tensors of unknown shape): the buckets go in with their static shape hidden."""
+    hidden = [tf.raw_ops.PlaceholderWithDefault(input=t, shape=tf.TensorShape(None)) for t in (keys, rows)]
+    return tf.raw_ops.LookupTableImportV2(table_handle=table, keys=hidden[0], values=hidden[1])
 
 
 def _split(tensor, sizes, indexes) -> list:

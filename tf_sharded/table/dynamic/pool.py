@@ -8,6 +8,14 @@ it), `seen` (the table step of each row's last training lookup) and `hits`
 `capacity`, `count` (rows handed out) and a free list of evicted rows, which
 new keys take first.
 
+A row handed to a new key starts with every column's fill. A function traced
+before a column existed (the usual first training step, whose optimizer
+builds its slots while it is traced) cannot write that column: it lists the
+rows it handed out as `stale` instead, whenever the pool has more columns
+than it knew, and the next body traced with every column (`caught_up`, which
+every optimizer write runs first) fills those columns there. Without it, a
+row freed by eviction would carry its old key's optimizer state to the next.
+
 Each `DynamicShard` keeps its own key -> row index, policies and step and
 draws its rows from a pool. A table's shards usually have a pool each; the
 dynamic tables of an `EmbeddingCollection` under parameter servers share one
@@ -145,6 +153,9 @@ class RowPool:
             self.capacity = new(tf.constant(0, tf.int64), "capacity")
             self.count = new(tf.constant(0, tf.int64), "count")
             self.free_count = new(tf.constant(0, tf.int64), "free_count")
+            self.stale = new(tf.zeros([0], tf.int64), "stale")
+            self.stale_count = new(tf.constant(0, tf.int64), "stale_count")
+            self.column_count = new(tf.constant(0, tf.int64), "column_count")
         self.device = self.rows.device
         self.lock = device_lock(self.device)
         self._reserved = None
@@ -187,6 +198,8 @@ class RowPool:
         self.columns[name] = column
         self._column_capacity[name] = rows
         with tf.init_scope():
+            self.column_count.assign(len(self.columns), read_value=False)
+        with tf.init_scope():
             for member in self.members:
                 member.apply_pending(name)
         return column.variable
@@ -208,9 +221,50 @@ class RowPool:
         return tf.cond(current < target, extend, lambda: tf.constant(0, tf.int64))
 
     def caught_up(self) -> list:
-        """Columns created after the last growth (by a function traced before them) grown to the rows' capacity."""
+        """Columns created after the last growth (by a function traced before them) grown to the rows' capacity,
+        then the `stale` rows given their fill in every column, where this function knows them all."""
         capacity = self.capacity.read_value()
-        return [self._extend_column(name, capacity) for name in self.columns]
+        extended = [self._extend_column(name, capacity) for name in self.columns]
+        with tf.control_dependencies(extended):
+            return extended + [self._fill_stale()]
+
+    def _fill_stale(self) -> tf.Tensor:
+        """Writes each column's fill at the `stale` rows and empties the list, if the pool has no column
+        this function was traced without."""
+        known = list(self.columns.values())
+
+        def fill():
+            rows = tf.reshape(self.stale.read_value(), [-1])[: self.stale_count.read_value()]
+            writes = [c.variable.scatter_update(tf.IndexedSlices(c.filled(tf.size(rows)), rows)) for c in known]
+            with tf.control_dependencies(writes):
+                return settled([self.stale_count.assign(0, read_value=False)])
+
+        due = tf.logical_and(tf.equal(self.column_count.read_value(), len(known)), self.stale_count.read_value() > 0)
+        return tf.cond(due, fill, lambda: tf.constant(0, tf.int64))
+
+    def _mark_stale(self, new_rows) -> tf.Tensor:
+        """Lists `new_rows` as `stale` if the pool has columns this function was traced without."""
+
+        def mark():
+            count = self.stale_count.read_value()
+            kept = tf.reshape(self.stale.read_value(), [-1])[:count]
+            return settled([
+                self.stale.assign(tf.concat([kept, new_rows], 0), read_value=False),
+                self.stale_count.assign_add(tf.size(new_rows, out_type=tf.int64), read_value=False),
+            ])  # fmt: skip
+
+        return tf.cond(self.column_count.read_value() > len(self.columns), mark, lambda: tf.constant(0, tf.int64))
+
+    def column_values(self, name: str, rows) -> tf.Tensor:
+        """Column `name` at `rows`, a `stale` row's read as the column's fill (what it holds once filled)."""
+        column = self.named_columns()[name]
+        values = tf.gather(column.read(), rows)
+        if name in ("seen", "hits"):  # made with the pool: no function was traced without them
+            return values
+        stale = tf.reshape(self.stale.read_value(), [-1])[: self.stale_count.read_value()]
+        flagged = tf.scatter_nd(stale[:, None], tf.ones_like(stale, tf.bool), self.capacity_shape())
+        fill = tf.fill(tf.shape(values), tf.constant(column.fill, column.dtype))
+        return tf.where(tf.reshape(tf.gather(flagged, rows), [-1] + [1] * len(column.inner())), fill, values)
 
     def locked(self, body) -> tf.Tensor:
         """`body()` under the pool's lock, after every critical section the traced function ran before."""
@@ -355,6 +409,7 @@ class RowPool:
         for name, column in self.named_columns().items():
             value = column.filled(n) if given.get(name) is None else tf.cast(given[name], column.dtype)
             writes.append(column.variable.scatter_update(tf.IndexedSlices(value, new_rows)))
+        writes.append(self._mark_stale(new_rows))
         return writes
 
     def _grow_to(self, need) -> tf.Tensor:
@@ -397,6 +452,7 @@ class RowPool:
             ops.append(column.variable.assign(value, read_value=False))
         ops += [self.count.assign(n, read_value=False), self.capacity.assign(n, read_value=False)]
         ops += [self.free_count.assign(0, read_value=False), self.free.assign(tf.zeros([0], tf.int64))]
+        ops.append(self.stale_count.assign(0, read_value=False))
         ops += [have.assign(n, read_value=False) for have in self._column_capacity.values()]
         return ops
 
@@ -429,9 +485,11 @@ class RowPool:
         Returns how many variables it set; a pool whose task kept its state is left as it is."""
         with tf.device(self.device):
             empty = [(self.rows, self._rows.filled(0)), (self.free, tf.zeros([0], tf.int64))]
+            empty += [(self.stale, tf.zeros([0], tf.int64))]
             empty += [(c.variable, c.filled(0)) for c in self.named_columns().values()]
-            scalars = [self.capacity, self.count, self.free_count, *self._column_capacity.values()]
+            scalars = [self.capacity, self.count, self.free_count, self.stale_count, *self._column_capacity.values()]
             empty += [(v, tf.constant(0, tf.int64)) for v in scalars]
+            empty += [(self.column_count, tf.constant(len(self.columns), tf.int64))]
             lost = [(v, value) for v, value in empty if not bool(v.is_initialized())]
             for variable, value in lost:
                 variable.assign(value, read_value=False)

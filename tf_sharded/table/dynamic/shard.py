@@ -223,7 +223,7 @@ class DynamicShard:
                 keys, rows = tf.gather(keys, recent), tf.gather(rows, recent)
             values = tf.gather(self.read(self.rows), rows)
             pools = self.pool.named_columns()
-            extra = {name: tf.gather(pools[name].read(), rows) for name in columns if name in pools}
+            extra = {name: self.pool.column_values(name, rows) for name in columns if name in pools}
             return keys, values, extra
 
     def set_column(self, name: str, keys, values) -> tf.Tensor:
@@ -240,6 +240,11 @@ class DynamicShard:
     def size(self) -> tf.Tensor:
         with tf.device(self.device):
             return self.index.size()
+
+    def buckets(self) -> Optional[tf.Tensor]:
+        """The index's bucket count (`KeyIndex.buckets`), None for string keys."""
+        with tf.device(self.device):
+            return self.index.buckets()
 
     def replace(self, keys, values, columns: Dict[str, tf.Tensor]) -> tf.Tensor:
         """Makes `keys` (distinct) this shard's whole content; columns not built yet wait for `apply_pending`.

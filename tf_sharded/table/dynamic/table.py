@@ -289,11 +289,20 @@ class DynamicTable(_compat.Trackable):
             every, at = tf.unique(all_keys, out_idx=tf.int32)
             summed = tf.math.unsorted_segment_sum(all_counts, at, tf.size(every, out_type=tf.int32))
             plan.agreed = (uniq, every, tf.slice(at, [start], [num_unique]))
-            plan.keys, plan.where, plan.resolved = self.shard_requests(every, summed, True, self._step.assign_add(1))
+            plan.keys, plan.where, plan.resolved = self.shard_requests(every, summed, True, self._advance())
         else:
-            step = self._step.assign_add(1) if inserting else None
+            step = self._advance() if inserting else None
             plan.keys, plan.where, plan.resolved = self.shard_requests(uniq, counts, inserting, step)
         return plan
+
+    def _advance(self) -> tf.Tensor:
+        """The table step after one more training step. Replicas of a worker share its copy of the table:
+        they count one step together (once, in a merge call, whose result every one of them reads), not one
+        each, so that an age bound counts steps and a step's keys are all seen at that step."""
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None or ctx.num_replicas_in_sync == 1 or len(ctx.strategy.extended.worker_devices) <= 1:
+            return self._step.assign_add(1)
+        return ctx.merge_call(lambda _: self._step.assign_add(1))
 
     def finish_lookup(self, plan: _Lookup, rows_per_shard) -> tf.Tensor:
         """`lookup_many`'s second half: the looked-up rows in the caller's order, from each shard's rows
@@ -346,6 +355,13 @@ class DynamicTable(_compat.Trackable):
     def size(self) -> tf.Tensor:
         """Live keys (int64 scalar)."""
         here = tf.add_n([tf.cast(s.size(), tf.int64) for s in self._held])
+        return sum_over_workers(self._strategy, here) if self.spread else here
+
+    def index_buckets(self) -> tf.Tensor:
+        """Buckets of its shards' key indexes (int64 scalar), what an int64 index's memory is proportional to
+        (12 bytes each); 0 for string keys, whose index TensorFlow does not measure."""
+        counts = [c for c in (s.buckets() for s in self._held) if c is not None]
+        here = tf.add_n([tf.constant(0, tf.int64)] + counts)
         return sum_over_workers(self._strategy, here) if self.spread else here
 
     def export(self, since_step: Optional[int] = None) -> Tuple[tf.Tensor, tf.Tensor]:
