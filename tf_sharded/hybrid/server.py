@@ -154,8 +154,8 @@ class _DynamicShard:
         _configure(self, spec, f"The {self.name} is", "a worker")
 
     def export(self, request: dict) -> tuple:
-        """`(keys, [rows | each column] flat, [seen | hits | step, live keys, index buckets | sketch])` of the live keys (those
-        seen after `request["since_step"]` if given)."""
+        """`(keys, [rows | each column] flat, [seen | hits | step, live keys, index buckets | sketch])` of the
+        live keys (those seen after `request["since_step"]` if given)."""
         columns = list(request["columns"])
         held = [c for c in columns if c in self.table.slot_columns]
         keys, values, extra = self.table.export_columns(held + ["seen", "hits"], request.get("since_step"))
