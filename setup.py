@@ -1,23 +1,13 @@
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="tf_sharded",
     version="0.1.0",
     description="Sharded embedding tables for TensorFlow 2 distribution strategies",
     python_requires=">=3.10,<3.13",
-    packages=[
-        "tf_sharded",
-        "tf_sharded.app",
-        "tf_sharded.benchmarks",
-        "tf_sharded.exchange",
-        "tf_sharded.keras",
-        "tf_sharded.keras.training",
-        "tf_sharded.planning",
-        "tf_sharded.strategy",
-        "tf_sharded.table",
-        "tf_sharded.table.dynamic",
-    ],
-    # The hooks live in strategy/ but install inside the library's namespace.
+    # Every package under tf_sharded/ (found, not listed: a new subpackage cannot be left out of the wheel),
+    # and the strategy hooks, which live in strategy/ but install inside the library's namespace.
+    packages=find_packages(include=["tf_sharded", "tf_sharded.*"]) + ["tf_sharded.strategy"],
     package_dir={"tf_sharded": "tf_sharded", "tf_sharded.strategy": "strategy"},
     install_requires=[
         # Ranges, not pins: the versions a checkout is tested with are in constraints/*.txt.
