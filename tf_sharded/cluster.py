@@ -7,7 +7,8 @@ Two modes:
   per process and asking again for the same shape returns it);
 * `"process"`: one OS process per task, each with its own `TF_CONFIG`,
   stopped when the cluster is closed, when this process exits, or when it
-  fails to start.
+  fails to start; each task also ends by itself once this process is gone,
+  however it ended (`kill -9` included: `tf_sharded.lifetime`).
 
 Worker servers get `inter_op_parallelism_threads >= num_workers + 1`:
 with fewer, coordinator steps can dead-lock on small machines.
@@ -31,6 +32,7 @@ from typing import Dict, List, Optional, Sequence
 import tensorflow as tf
 
 from tf_sharded import isolation as _isolation
+from tf_sharded import lifetime as _lifetime
 from tf_sharded.errors import positive_int
 
 MODES = ("inprocess", "process")
@@ -185,7 +187,7 @@ class LocalCluster:
             self._servers.append(tf.distribute.Server(spec, job_name="ps", task_index=i, protocol="grpc", start=True))
 
     def _launch(self, job: str, index: int) -> subprocess.Popen:
-        env = dict(os.environ)
+        env = _lifetime.child_environment(os.environ)  # ends with this process, however it ends
         env["TF_CONFIG"] = json.dumps({"cluster": self.cluster_dict, "task": {"type": job, "index": index}})
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         if job == "ps":
@@ -358,6 +360,7 @@ def _checked_imports(imports: Sequence[str]) -> Sequence[str]:
 def _serve(num_workers: int, imports: Sequence[str] = ()) -> None:
     """Entry point of a "process" task: serve the task named by TF_CONFIG. `imports` are the names its
     `LocalCluster` was given by the program that started it (the command line of this process)."""
+    _lifetime.exit_with_parent()
     for name in _checked_imports(imports):
         module, _, function = name.partition(":")
         loaded = importlib.import_module(module)

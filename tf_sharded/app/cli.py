@@ -218,7 +218,7 @@ def _hybrid_strategy(args):
     import tf_sharded as tfs
 
     if os.environ.get("TF_CONFIG"):
-        from tf_sharded.hybrid.local import exit_with_parent
+        from tf_sharded.lifetime import exit_with_parent
 
         exit_with_parent()  # a worker a local cluster started: it ends with the job
         config = json.loads(os.environ["TF_CONFIG"])

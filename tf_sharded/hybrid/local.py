@@ -25,29 +25,11 @@ from typing import Callable, List, Optional, Sequence
 
 from tf_sharded import isolation as _isolation
 from tf_sharded.errors import positive_int
+from tf_sharded.lifetime import child_environment
 
 # Set for the workers a local cluster starts: they run the command that started it, whose cluster flags
 # describe the cluster they are part of.
 WORKER_ENV = "TF_SHARDED_LOCAL_WORKER"
-# Set for every process a local cluster starts: it ends when the process that started it does (killed
-# included), rather than serving or waiting for a job that is gone.
-PARENT_ENV = "TF_SHARDED_EXIT_WITH_PARENT"
-
-
-def exit_with_parent() -> None:
-    """If this process was started by a local cluster (`PARENT_ENV`), ends it once its parent is gone."""
-    if not os.environ.get(PARENT_ENV):
-        return
-    import threading
-
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="ExitWithParent", daemon=True).start()
 
 
 class LocalHybridCluster:
@@ -176,7 +158,7 @@ class LocalHybridCluster:
         return servers + [(f"worker {i}", p) for i, (p, _) in enumerate(self._workers, start=1)]
 
     def _start_servers(self) -> None:
-        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"), PARENT_ENV: "1"}
+        env = child_environment({**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")})
         env.pop("TF_CONFIG", None)
         for address in self.cluster_dict["ps"]:
             self._servers.append(
@@ -191,7 +173,7 @@ class LocalHybridCluster:
 
     def _launch_worker(self, index: int) -> tuple:
         config = {"cluster": self.cluster_dict, "task": {"type": "worker", "index": index}}
-        env = {**os.environ, "TF_CONFIG": json.dumps(config), WORKER_ENV: "1", PARENT_ENV: "1"}
+        env = child_environment({**os.environ, "TF_CONFIG": json.dumps(config), WORKER_ENV: "1"})
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         log = tempfile.TemporaryFile(mode="w+")
         proc = subprocess.Popen(self.worker_command, env=env, stdout=log, stderr=log, start_new_session=True)

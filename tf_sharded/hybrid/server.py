@@ -501,7 +501,7 @@ def serve_from_tf_config(tf_config: str = None) -> TableServer:
 
 def main(argv=None) -> int:
     """`python -m tf_sharded.hybrid [ADDRESS]`: serves tables at ADDRESS, or as TF_CONFIG's ps task."""
-    from tf_sharded.hybrid.local import exit_with_parent
+    from tf_sharded.lifetime import exit_with_parent
 
     argv = sys.argv[1:] if argv is None else argv
     exit_with_parent()
