@@ -29,8 +29,12 @@ class KilledJobTest(tf.test.TestCase):
         proc = subprocess.Popen([sys.executable, "-m", "tf_sharded", "train", *args], cwd=ROOT, env=_env(None),
                                 preexec_fn=network(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
         output = bytearray()
-        reader = threading.Thread(target=lambda: [output.extend(chunk) for chunk in iter(lambda: proc.stdout.read1(), b"")],
-                                  daemon=True)  # fmt: skip
+
+        def read():
+            for chunk in iter(lambda: proc.stdout.read1(), b""):
+                output.extend(chunk)
+
+        reader = threading.Thread(target=read, daemon=True)
         reader.start()
         children = []
         try:
@@ -59,7 +63,8 @@ class KilledJobTest(tf.test.TestCase):
         self.kill_while_training(["--strategy", "hybrid", "--steps", "3000"], tasks=3)
 
     def test_a_process_not_started_by_a_cluster_does_not_watch_its_parent(self):
-        script = "from tf_sharded import lifetime; lifetime.exit_with_parent(); import threading; print(threading.active_count())"
+        script = "import threading; from tf_sharded import lifetime; lifetime.exit_with_parent(); "
+        script += "print(threading.active_count())"
         proc = subprocess.run([sys.executable, "-c", script], env={k: v for k, v in _env(None).items()
                                                                  if k != lifetime.PARENT_ENV},
                               capture_output=True, text=True, cwd=ROOT, timeout=60)  # fmt: skip
