@@ -90,7 +90,7 @@ class BenchmarkSuiteTest(tf.test.TestCase):
         bench = ["-m", "tf_sharded", "bench", "--quick", "--out", out]
         runs = run_python_together(
             [
-                bench + ["e2e", "quantize", "mwprofile"],
+                bench + ["e2e", "quantize", "mwprofile", "dynamic_churn"],
                 bench + ["ps", "exchange", "fused", "memory", "dynamic", "plan", "sharded"],
             ],
             900,
@@ -98,10 +98,12 @@ class BenchmarkSuiteTest(tf.test.TestCase):
         for proc in runs:
             self.assertEqual(proc.returncode, 0, msg=proc.stdout + proc.stderr[-3000:])
         proc = subprocess.CompletedProcess(runs[1].args, 0, runs[0].stdout + runs[1].stdout, "")
-        for name in ("ps", "exchange", "fused", "memory", "e2e", "dynamic", "quantize", "mwprofile", "plan", "sharded"):
+        names = ("ps", "exchange", "fused", "memory", "e2e", "dynamic", "dynamic_churn", "quantize", "mwprofile")
+        for name in names + ("plan", "sharded"):
             self.assertTrue(os.path.getsize(os.path.join(out, f"{name}.png")) > 1000, name)
         self.assertIn("native/ours", proc.stdout)
         self.check_exchange(out)
+        self.check_churn(out)
         with open(os.path.join(out, "ps.json")) as f:
             ps = json.load(f)
         self.assertEqual(
@@ -359,6 +361,23 @@ class BenchmarkSuiteTest(tf.test.TestCase):
             # Every strategy runs the Keras baseline too (through tfs.fit's loop where model.fit cannot).
             self.assertIsNone(row["keras_error"], row)
             self.assertGreater(row["ours_vs_keras"], 0)
+
+    def check_churn(self, out):
+        with open(os.path.join(out, "dynamic_churn.json")) as f:
+            churn = json.load(f)
+        (r,) = churn["results"]
+        capacity, batch = churn["capacity"], churn["batch"]
+        self.assertEqual(churn["inserted_keys"], (churn["steps"] + 1) * batch)  # and one warm-up step
+        self.assertGreaterEqual(churn["inserted_keys"], 49 * capacity)
+        self.assertLessEqual(r["churn"]["live_keys"], capacity)
+        self.assertEqual(r["baseline"]["live_keys"], churn["inserted_keys"])  # no eviction: every key kept
+        self.assertLessEqual(r["churn"]["index_buckets"], 4 * (capacity + batch) + 64 * 2)
+        self.assertLess(r["churn"]["pool_rows"], 1.2 * capacity)
+        for name in ("churn", "baseline"):
+            tenths = r[f"{name}_tenths_s"]
+            self.assertLen(tenths, 10)
+            self.assertAlmostEqual(r[f"{name}_last_vs_first"], tenths[-1] / tenths[0])
+        self.assertAlmostEqual(r["churn_vs_baseline_last"], r["churn_tenths_s"][-1] / r["baseline_tenths_s"][-1])
 
     def check_exchange(self, out):
         with open(os.path.join(out, "exchange.json")) as f:

@@ -9,6 +9,7 @@ BENCHMARKS = {
     "memory": ("tf_sharded.benchmarks.memory", "B3: resident memory per task (one process per task)"),
     "e2e": ("tf_sharded.benchmarks.end_to_end", "B4: DLRM samples/s per strategy vs keras.layers.Embedding"),
     "dynamic": ("tf_sharded.benchmarks.dynamic", "B7: dynamic tables (raw keys) vs static tables, inserts, memory"),
+    "dynamic_churn": ("tf_sharded.benchmarks.churn", "B7 churn: a capacity-bounded dynamic table under all-new keys"),
     "recovery": ("tf_sharded.benchmarks.recovery", "B8: ps failure: tfs.fit recovery vs a program restart"),
     "quantize": ("tf_sharded.benchmarks.quantize", "B9: the demo model served with int8 / int4 tables vs float"),
     "mwprofile": ("tf_sharded.benchmarks.multi_worker_profile", "B10: a multi-worker mirrored step taken apart"),

@@ -63,6 +63,9 @@ How to read the ratios (each benchmark's module docstring, `tf_sharded/benchmark
   same ids (goal at most 1.5); `ours / TFRA` is throughput, TFRA's step time over ours, the faster layout
   of each (goal at least 1.5); `/ bound` is the largest reading of bytes per live key over
   1.3 x (dim x 4 x (1 + slots) + key and metadata bytes): at most 1 meets it.
+* **B7 churn** (`bench dynamic_churn`): `last / first` is the median step of the run's last tenth over its
+  first (1: no slow-down as keys come and go); `churned / baseline` is the bounded table's step over the same
+  table's without eviction on the same batches; bytes per live key are those its pools and index hold.
 * **B8** (`bench recovery`): `restart / resume` is a program restart (before any restore) over resuming
   inside `tfs.fit` once the ps answers: above 1, resuming is faster.
 * **B9** (`bench quantize`): changes are quantized minus float; `float / this` is the float tables' bytes
@@ -549,6 +552,34 @@ def _hybrid(report: Dict) -> List[str]:
     )
 
 
+def _dynamic_churn(report: Dict) -> List[str]:
+    r = report["results"][0]
+    lines = _para(
+        f"Workload: {report['inserted_keys']:,} keys, every one new ({report['steps']:,} timed steps of "
+        f"{report['batch']} after one that traces), "
+        f"into one table of dim {report['dim']} bounded by `CapacityEviction({report['capacity']:,})` (50 times its "
+        "capacity), Adagrad; the baseline is the same table without eviction, on the same batches."
+    )
+    lines += _para("Median step (ms) per tenth of the run:")
+    lines += _table(
+        "table | " + " | ".join(str(i + 1) for i in range(len(r["churn_tenths_s"]))) + " | last / first",
+        [
+            ["capacity-bounded"] + [_ms(t) for t in r["churn_tenths_s"]] + [f"{r['churn_last_vs_first']:.2f}"],
+            ["without eviction"] + [_ms(t) for t in r["baseline_tenths_s"]] + [f"{r['baseline_last_vs_first']:.2f}"],
+            ["churned / baseline"] + [f"{x:.2f}" for x in r["churn_vs_baseline_tenths"]] + [""],
+        ],
+    )
+    lines += _para("At the end (bytes held by the pools and the index):")
+    return lines + _table(
+        "table | live keys | pool rows | index buckets | bytes per live key",
+        [
+            [label, f"{t['live_keys']:,}", f"{t['pool_rows']:,}", f"{t['index_buckets']:,}"]
+            + [f"{t['bytes_per_live_key']:.0f}"]
+            for label, t in (("capacity-bounded", r["churn"]), ("without eviction", r["baseline"]))
+        ],
+    )
+
+
 RENDERERS: Dict[str, Callable[[Dict], List[str]]] = {
     "ps": _ps,
     "exchange": _exchange,
@@ -556,6 +587,7 @@ RENDERERS: Dict[str, Callable[[Dict], List[str]]] = {
     "e2e": _e2e,
     "fused": _fused,
     "dynamic": _dynamic,
+    "dynamic_churn": _dynamic_churn,
     "recovery": _recovery,
     "quantize": _quantize,
     "mwprofile": _mwprofile,

@@ -182,6 +182,16 @@ def _plot(name: str, reports: List[Dict], out: str) -> str:
         b.bar(["TF defaults", "ps settings", "pools", "bound"],
               [m["max_bytes_per_key"], p["max_bytes_per_key"], p["pool_bytes_per_key"], m["bound_bytes"]])  # fmt: skip
         b.set(ylabel="bytes per live key (largest reading)", title=f"memory, up to {m['keys']:,} keys")
+    elif name == "dynamic_churn":
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for report in reports:
+            r = report["results"][0]
+            tenths = range(1, len(r["churn_tenths_s"]) + 1)
+            for key, label in (("churn_tenths_s", "capacity-bounded"), ("baseline_tenths_s", "without eviction")):
+                ax.plot(tenths, [t * 1e3 for t in r[key]], marker="o", label=f"{label} ({report['mode']})")
+        title = f"B7 churn: {reports[0]['inserted_keys']:,} new keys, capacity {reports[0]['capacity']:,}"
+        ax.set(xlabel="tenth of the run", ylabel="median ms / step", ylim=(0, None), title=title)
+        ax.legend(fontsize=8)
     elif name == "recovery":
         fig, ax = plt.subplots(figsize=(6, 4))
         rows = reports[0]["results"]
