@@ -7,7 +7,7 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 import tf_sharded as tfs
-from tests.harness.churn import DIM, LEARNING_RATE, VARIANTS, churn, evictions, variant_name
+from tests.harness.churn import DIM, LEARNING_RATE, STEPS, VARIANTS, churn, evictions, variant_name
 from tests.harness.strategies import mirrored, per_replica, ps_strategy, uid
 from tests.table.dynamic.test_dynamic import train_step
 from tf_sharded.table.dynamic import index as dynamic_index
@@ -84,6 +84,7 @@ class MirroredChurnTest(tf.test.TestCase, parameterized.TestCase):
             step(per_replica(strategy, [tf.constant(part, key_dtype) for part in _split(batch, replicas)]))
 
         churn(self, table, run, key_dtype=key_dtype, ages=ages)
+        self.assertEqual(int(table.step.numpy()), STEPS)  # the 4 replicas sharing the table count a step once
 
 
 def _split(batch, parts: int) -> list:

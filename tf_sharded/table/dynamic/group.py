@@ -196,7 +196,7 @@ def lookup_pooled(pairs) -> List[tf.Tensor]:
     parts = [tf.dynamic_partition(t, where, m * n) for t in (keys, counts, position)]
     wanted = [None if ctx is None else tf.where(p >= 0)[:, 0] for p in parts[2]]
     positions = parts[2] if ctx is None else [tf.gather(p, w) for p, w in zip(parts[2], wanted)]
-    steps = [t.step.assign_add(1) for t in tables]
+    steps = [t.advance_step() for t in tables]
     requests = [Request(t, s, parts[0][s * m + j], parts[1][s * m + j], steps[j], wanted[s * m + j])
                 for s in range(n) for j, t in enumerate(tables)]  # fmt: skip
     by_device = resolve_by_device(requests)

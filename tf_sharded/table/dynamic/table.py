@@ -289,13 +289,13 @@ class DynamicTable(_compat.Trackable):
             every, at = tf.unique(all_keys, out_idx=tf.int32)
             summed = tf.math.unsorted_segment_sum(all_counts, at, tf.size(every, out_type=tf.int32))
             plan.agreed = (uniq, every, tf.slice(at, [start], [num_unique]))
-            plan.keys, plan.where, plan.resolved = self.shard_requests(every, summed, True, self._advance())
+            plan.keys, plan.where, plan.resolved = self.shard_requests(every, summed, True, self.advance_step())
         else:
-            step = self._advance() if inserting else None
+            step = self.advance_step() if inserting else None
             plan.keys, plan.where, plan.resolved = self.shard_requests(uniq, counts, inserting, step)
         return plan
 
-    def _advance(self) -> tf.Tensor:
+    def advance_step(self) -> tf.Tensor:
         """The table step after one more training step. Replicas of a worker share its copy of the table:
         they count one step together (once, in a merge call, whose result every one of them reads), not one
         each, so that an age bound counts steps and a step's keys are all seen at that step."""
@@ -564,7 +564,7 @@ def _plan_spread_together(pairs, training: bool, ctx) -> list:
         inserting = training and table.trainable
         plan = _Lookup(table, idx, n, inserting)
         plan.agreed = (uniq, every, mine)
-        step = table.step.assign_add(1) if inserting else None
+        step = table.advance_step() if inserting else None
         plan.keys, plan.where, plan.resolved = table.shard_requests(every, summed, inserting, step)
         plans.append(plan)
     return plans
