@@ -6,11 +6,14 @@ table with `CapacityEviction(CAPACITY)`, alone or with
 `StepsSinceSeenEviction(AGE)`, trained by Adagrad on the sum of
 `(row - 1)**2`. After every `CHECK_EVERY` steps it checks that the table
 holds at most `CAPACITY + BATCH` keys and at most `MAX_BUCKETS_PER_KEY`
-index buckets per key of that bound; at the end, that every live key was
-fed, the last batch is live, the age bound holds, and every live row is
-exactly one Adagrad step from the key's initial row, computed here on a
-plain dense variable: each key is met once, so that is its whole history,
-whichever row it was given (freed rows are reused) and wherever it lives.
+index buckets per key of that bound. The last batch runs alone once every
+other step is done (two parameter-server workers run steps in any order),
+and then it checks that every live key was fed, the last batch is live, no
+live key was last seen `AGE` or more table steps before the last, and every
+live row is exactly one Adagrad step from the key's initial row, computed
+here on a plain dense variable: each key is met once, so that is its whole
+history, whichever row it was given (freed rows are reused) and wherever it
+lives.
 
 The same function runs under every strategy: the caller passes how to run a
 step on a batch (`run_step`) and how to wait for the steps run so far
@@ -19,7 +22,7 @@ step on a batch (`run_step`) and how to wait for the steps run so far
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -69,46 +72,40 @@ def adagrad_step_rows(table, keys) -> np.ndarray:
     return variable.numpy()
 
 
-def churn(
-    check,
-    table,
-    run_step: Callable,
-    settle: Callable[[], None] = lambda: None,
-    key_dtype=tf.int64,
-    ages: bool = False,
-    export: Optional[Callable] = None,
-) -> None:
-    """Feeds `new_keys` to `table` with `run_step(batch)` and checks it as the module doc says.
-
-    `export()` gives `(keys, rows)` as numpy arrays (default: `table.export()`).
-    """
+def churn(check, table, run_step: Callable, settle: Callable[[], None] = lambda: None, key_dtype=tf.int64,
+          ages: bool = False) -> None:  # fmt: skip
+    """Feeds `new_keys` to `table` with `run_step(batch)` and checks it as the module doc says."""
     batches = new_keys(key_dtype)
-    shards = getattr(table, "num_shards", 1)
-    for s, batch in enumerate(batches):
+    for s, batch in enumerate(batches[:-1]):
         run_step(batch)
-        if (s + 1) % CHECK_EVERY == 0 or s + 1 == len(batches):
+        if (s + 1) % CHECK_EVERY == 0:
             settle()
-            size = int(table.size())
-            check.assertLessEqual(size, CAPACITY + BATCH, f"size after step {s + 1}")
-            check.assertGreaterEqual(size, BATCH if ages else min((s + 1) * BATCH, CAPACITY) // 2)
-            buckets = int(table.index_buckets())
-            if key_dtype == tf.int64:
-                bound = MAX_BUCKETS_PER_KEY * (CAPACITY + BATCH) + 64 * shards
-                check.assertBetween(buckets, CAPACITY // 2, bound, f"index buckets after step {s + 1}")
-            else:
-                check.assertEqual(buckets, 0)
-    if export is None:
-        keys, rows = table.export()
-        keys, rows = keys.numpy(), rows.numpy()
-    else:
-        keys, rows = export()
-    keys = [k.decode() if isinstance(k, bytes) else k for k in keys.tolist()]
-    step_of = {k: s for s, batch in enumerate(batches) for k in batch.tolist()}
+            _check_bounds(check, table, key_dtype, ages, s + 1)
+    settle()
+    run_step(batches[-1])  # alone: the last step's policies are the last to run
+    settle()
+    _check_bounds(check, table, key_dtype, ages, len(batches))
+    keys, rows, extra = table.export_columns(["seen"])
+    keys = [k.decode() if isinstance(k, bytes) else k for k in keys.numpy().tolist()]
+    fed = {k for batch in batches for k in batch.tolist()}
     check.assertEqual(len(set(keys)), len(keys))
-    check.assertTrue(all(k in step_of for k in keys), "a live key that was never fed")
+    check.assertTrue(all(k in fed for k in keys), "a live key that was never fed")
     check.assertContainsSubset(batches[-1].tolist(), keys)
-    if ages:
-        check.assertGreaterEqual(min(step_of[k] for k in keys), len(batches) - AGE)
+    if ages:  # every key last seen `AGE` or more steps before the last is gone
+        check.assertGreater(int(extra["seen"].numpy().min()), int(table.step.numpy()) - AGE)
     check.assertEqual(int(table.size()), len(keys))
     expected = adagrad_step_rows(table, np.array(keys, dtype=object if key_dtype == tf.string else np.int64))
-    check.assertAllClose(rows, expected, rtol=1e-6, atol=1e-6)
+    check.assertAllClose(rows.numpy(), expected, rtol=1e-6, atol=1e-6)
+
+
+def _check_bounds(check, table, key_dtype, ages: bool, steps: int) -> None:
+    """The live keys and the index's buckets after `steps` steps, against their bounds."""
+    size = int(table.size())
+    check.assertLessEqual(size, CAPACITY + BATCH, f"size after step {steps}")
+    check.assertGreaterEqual(size, BATCH if ages else min(steps * BATCH, CAPACITY) // 2)
+    buckets = int(table.index_buckets())
+    if key_dtype == tf.int64:
+        bound = MAX_BUCKETS_PER_KEY * (CAPACITY + BATCH) + 64 * getattr(table, "num_shards", 1)
+        check.assertBetween(buckets, CAPACITY // 2, bound, f"index buckets after step {steps}")
+    else:
+        check.assertEqual(buckets, 0)
