@@ -45,6 +45,7 @@ class IndexCompactionTest(tf.test.TestCase):
         self.assertAllEqual(index.find(live[0]), [-1] * 100)
 
 
+@pytest.mark.slow  # 2-14 s each here
 class DefaultStrategyChurnTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.named_parameters(*NAMED_VARIANTS)
     def test_fifty_times_the_capacity_in_new_keys(self, key_dtype, ages):
@@ -54,6 +55,7 @@ class DefaultStrategyChurnTest(tf.test.TestCase, parameterized.TestCase):
         churn(self, table, lambda batch: step(tf.constant(batch, key_dtype)), key_dtype=key_dtype, ages=ages)
 
 
+@pytest.mark.slow
 @pytest.mark.ps_cluster
 class ParameterServerChurnTest(tf.test.TestCase, parameterized.TestCase):
     @classmethod
@@ -71,6 +73,7 @@ class ParameterServerChurnTest(tf.test.TestCase, parameterized.TestCase):
         churn(self, table, run, self.coordinator.join, key_dtype=key_dtype, ages=ages)
 
 
+@pytest.mark.slow
 @pytest.mark.mirrored
 class MirroredChurnTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.named_parameters(*NAMED_VARIANTS)
