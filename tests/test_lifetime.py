@@ -2,7 +2,7 @@
 
 The job is the application as a user starts it, `python -m tf_sharded train
 --local_cluster process`, killed with SIGKILL once it is training (what an
-out-of-memory killer or a scheduler does), and its hybrid counterpart.
+out-of-memory killer or a scheduler does), and its hybrid and multi-worker counterparts.
 """
 
 import os
@@ -61,6 +61,9 @@ class KilledJobTest(tf.test.TestCase):
 
     def test_a_killed_hybrid_job_leaves_no_table_server_or_worker_running(self):
         self.kill_while_training(["--strategy", "hybrid", "--steps", "3000"], tasks=3)
+
+    def test_a_killed_multi_worker_job_leaves_no_worker_running(self):
+        self.kill_while_training(["--strategy", "multi_worker", "--num_workers", "2", "--steps", "3000"], tasks=1)
 
     def test_a_process_not_started_by_a_cluster_does_not_watch_its_parent(self):
         script = "import threading; from tf_sharded import lifetime; lifetime.exit_with_parent(); "

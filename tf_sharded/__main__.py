@@ -8,9 +8,9 @@ USAGE = """usage: python -m tf_sharded COMMAND
 
 commands:
   train [--model dlrm|deepfm|mlp] [--data synthetic|PATH] [--schema FILE] [--format auto|tsv|csv|tfrecord|parquet]
-        [--strategy parameter_server|mirrored|multi_worker|default] [--steps N] [--batch_size N]
-        [--optimizer sgd|adagrad|adam|ftrl] [--learning_rate X] [--checkpoint_dir DIR] [--eval_steps N]
-        [--max_vocab N] [--strict] ...
+        [--strategy parameter_server|mirrored|multi_worker|hybrid|default] [--num_workers N] [--num_ps N]
+        [--steps N] [--batch_size N] [--optimizer sgd|adagrad|adam|ftrl] [--learning_rate X]
+        [--checkpoint_dir DIR] [--eval_steps N] [--max_vocab N] [--strict] ...
           train a model on synthetic data or your files (python -m tf_sharded train --helpfull for every flag)
   schema infer --data PATH [--label COLUMN] [--out FILE]
           a starting feature schema (JSON) from a file's first rows

@@ -215,8 +215,9 @@ class ApplicationTest(tf.test.TestCase):
         self.assertEqual(stray.returncode, 2)
         self.assertEqual(
             stray.stderr.strip().splitlines()[-1],
-            "error: --num_ps, --local_cluster: the local cluster's flags apply to --strategy parameter_server|hybrid "
-            "without TF_CONFIG; received --strategy mirrored (python -m tf_sharded train --help lists the flags)",
+            "error: --num_ps, --local_cluster: the local cluster's flags apply to --strategy "
+            "parameter_server|hybrid|multi_worker without TF_CONFIG; received --strategy mirrored (python -m "
+            "tf_sharded train --help lists the flags)",
         )
         self.assertNotIn("training dlrm", stray.stdout)
         self.assertEqual(bad.returncode, 2)
@@ -418,11 +419,16 @@ class KillAndResumeTest(tf.test.TestCase):
     def test_killed_run_resumes_to_the_uninterrupted_result(self):
         self._kill_and_resume(["--strategy", "parameter_server", "--num_workers", "1", "--steps", "60"], 60, 30)
 
-    def test_killed_two_worker_run_resumes_to_the_uninterrupted_result(self):
-        # tfs.fit's own replica loop over two worker processes sharing one --checkpoint_dir, with the tables
-        # sharded over them; both workers are killed, as a multi-worker mirrored job restarts as a whole.
-        flags = ["--strategy", "multi_worker", "--placement", "sharded", "--steps", "45"]
-        self._kill_and_resume(flags, 45, 15, workers=2)
+    def test_two_worker_job_whose_second_worker_is_killed_restarts_itself_to_the_uninterrupted_result(self):
+        # tfs.fit's own replica loop over the two worker processes of the local cluster `--num_workers 2` starts,
+        # sharing one --checkpoint_dir, with the tables sharded over them. Worker 1 is killed: a synchronous
+        # job cannot go on without it, so the job stops its cluster and runs its command again.
+        flags = ["--strategy", "multi_worker", "--num_workers", "2", "--placement", "sharded", "--steps", "45"]
+        self._kill_and_resume(flags, 45, 15, kill=lambda procs: os.kill(self._started_by(procs[0], "tf_sharded train"),
+                                                                         signal.SIGKILL), restarts=True)  # fmt: skip
+        restarted = (r"(?m)^restarting: the local multi-worker cluster's worker 1 ended \(exit code -9\); "
+                     r"the job restarts from --checkpoint_dir \(restart 1 of 3\)$")  # fmt: skip
+        self.assertRegex(self._stderr, restarted)
 
     def test_hybrid_job_whose_table_server_is_killed_restarts_itself_to_the_uninterrupted_result(self):
         # The table server killed mid-run: the job stops its cluster and runs its command again, which starts a
@@ -441,7 +447,7 @@ class KillAndResumeTest(tf.test.TestCase):
         every step (the table updates of two workers interleave, so runs differ: no reference run)."""
         directory = os.path.join(self.get_temp_dir(), "two")
         flags = ["--strategy", "hybrid", "--num_workers", "2", "--num_ps", "1", "--steps", "30"]
-        procs = self._start(flags, directory, 1)
+        procs = self._start(flags, directory)
         try:
             self._wait_for(procs, os.path.join(directory, "ckpt-15.index"))
             os.kill(self._started_by(procs[0], "tf_sharded train"), signal.SIGKILL)
@@ -473,18 +479,13 @@ class KillAndResumeTest(tf.test.TestCase):
         assert len(found) == 1, (command, found)
         return found[0]
 
-    def _start(self, flags, directory, workers):
-        """The run's processes: one, or a worker each under one `TF_CONFIG` cluster."""
-        ports = [portpicker.pick_unused_port() for _ in range(workers)] if workers > 1 else []
-        cluster = {"worker": [f"localhost:{port}" for port in ports]}
-        envs = [{"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})}
-                for i in range(workers)] if workers > 1 else [{}]  # fmt: skip
+    def _start(self, flags, directory):
+        """The run's process (its local cluster's other processes are its own)."""
         return [
             subprocess.Popen([sys.executable, "-m", "tf_sharded", "train", *flags, *self.COMMON,
                               "--checkpoint_dir", directory], cwd=ROOT,
-                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **env}, stdout=subprocess.PIPE,
+                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=network())
-            for env in envs
         ]  # fmt: skip
 
     def _finish(self, procs) -> str:
@@ -513,13 +514,13 @@ class KillAndResumeTest(tf.test.TestCase):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
 
-    def _kill_and_resume(self, flags, steps, kill_after, workers=1, kill=None, restarts=False):
+    def _kill_and_resume(self, flags, steps, kill_after, kill=None, restarts=False):
         """`kill` (default: SIGKILL to every process) once checkpoint `kill_after` is written, then the run
         rerun, or (`restarts`) the same command left to restart itself; either ends as an uninterrupted run."""
         whole, killed = (os.path.join(self.get_temp_dir(), name) for name in ("whole", "killed"))
-        uninterrupted = self._finish(self._start(flags, whole, workers))
+        uninterrupted = self._finish(self._start(flags, whole))
 
-        procs = self._start(flags, killed, workers)
+        procs = self._start(flags, killed)
         try:
             self._wait_for(procs, os.path.join(killed, f"ckpt-{kill_after}.index"))
             if kill is not None:
@@ -529,7 +530,7 @@ class KillAndResumeTest(tf.test.TestCase):
             self._kill(procs)
         if resumed is None:
             done = int(tf.train.latest_checkpoint(killed).rsplit("-", 1)[1])
-            resumed = self._finish(self._start(flags, killed, workers))
+            resumed = self._finish(self._start(flags, killed))
         else:  # the step the restarted command resumed from
             done = steps - int(re.search(rf"{steps} steps \((\d+) this run\)", resumed).group(1))
         self.assertBetween(done, kill_after - 15, kill_after + 15)  # killed mid-run (the last one may be unrecorded)

@@ -55,15 +55,16 @@ def define_flags(values: flags.FlagValues) -> None:
         "strategy",
         "parameter_server",
         list(STRATEGIES),
-        "tf.distribute strategy. parameter_server without TF_CONFIG starts a local cluster (2 ps + 2 workers); "
-        "hybrid (tables on parameter servers, the rest all-reduced over the workers) starts --num_ps table "
-        "servers and --num_workers workers, a process each.",
+        "tf.distribute strategy. Without TF_CONFIG each starts its local cluster: parameter_server --num_ps "
+        "parameter servers and --num_workers workers; hybrid (tables on parameter servers, the rest all-reduced "
+        "over the workers) --num_ps table servers and --num_workers workers, a process each; multi_worker "
+        "--num_workers workers, a process each (this process alone unless --num_workers is given).",
         flag_values=values,
     )
     flags.DEFINE_integer(
         "num_workers",
-        2,
-        "Workers of the local parameter-server or hybrid cluster (without TF_CONFIG).",
+        None,
+        "Workers of the local cluster (without TF_CONFIG). Default: 2 (multi_worker: 1, this process alone).",
         lower_bound=1,
         flag_values=values,
     )
@@ -186,8 +187,7 @@ def _strategy(args):
         s = tf.distribute.MirroredStrategy()
         return s, f"mirrored ({s.num_replicas_in_sync} replicas)", 1, None
     if name == "multi_worker":
-        s = tf.distribute.MultiWorkerMirroredStrategy()
-        return s, f"multi_worker ({s.num_replicas_in_sync} replicas)", 1, None
+        return _multi_worker_strategy(args)
     if name == "hybrid":
         return _hybrid_strategy(args)
     if os.environ.get("TF_CONFIG"):
@@ -200,16 +200,48 @@ def _strategy(args):
         return s, f"parameter_server ({len(spec.get('ps', []))} ps, {workers} workers, TF_CONFIG)", workers, None
     from tf_sharded.app.readers import LOAD_OPS
 
+    num_workers = args.num_workers or 2
     cluster = tfs.cluster.local_cluster(
-        num_workers=args.num_workers,
+        num_workers=num_workers,
         num_ps=args.num_ps,
         mode=args.local_cluster,
         imports=[LOAD_OPS],
         isolation=args.local_cluster_isolation,
     )
     where = "local cluster" if args.local_cluster == "inprocess" else "local cluster, a process per task"
-    description = f"parameter_server ({where}: {args.num_ps} ps, {args.num_workers} workers)"
-    return cluster.strategy(), description, args.num_workers, cluster if args.local_cluster == "process" else None
+    description = f"parameter_server ({where}: {args.num_ps} ps, {num_workers} workers)"
+    return cluster.strategy(), description, num_workers, cluster if args.local_cluster == "process" else None
+
+
+def _multi_worker_strategy(args):
+    """`--strategy multi_worker`: this task of TF_CONFIG, else with `--num_workers N` a local cluster of N
+    workers (this process and N - 1 running this same command), else this process alone."""
+    import tensorflow as tf
+
+    from tf_sharded.app import restart
+    from tf_sharded.lifetime import exit_with_parent
+    from tf_sharded.local_workers import LocalWorkers
+
+    if os.environ.get("TF_CONFIG"):
+        exit_with_parent()  # a worker a local cluster started: it ends with the job
+        s = tf.distribute.MultiWorkerMirroredStrategy()
+        workers = len(json.loads(os.environ["TF_CONFIG"])["cluster"].get("worker", []))
+        return s, f"multi_worker ({s.num_replicas_in_sync} replicas, {workers} workers, TF_CONFIG)", 1, None
+    if not args.num_workers or args.num_workers == 1:
+        s = tf.distribute.MultiWorkerMirroredStrategy()
+        return s, f"multi_worker ({s.num_replicas_in_sync} replicas)", 1, None
+    cluster = LocalWorkers(
+        args.num_workers, worker_command=[sys.executable, "-m", "tf_sharded", *sys.argv[1:]],
+        isolation=args.local_cluster_isolation,
+        on_failure=lambda cluster, reason: restart.restart(reason, args.checkpoint_dir, cluster),
+    ).start()  # fmt: skip
+    s = cluster.strategy()
+    return (
+        s,
+        f"multi_worker ({s.num_replicas_in_sync} replicas; local: {args.num_workers} workers, a process each)",
+        1,
+        cluster,
+    )
 
 
 def _hybrid_strategy(args):
@@ -231,13 +263,12 @@ def _hybrid_strategy(args):
     from tf_sharded.app import restart
 
     command = [sys.executable, "-m", "tf_sharded", *sys.argv[1:]]
+    num_workers = args.num_workers or 2
     cluster = tfs.hybrid.LocalHybridCluster(
-        args.num_workers, args.num_ps, worker_command=command, isolation=args.local_cluster_isolation,
+        num_workers, args.num_ps, worker_command=command, isolation=args.local_cluster_isolation,
         on_failure=lambda cluster, reason: restart.restart(reason, args.checkpoint_dir, cluster),
     ).start()  # fmt: skip
-    where = (
-        f"local: {args.num_ps} table server{'s' if args.num_ps > 1 else ''}, {args.num_workers} workers, a process each"
-    )
+    where = f"local: {args.num_ps} table server{'s' if args.num_ps > 1 else ''}, {num_workers} workers, a process each"
     return cluster.strategy(), f"hybrid ({where})", 1, cluster
 
 
@@ -572,23 +603,33 @@ LOCAL_CLUSTER_FLAGS = ("num_workers", "num_ps", "local_cluster", "local_cluster_
 
 def _stray_cluster_flags(values) -> str:
     """Why the local cluster's flags given on the command line cannot apply ("" when they can): they shape the
-    cluster that `--strategy parameter_server` starts without TF_CONFIG, and would otherwise be ignored."""
-    from tf_sharded.hybrid.local import WORKER_ENV
+    cluster that `--strategy parameter_server|hybrid|multi_worker` starts without TF_CONFIG, and would
+    otherwise be ignored."""
+    from tf_sharded.local_workers import WORKER_ENV
 
     given = [f"--{name}" for name in LOCAL_CLUSTER_FLAGS if values[name].present]
     if not given:
         return ""
-    if values.strategy not in ("parameter_server", "hybrid"):
+    if values.strategy not in ("parameter_server", "hybrid", "multi_worker"):
         received = f"--strategy {values.strategy}"
     elif os.environ.get("TF_CONFIG") and not os.environ.get(WORKER_ENV):
         received = "TF_CONFIG set (its cluster spec names the tasks)"
-    elif values.strategy == "hybrid" and values["local_cluster"].present and values.local_cluster != "process":
-        return "--local_cluster inprocess: a hybrid cluster runs a process per task (its workers each run collectives)"
+    elif values.strategy == "multi_worker" and values["num_ps"].present:
+        return (
+            "--num_ps: a multi-worker cluster has workers only; --num_ps applies to --strategy parameter_server|hybrid"
+        )
+    elif (
+        values.strategy != "parameter_server" and values["local_cluster"].present and values.local_cluster != "process"
+    ):
+        return (
+            f"--local_cluster inprocess: a {values.strategy} cluster runs a process per task (its workers each run "
+            f"collectives)"
+        )
     else:
         return ""
     return (
-        f"{', '.join(given)}: the local cluster's flags apply to --strategy parameter_server|hybrid without "
-        f"TF_CONFIG; received {received}"
+        f"{', '.join(given)}: the local cluster's flags apply to --strategy parameter_server|hybrid|multi_worker "
+        f"without TF_CONFIG; received {received}"
     )
 
 
@@ -631,7 +672,7 @@ def main(argv: List[str]) -> int:
     if tf_config:
         print(f"error: {tf_config}", file=sys.stderr)
         return 1
-    if values.strategy in ("parameter_server", "hybrid") and not os.environ.get("TF_CONFIG"):
+    if values.strategy in ("parameter_server", "hybrid", "multi_worker") and not os.environ.get("TF_CONFIG"):
         from tf_sharded import isolation
 
         isolation.spelling = isolation.FLAG

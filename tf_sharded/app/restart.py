@@ -1,16 +1,16 @@
-"""The application's restart of a hybrid job from its checkpoint when a process of its local cluster fails.
+"""The application's restart of a synchronous job from its checkpoint when a process of its local cluster fails.
 
-A hybrid job is synchronous across its workers: as under
-MultiWorkerMirroredStrategy, a lost worker cannot rejoin a running step, and
-a lost table server takes its rows with it. So the job restarts as a whole:
-`train --strategy hybrid` on the local cluster it starts (no `TF_CONFIG`)
-stops every process of that cluster and runs the same command again, which
-starts a new cluster and resumes from `--checkpoint_dir` (tables, slots,
-dense variables, step and input position), at most `MAX_RESTARTS` times per
-job. Without `--checkpoint_dir`, or once they are spent, the job ends with
-one line on stderr. A cluster described by `TF_CONFIG` is restarted by
-whatever started its tasks (Kubernetes, a job scheduler), as a
-MultiWorkerMirroredStrategy job is.
+A hybrid or multi-worker job is synchronous across its workers: a lost
+worker cannot rejoin a running step, and a lost table server takes its rows
+with it. So the job restarts as a whole: `train --strategy hybrid` (or
+`--strategy multi_worker --num_workers N`) on the local cluster it starts
+(no `TF_CONFIG`) stops every process of that cluster and runs the same
+command again, which starts a new cluster and resumes from
+`--checkpoint_dir` (tables, slots, dense variables, step and input
+position), at most `MAX_RESTARTS` times per job. Without
+`--checkpoint_dir`, or once they are spent, the job ends with one line on
+stderr. A cluster described by `TF_CONFIG` is restarted by whatever started
+its tasks (Kubernetes, a job scheduler).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 
-RESTARTS_ENV = "TF_SHARDED_HYBRID_RESTARTS"
+RESTARTS_ENV = "TF_SHARDED_RESTARTS"
 MAX_RESTARTS = 3
 _LOCK = threading.Lock()
 
