@@ -39,8 +39,7 @@ from typing import Optional
 import tensorflow as tf
 
 from tf_sharded import _compat
-from tf_sharded.config import Exchange
-from tf_sharded.exchange.policy import ExchangePolicy
+from tf_sharded.config import Exchange, ExchangePolicy
 from tf_sharded.layout import resolve_spec
 from tf_sharded.strategy import FitLoop, StrategyFamily, Transport, register
 from tf_sharded.table.batched import build_batched
@@ -258,7 +257,7 @@ def set_transport(strategy, transport) -> None:
 
 
 @contextlib.contextmanager
-def transport_scope(strategy, transport):
+def exchange_transport_scope(strategy, transport):
     """`set_transport` for the steps traced inside the block; the previous transport afterwards."""
     saved = _TRANSPORT.get(strategy)
     set_transport(strategy, transport)

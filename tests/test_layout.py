@@ -6,6 +6,10 @@
   `getattr(x, "_name")`, `object.__setattr__`).
 * The import graph of the library (every import, module level or not) has
   no cycle.
+* Layers run one way (`LAYERS`): no module imports a module of a higher
+  layer, and the units of the map (packages, and the modules named there)
+  import each other without a cycle. `strategy/` counts as what it is
+  installed as, `tf_sharded.strategy`.
 * No module over `MAX_LINES` lines outside the benchmarks.
 * Only the table package asks whether something is a `ShardedVariable`; the
   rest goes through the table protocol.
@@ -19,7 +23,8 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("tf_sharded", "strategy")
+# Source directory -> the package it installs as (setup.py's package_dir).
+PACKAGES = {"tf_sharded": "tf_sharded", "strategy": "tf_sharded.strategy"}
 COMPAT = "tf_sharded._compat"
 MAX_LINES = 1000
 INTERNAL_PREFIXES = ("tensorflow.python", "keras.src", "keras._tf_keras", "tensorflow.core")
@@ -29,12 +34,12 @@ SELF_NAMES = {"self", "cls", "other"}
 
 def _modules() -> dict[str, pathlib.Path]:
     found = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    for directory, package in PACKAGES.items():
+        for path in sorted((ROOT / directory).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / directory).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
-            found[".".join(parts)] = path
+            found[".".join([package, *parts])] = path
     return found
 
 
@@ -59,7 +64,8 @@ def _imported_modules(name: str, tree: ast.AST) -> set[str]:
                 anchor = package.split(".")
                 anchor = anchor[: len(anchor) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
-            targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+            # `from pkg import sub` names the module `pkg.sub`; `from pkg import name`, `pkg` itself.
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
         else:
             continue
         for target in targets:
@@ -175,6 +181,84 @@ def test_import_graph_is_acyclic():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+# The layer map, lowest first (ARCHITECTURE.md: core < kinds < placements < exchange and strategy < keras and
+# planning < app and benchmarks). A module belongs to the unit of its longest prefix here.
+LAYERS = (
+    ("core", ("tf_sharded._compat", "tf_sharded._console", "tf_sharded.errors", "tf_sharded.versions",
+              "tf_sharded.trace", "tf_sharded.config", "tf_sharded.layout", "tf_sharded.initializers",
+              "tf_sharded.partitioners", "tf_sharded.policies", "tf_sharded.isolation", "tf_sharded.lifetime",
+              "tf_sharded.local_workers", "tf_sharded.cluster")),
+    # Table kinds: fixed rows (`table`, with the registry of kinds and placements) and dynamic keys.
+    ("kinds", ("tf_sharded.table", "tf_sharded.table.dynamic")),
+    # Placements beyond this process's devices: table servers (sharded over workers is the exchange's).
+    ("placements", ("tf_sharded.hybrid",)),
+    ("exchange and strategy", ("tf_sharded.exchange", "tf_sharded.strategy", "tf_sharded.creation")),
+    ("keras and planning", ("tf_sharded.keras", "tf_sharded.planning")),
+    # The table server's process trains its shards with tf_sharded's own tables and optimizers.
+    ("app and benchmarks", ("tf_sharded.app", "tf_sharded.benchmarks", "tf_sharded.__main__",
+                            "tf_sharded.hybrid.server", "tf_sharded.hybrid.__main__")),
+)  # fmt: skip
+# Facades gather names for users from every layer: each is a unit of its own, on top.
+FACADES = ("tf_sharded", "tf_sharded.hybrid")
+
+
+def _unit(module: str) -> tuple[int, str]:
+    """(layer index, unit) of `module`."""
+    if module in FACADES:
+        return len(LAYERS) - 1, module + " (facade)"
+    best = None
+    for layer, (_, units) in enumerate(LAYERS):
+        for unit in units:
+            if (module == unit or module.startswith(unit + ".")) and (best is None or len(unit) > len(best[1])):
+                best = (layer, unit)
+    assert best is not None, f"{module} is in no layer of tests/test_layout.py's LAYERS: place it"
+    return best
+
+
+def _unit_edges() -> dict[tuple[str, str], list[str]]:
+    """(importing unit, imported unit) -> the module imports that make the edge (a package's __init__ importing
+    its own submodules makes none: it only gathers their names)."""
+    edges = {}
+    for name, tree in TREES.items():
+        for target in _imported_modules(name, tree):
+            if _is_package(name) and target.startswith(name + "."):
+                continue
+            a, b = _unit(name)[1], _unit(target)[1]
+            if a != b:
+                edges.setdefault((a, b), []).append(f"{name} -> {target}")
+    return edges
+
+
+def test_layers_run_one_way():
+    upward = []
+    for name, tree in TREES.items():
+        layer = _unit(name)[0]
+        for target in sorted(_imported_modules(name, tree)):
+            if _unit(target)[0] > layer:
+                upward.append(f"{name} ({LAYERS[layer][0]}) -> {target} ({LAYERS[_unit(target)[0]][0]})")
+    assert not upward, "imports up the layer map:\n" + "\n".join(upward)
+
+
+def test_no_cycle_between_units():
+    edges = _unit_edges()
+    graph = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+    cycle = _cycle(graph)
+    made_by = [edges[(a, b)] for a, b in zip(cycle, cycle[1:])] if cycle else []
+    assert cycle is None, "cycle between units: " + " -> ".join(cycle) + f" (made by {made_by})"
+
+
+def test_the_layer_map_sees_the_strategy_package():
+    assert "tf_sharded.strategy.mirrored" in MODULES and "strategy.mirrored" not in MODULES
+    assert _unit("tf_sharded.strategy.mirrored")[1] == "tf_sharded.strategy"
+    assert _unit("tf_sharded.table.dynamic.pool") == (1, "tf_sharded.table.dynamic")
+    assert _unit("tf_sharded.hybrid.server")[0] == len(LAYERS) - 1
+    assert "tf_sharded.strategy" in _imported_modules(
+        "tf_sharded.exchange.transports", TREES["tf_sharded.exchange.transports"]
+    )
+
+
 def test_library_modules_do_not_import_package_facades():
     """Library modules import the defining submodule, so a package __init__ never hides a cycle."""
     offenders = []
@@ -182,7 +266,11 @@ def test_library_modules_do_not_import_package_facades():
         if _is_package(name) or name.startswith(("tf_sharded.benchmarks", "tf_sharded.app", "tf_sharded.__main__")):
             continue
         for target in _imported_modules(name, tree):
-            if _is_package(target) and target not in ("tf_sharded", "strategy") and not name.startswith(target + "."):
+            if (
+                _is_package(target)
+                and target not in ("tf_sharded", "tf_sharded.strategy")
+                and not name.startswith(target + ".")
+            ):
                 offenders.append((name, target))
     assert not offenders, offenders
 
@@ -205,3 +293,16 @@ def test_only_the_table_package_checks_for_sharded_variable():
                 if "ShardedVariable" in ast.unparse(node.args[1]):
                     offenders.append((name, node.lineno))
     assert not offenders, f"use tf_sharded.table.is_table / the Table protocol: {offenders}"
+
+
+def test_public_class_names_are_unique():
+    """One name per concept: no two public classes of the library (outside the benchmarks) share a name."""
+    homes = {}
+    for name, tree in TREES.items():
+        if name.startswith("tf_sharded.benchmarks"):
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                homes.setdefault(node.name, []).append(name)
+    shared = {cls: modules for cls, modules in homes.items() if len(modules) > 1}
+    assert not shared, f"public classes sharing a name: {shared}"

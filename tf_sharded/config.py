@@ -109,9 +109,31 @@ class Placement(_Choice):
     SHARDED = "sharded"
 
 
-# Placements whose shards are one plain variable each (on the worker's host, or on the replica owning the rows):
-# an optimizer updates each once, on its device, and builds its slots beside it.
-SINGLE_COPY_PLACEMENTS = (Placement.HOST, Placement.SHARDED)
+class ExchangePolicy:
+    """What a mirrored table does with its sparse gradients.
+
+    Args:
+      mode: "auto", "allgather" or "dense".
+      ids_per_step: optional declared bound on the distinct ids one replica
+        looks up in this table per step; "auto" then decides once, at trace
+        time, instead of every step.
+
+    Example:
+
+    >>> ExchangePolicy("auto", ids_per_step=4096)
+    ExchangePolicy(mode='auto', ids_per_step=4096)
+    >>> ExchangePolicy("fast")
+    Traceback (most recent call last):
+    ...
+    ValueError: Argument `exchange` must be one of ('auto', 'allgather', 'dense'). Received: exchange='fast'
+    """
+
+    def __init__(self, mode: str = "auto", ids_per_step: Optional[int] = None):
+        self.mode = Exchange.parse(mode, "exchange")
+        self.ids_per_step = optional_positive_int("ids_per_step", ids_per_step)
+
+    def __repr__(self):
+        return f"ExchangePolicy(mode={self.mode!r}, ids_per_step={self.ids_per_step})"
 
 
 class Combiner(_Choice):

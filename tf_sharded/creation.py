@@ -12,9 +12,8 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
-from tf_sharded.config import TableConfig
+from tf_sharded.config import ExchangePolicy, TableConfig
 from tf_sharded.errors import UnsupportedStrategyError, positive_int
-from tf_sharded.exchange.policy import ExchangePolicy
 from tf_sharded.strategy import family_of, registered_families
 from tf_sharded.table.builder import VariableFactory, draw_seed
 from tf_sharded.table.dynamic.group import PooledTables

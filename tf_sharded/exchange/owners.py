@@ -87,7 +87,7 @@ def reduce_to_owners(grads: List[Tuple[object, object, int]], ctx) -> List[tf.In
 
 
 def from_local_owners(grads: List[Tuple[object, object]], ctx) -> list:
-    """The gradients of shards spread over workers, each summed over the worker's replicas, on all of them.
+    """The gradients of shards sharded over workers, each summed over the worker's replicas, on all of them.
 
     Across workers the lookup's backward pass already summed each shard's
     gradient on the replica that owns it (`tfs.exchange.workers`), or for a

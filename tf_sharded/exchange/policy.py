@@ -1,4 +1,5 @@
-"""A mirrored table's exchange policy, and the part of the choice that is made when a step is traced."""
+"""The part of a mirrored table's exchange choice that is made when a step is traced (its `ExchangePolicy`, a
+setting of the table, lives with the other settings in `tf_sharded.config`)."""
 
 from __future__ import annotations
 
@@ -6,35 +7,8 @@ from typing import Optional
 
 import tensorflow as tf
 
-from tf_sharded.config import Exchange, optional_positive_int
+from tf_sharded.config import ExchangePolicy  # noqa: F401  (its home for `tfs.exchange`)
 from tf_sharded.exchange.cost import choose, row_bytes
-
-
-class ExchangePolicy:
-    """What a mirrored table does with its sparse gradients.
-
-    Args:
-      mode: "auto", "allgather" or "dense".
-      ids_per_step: optional declared bound on the distinct ids one replica
-        looks up in this table per step; "auto" then decides once, at trace
-        time, instead of every step.
-
-    Example:
-
-    >>> ExchangePolicy("auto", ids_per_step=4096)
-    ExchangePolicy(mode='auto', ids_per_step=4096)
-    >>> ExchangePolicy("fast")
-    Traceback (most recent call last):
-    ...
-    ValueError: Argument `exchange` must be one of ('auto', 'allgather', 'dense'). Received: exchange='fast'
-    """
-
-    def __init__(self, mode: str = "auto", ids_per_step: Optional[int] = None):
-        self.mode = Exchange.parse(mode, "exchange")
-        self.ids_per_step = optional_positive_int("ids_per_step", ids_per_step)
-
-    def __repr__(self):
-        return f"ExchangePolicy(mode={self.mode!r}, ids_per_step={self.ids_per_step})"
 
 
 def trace_time_choice(grad, table, shard: int, replicas: int, in_process: bool, static_ids: Optional[int]) -> str:

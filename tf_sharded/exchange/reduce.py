@@ -26,14 +26,19 @@ from tf_sharded.exchange.transports import (
     offsets,
     split_by_offsets,
 )
-from tf_sharded.hybrid.table import is_served
 from tf_sharded.table.protocol import owner_of
+from tf_sharded.table.registry import placement_of
 
 
 def owner(variable) -> Optional[Tuple[object, int]]:
     """`(table, shard)` of a shard of a mirrored table (one with an exchange policy), else None."""
     tag = owner_of(variable)
     return tag if tag is not None and tag[0].exchange is not None else None
+
+
+def _trained_remotely(tag) -> bool:
+    placement = placement_of(tag[0]) if tag is not None else None
+    return placement is not None and placement.trained_remotely
 
 
 def exchange_as(grad, table, shard: int, ctx, choice: str):
@@ -101,20 +106,20 @@ def all_reduce_gradients(
     ctx = tf.distribute.get_replica_context()
     if ctx is None or ctx.num_replicas_in_sync == 1:
         return _one_replica(pairs, fallback)
-    ours, others, sharded, spread = [], [], [], []
+    ours, others, sharded, over_workers = [], [], [], []
     for i, (g, v) in enumerate(pairs):
-        if g is not None and is_served(owner_of(v)):
-            continue  # a table on table servers: its rows' gradients go to them in the optimizer step, unsummed
+        if g is not None and _trained_remotely(owner_of(v)):
+            continue  # e.g. a table on table servers: its rows' gradients go to them in the optimizer step, unsummed
         tag = sharded_owner(v) if g is not None else None
         if tag is not None:
             # Spread over workers, a shard's gradient was summed on its owner in the lookup's backward pass.
-            (spread if tag[0].spread else sharded).append((i, tag))
+            (over_workers if tag[0].sharded_over_workers else sharded).append((i, tag))
             continue
         tag = owner(v) if g is not None else None
         (ours if tag is not None else others).append((i, tag))
     result = list(pairs)
-    if spread and len(ctx.strategy.extended.worker_devices) > 1:
-        for (i, _), grad in zip(spread, from_local_owners([pairs[i] for i, _ in spread], ctx)):
+    if over_workers and len(ctx.strategy.extended.worker_devices) > 1:
+        for (i, _), grad in zip(over_workers, from_local_owners([pairs[i] for i, _ in over_workers], ctx)):
             result[i] = (grad, pairs[i][1])
     if sharded:
         summed = reduce_to_owners([(pairs[i][0], table, shard) for i, (table, shard) in sharded], ctx)

@@ -11,7 +11,7 @@
 
 Two transports, chosen by where the replicas run:
 
-* **Collective** (`MultiWorkerMirroredStrategy`, or forced by `tfs.strategy.mirrored.transport_scope`):
+* **Collective** (`MultiWorkerMirroredStrategy`, or forced by `tfs.strategy.mirrored.exchange_transport_scope`):
   indices travel bit-cast inside the value rows, so one collective gather
   moves both, and every replica merges what it received. "auto": if even the
   number of ids the step looks up (its static batch shape, agreed across

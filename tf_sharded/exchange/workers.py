@@ -43,7 +43,11 @@ import tensorflow as tf
 
 from tf_sharded import _compat
 from tf_sharded.exchange.cost import sharded_transport_costs
-from tf_sharded.table.remote import collective_rows
+from tf_sharded.table import registry
+from tf_sharded.table.lookup import device_rows, lookup_groups
+from tf_sharded.table.norms import clip_rows
+from tf_sharded.table.remote import collective_rows, is_remote
+from tf_sharded.table.sharded_variable import FIXED
 
 ALLTOALL, GATHER = "alltoall", "gather"
 TRANSPORTS = (ALLTOALL, GATHER)
@@ -240,3 +244,34 @@ def gather_everywhere(uniq, starts, owners, shifts, read_held, row_shape, strate
     total = tf.concat([tf.shape(uniq, out_type=tf.int64) + 1, tf.constant(list(row_shape), tf.int64)], 0)
     contribution = tf.scatter_nd(here[:, None], tf.stop_gradient(held), total)
     return collective_rows(strategy, contribution)[:-1]
+
+
+def rows_over_workers(tables, uniq, starts, owners, shift, placed, max_norm, bound):
+    """Rows at a lookup group's distinct keys `uniq` (`table.lookup.lookup_group`) when its shards are held by
+    several workers: in a replica context by the exchange (`exchange_rows`), else `gather_everywhere`."""
+    held = list({id(v): v for v, _ in placed if not is_remote(v)}.values())
+    position = {id(v): i for i, v in enumerate(held)}
+    slot = tf.constant([position.get(id(v), 0) for v, _ in placed], tf.int32)
+    row_shape = tables[0].shape[1:].as_list()
+
+    def read_held(shard, row):
+        if not held:
+            return tf.zeros(tf.concat([tf.shape(row), tf.constant(row_shape, tf.int32)], 0), tables[0].dtype)
+        # Every shard this worker holds is read (each on its own device, the replica's asks only for its own):
+        # its other replicas' shards get an empty gradient from this replica, and every local replica
+        # trains the same variables, as Keras's optimizer asks.
+        return clip_rows(device_rows(held, row, tf.gather(slot, shard)), max_norm, list(range(1, len(row_shape) + 1)))
+
+    strategy = tables[0].strategy
+    ctx = tf.distribute.get_replica_context()
+    if ctx is not None and ctx.strategy is strategy:
+        return exchange_rows(uniq, starts, owners, shift, read_held, row_shape, tables[0].dtype, bound)
+    first, local = _compat.cluster_replicas(strategy)[0], len(strategy.extended.worker_devices)
+    return gather_everywhere(uniq, starts, owners, shift, read_held, row_shape, strategy, range(first, first + local))
+
+
+registry.register_lookup(
+    registry.WORKERS,
+    FIXED,
+    lambda pairs, max_norm, training: lookup_groups(pairs, max_norm, remote_rows=rows_over_workers),
+)

@@ -7,8 +7,8 @@ task (`python -m tf_sharded.hybrid`).
 from tf_sharded.hybrid.dynamic import ServedDynamicTable
 from tf_sharded.hybrid.local import LocalHybridCluster
 from tf_sharded.hybrid.server import TableServer
+from tf_sharded.hybrid.strategy import HybridStrategy
 from tf_sharded.hybrid.table import ServedSlot, ServedTable, apply_pending
-from tf_sharded.strategy.hybrid import HybridStrategy
 
 __all__ = [
     "HybridStrategy",

@@ -35,6 +35,7 @@ from tf_sharded import initializers, policies
 from tf_sharded.errors import positive_int
 from tf_sharded.hybrid import calls
 from tf_sharded.hybrid.table import (
+    SERVERS,
     Served,
     Servers,
     by_server,
@@ -44,10 +45,12 @@ from tf_sharded.hybrid.table import (
     pending_list,
     pending_lock,
 )
+from tf_sharded.table import registry
 from tf_sharded.table.dynamic.keys import shard_of_keys
 from tf_sharded.table.dynamic.pool import GROWTH
 from tf_sharded.table.dynamic.slots import DynamicSlot
-from tf_sharded.table.dynamic.table import DynamicTable
+from tf_sharded.table.dynamic.table import DYNAMIC, DynamicTable
+from tf_sharded.table.norms import clip_rows
 from tf_sharded.table.protocol import register_shards
 
 # A step after any table's: an export "since" it holds no keys, only the shard's counters.
@@ -107,7 +110,6 @@ class ServedDynamicTable(Served, DynamicTable):
     devices = property(lambda self: tuple(self.servers.addresses[i] for i in self.server_of))
     variables = property(lambda self: (self.anchor,))
     held_variables = property(lambda self: (self.anchor,))
-    spread = property(lambda self: False)
 
     def __repr__(self):
         return (
@@ -334,3 +336,10 @@ def create(strategy, name, dim, key_dtype, initializer, partitions, seed, admiss
     seed = draw_seed() if seed is None else seed
     return ServedDynamicTable(name, dim, key_dtype, initializer, seed, strategy, strategy.servers, partitions,
                               admission=admission, eviction=eviction, **options)  # fmt: skip
+
+
+registry.register_lookup(
+    SERVERS,
+    DYNAMIC,
+    lambda pairs, max_norm, training: [clip_rows(r, max_norm) for r in lookup_served_dynamic(pairs, training)],
+)

@@ -83,12 +83,12 @@ class _Arena:
     trained by one optimizer: one lookup and one optimizer step per width and call, whatever the table count."""
 
     def __init__(self, shards: List[_Shard], index: int):
-        import tf_sharded as tfs
+        from tf_sharded.creation import create_sharded_variable
 
         self.dim, self.shards = shards[0].dim, shards
         values = tf.concat([s.initial for s in shards], 0)
         # A one-shard table of this process: tf_sharded's optimizers update its touched rows only.
-        self.table = tfs.create_sharded_variable(f"arena_{index}", [int(values.shape[0]), self.dim],
+        self.table = create_sharded_variable(f"arena_{index}", [int(values.shape[0]), self.dim],
                                                  initializer=values, partitions=1)  # fmt: skip
         self.variable = self.table.variables[0]
         self.optimizer, self.optimizer_spec = None, None

@@ -39,10 +39,13 @@ import tensorflow as tf
 from tf_sharded import _compat
 from tf_sharded.hybrid import calls
 from tf_sharded.layout import PartitionSpec, resolve_spec
+from tf_sharded.table import registry
 from tf_sharded.table.builder import draw_seed
 from tf_sharded.table.ids import check_ids
+from tf_sharded.table.norms import clip_rows
 from tf_sharded.table.protocol import MAX_IDS_RANK, implements_table, register_shards
 from tf_sharded.table.saveable import TableSaveable
+from tf_sharded.table.sharded_variable import FIXED
 
 _TIMEOUT_MS = 600_000
 # Per graph: backward passes' rows and gradients, waiting for the optimizer step.
@@ -187,12 +190,30 @@ class ServedSlot(_RowsOnServers):
         return f"<tfs.ServedSlot '{self.name}' of '{self._served.name}'>"
 
 
+class _OnServers(registry.PlacementType):
+    """Tables whose shards live on table servers, read and updated by each worker alone (hybrid training): the
+    servers train them with the worker optimizer's class and config, from each worker's own gradients."""
+
+    def __init__(self):
+        super().__init__("servers", "on table servers", in_process=False, trained_remotely=True)
+
+    def attach_optimizer(self, optimizer, table) -> None:
+        table.configure(optimizer)
+
+    def after_update(self, optimizer, tables) -> None:
+        apply_pending(optimizer, tables)  # this worker's pending rows go to their servers
+
+
+SERVERS = registry.register_placement(_OnServers())
+
+
 class Served:
     """What every table on table servers has: its shards' servers (`server_of`) and ids there (`ids`), an
     `anchor` (the worker's variable that carries its gradient to the optimizer step) and the optimizer the
     servers train it with (`configure`)."""
 
     placement = "servers"
+    placement_type = SERVERS
     exchange = None
     servers: Servers
     server_of: List[int]
@@ -212,7 +233,7 @@ class Served:
 
 
 @implements_table
-class ServedTable(Served, _RowsOnServers):
+class ServedTable(Served, registry.TableClass, _RowsOnServers):
     """A `rows x dim` float32 table whose shards live on table servers (hybrid training).
 
     Made by `strategy.create_sharded_variable` (and the layers) under a
@@ -220,7 +241,7 @@ class ServedTable(Served, _RowsOnServers):
     placement gives it. `variables` is the anchor alone: it holds no rows.
     """
 
-    spread = False
+    kind = FIXED
     # Set per instance (declared for the table protocol's check).
     name = shape = dtype = variables = num_shards = devices = trainable = strategy = layout = partition = None
 
@@ -292,13 +313,6 @@ def lost_server(error: BaseException) -> Optional[str]:
         return None
     found = re.search(r'grpc_message:"([^"]*)"', text)
     return f"a table server stopped answering ({found.group(1) if found else text.strip().splitlines()[0]})"
-
-
-def is_served(table_or_tag) -> bool:
-    """Whether a table, or the `(table, shard)` tag of a variable, is a table on table servers."""
-    if isinstance(table_or_tag, tuple):
-        table_or_tag = table_or_tag[0]
-    return isinstance(table_or_tag, Served)
 
 
 def optimizer_spec(optimizer) -> dict:
@@ -513,3 +527,8 @@ def apply_pending(optimizer, tables: Optional[Sequence[ServedTable]] = None) -> 
         arrays = [tf.concat([part[k] for part in parts], 0) if len(parts) > 1 else parts[0][k] for k in range(4)]
         requests.append((server, method, [*arrays, learning_rate, iterations], calls.SCALAR_INT))
     return mine[0][0][0].servers.call_many(requests)
+
+
+registry.register_lookup(
+    SERVERS, FIXED, lambda pairs, max_norm, training: [clip_rows(r, max_norm) for r in lookup_served(pairs)]
+)

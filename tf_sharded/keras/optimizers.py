@@ -26,10 +26,9 @@ import keras
 import tensorflow as tf
 
 from tf_sharded import _compat, trace
-from tf_sharded.config import SINGLE_COPY_PLACEMENTS
-from tf_sharded.hybrid.table import is_served
 from tf_sharded.table.batched import logical_tables, members_of, slot_views
 from tf_sharded.table.protocol import Table, owner_of, update_exclusively
+from tf_sharded.table.registry import placement_of
 
 
 def _beside(slot_shard, variable):
@@ -80,14 +79,15 @@ def check_trains_tables(optimizer, variables) -> None:
         return
     for variable in variables:
         tag = owner_of(variable)
-        if tag is not None and tag[0].placement in SINGLE_COPY_PLACEMENTS and _builds_slots(optimizer):
+        placement = placement_of(tag[0]) if tag is not None else None
+        if placement is not None and placement.single_copy and _builds_slots(optimizer):
             raise ValueError(
                 f"Table '{tag[0].name}' (placement='{tag[0].placement}') needs a tfs.optimizers optimizer: Keras's "
                 f"own build their slots as copies on every replica, which its single-copy shards cannot have. "
                 f"Received: optimizer={type(optimizer).__module__}.{type(optimizer).__name__}. Use tfs.optimizers."
                 f"{type(optimizer).__name__} with the same arguments (Keras's SGD without momentum also works)."
             )
-        if tag is not None and tag[0].shape[0] is None:
+        if tag is not None and not tag[0].kind.static_rows:
             tables = logical_tables(tag[0])  # the tables sharing row pools, where they do
             names, many = ", ".join(f"'{t.name}'" for t in tables), len(tables) > 1
             raise ValueError(
@@ -168,8 +168,9 @@ class _TableSlots(_compat.KerasOptimizerHooks):
         _compat.set_untracked(self, "_tfs_tables", logical)
         _compat.set_untracked(self, "_tfs_decayed", decayed)
         for table in tables:
-            if is_served(table):  # its servers train it with this optimizer; its slots here are views of theirs
-                table.configure(self)
+            # Where rows are trained remotely (table servers), the optimizer tells them how: the slots made here
+            # are then views of theirs.
+            table.placement_type.attach_optimizer(self, table)
             slots = {slot: table.make_slot(f"{table.name}/{slot}", fill) for slot, fill in self._table_slot_fills()}
             self._tfs_slots[id(table)] = slots
             members = members_of(table)

@@ -17,11 +17,10 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tf_sharded import _compat
-from tf_sharded.config import SINGLE_COPY_PLACEMENTS
 from tf_sharded.exchange.reduce import all_reduce_gradients
-from tf_sharded.hybrid.table import apply_pending, is_served
 from tf_sharded.table.dynamic.lock import grouped_updates
 from tf_sharded.table.protocol import owner_of
+from tf_sharded.table.registry import placement_of
 
 
 def apply_updates(optimizer, distribution, grads_and_vars, learning_rate, fallback) -> None:
@@ -32,13 +31,14 @@ def apply_updates(optimizer, distribution, grads_and_vars, learning_rate, fallba
     (for a sharded table, the sum made on its owner), so it takes the first
     replica's and applies it once, on the shard's device.
     """
-    host, rest, served = [], [], []
+    host, rest, remote = [], [], {}
     for g, v in grads_and_vars:
         tag = owner_of(v)
-        if is_served(tag):
-            served.append(tag[0])
+        placement = placement_of(tag[0]) if tag is not None else None
+        if placement is not None and placement.trained_remotely:
+            remote.setdefault(placement, []).append(tag[0])
             continue
-        is_host = tag is not None and tag[0].placement in SINGLE_COPY_PLACEMENTS and g is not None
+        is_host = placement is not None and placement.single_copy and g is not None
         (host if is_host else rest).append((g, v))
     # A dynamic table's writes take its device's lock: one critical section per device for the whole step.
     with grouped_updates():
@@ -48,8 +48,8 @@ def apply_updates(optimizer, distribution, grads_and_vars, learning_rate, fallba
             local = distribution.experimental_local_results(g)[0]
             with tf.device(v.device):
                 optimizer.update_step(local, v, learning_rate)
-    if served:  # tables on table servers: this worker's pending rows go to their servers
-        apply_pending(optimizer, served)
+    for placement, tables in remote.items():  # e.g. tables on table servers: the rows go to their servers
+        placement.after_update(optimizer, tables)
 
 
 def install() -> None:

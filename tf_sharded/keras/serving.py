@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from tf_sharded.keras import quantized
 from tf_sharded.table.batched import logical_tables
-from tf_sharded.table.dynamic.serving import ServedDynamicTable, write_delta
+from tf_sharded.table.dynamic.serving import ExportedDynamicTable, write_delta
 from tf_sharded.table.dynamic.table import DynamicTable
 from tf_sharded.table.lookup import substituted
 from tf_sharded.table.protocol import Table, owner_of
@@ -95,7 +95,7 @@ QUANTIZE_MODES = (None, "int8", "int4")
 INT4_EXPORT_BLOCK = 128
 
 
-class ServedQuantizedTable(tf.Module):
+class ExportedQuantizedTable(tf.Module):
     """A float table for serving as quantized rows, in the forms of Keras's `quantize` (`quantized.Form`).
 
     `"int8"`: each row quantized symmetrically by its largest magnitude (as
@@ -137,9 +137,9 @@ class ServedQuantizedTable(tf.Module):
 
 def _served_table(table, quantize: Optional[str]):
     if isinstance(table, DynamicTable):
-        return ServedDynamicTable(table)
+        return ExportedDynamicTable(table)
     if quantize is not None and table.dtype.is_floating and table.shape.rank >= 2:
-        return ServedQuantizedTable(table, quantize)
+        return ExportedQuantizedTable(table, quantize)
     return tf.Variable(table.read_value(), trainable=False, name=table.name.replace("/", "_"))
 
 
@@ -163,7 +163,7 @@ def export(model: keras.Model, path: str, input_signature: Any = None, quantize:
         Functional and Sequential models with an `Input`.
       quantize: None (tables as trained), `"int8"` or `"int4"`: every float
         table of rows (rank 2 or more) is served quantized
-        (`ServedQuantizedTable`). int8: a float32 scale per row, about 4x
+        (`ExportedQuantizedTable`). int8: a float32 scale per row, about 4x
         smaller for wide rows (`4 * dim / (dim + 4)`: 3.2x at dim 16); int4:
         two values a byte and a scale and zero point per 128 columns (`4 *
         dim / (dim / 2 + 5)`: 4.9x at dim 16). Other variables and dynamic
@@ -206,12 +206,12 @@ def export(model: keras.Model, path: str, input_signature: Any = None, quantize:
 
     module = tf.Module()
     module.tables = list(plain_tables.values())
-    served = [t for t in module.tables if isinstance(t, ServedDynamicTable)]
+    exported = [t for t in module.tables if isinstance(t, ExportedDynamicTable)]
     signatures = {}
-    if served:
+    if exported:
         # Updates the dynamic tables in place from a `tfs.export_delta` directory (core ops only).
         module.apply_delta = tf.function(
-            lambda path: {t.stem: t.apply_delta(path) for t in served}, input_signature=[tf.TensorSpec([], tf.string)]
+            lambda path: {t.stem: t.apply_delta(path) for t in exported}, input_signature=[tf.TensorSpec([], tf.string)]
         )
         signatures["apply_delta"] = module.apply_delta.get_concrete_function()
     module.variables_copy = [copy for _, copy in copies]

@@ -26,11 +26,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from tf_sharded import initializers
+from tf_sharded import initializers, policies
 from tf_sharded.config import DynamicTableConfig, TableConfig
 from tf_sharded.layout import PartitionSpec
 from tf_sharded.table.builder import ShardPlacement, build_sharded_variable, draw_seed
-from tf_sharded.table.dynamic.group import pool_key
 from tf_sharded.table.segment import RowSegment
 from tf_sharded.table.sharded_variable import ShardedVariable
 
@@ -56,6 +55,16 @@ def logical_tables(table) -> list:
 def storage_of(table) -> Optional[ShardedVariable]:
     """The storage table holding `table`'s rows, or None for a table with its own variables."""
     return _STORAGE.get(table) if isinstance(table, ShardedVariable) else None
+
+
+def pool_key(config) -> Optional[tuple]:
+    """What dynamic table configs must share to be pooled (row width, shard count and key dtype: a step
+    sends each device one tensor of keys per pool), or None for a config that keeps its own pools (a
+    `max_rows` bound or a capacity eviction)."""
+    _, evictions = policies.parse(config.name, config.admission, config.eviction)
+    if config.max_rows is not None or any(isinstance(e, policies.CapacityEviction) for e in evictions):
+        return None
+    return ("dynamic", config.dim, config.partitions, config.key_dtype)
 
 
 class _StackedInitializer:
@@ -166,7 +175,7 @@ def batch_key(config) -> tuple:
 
 def storage_runs(configs: dict, batch: bool = True) -> list:
     """The names of `configs` ({name: table config}) in order, cut into runs of consecutive static tables of one
-    dtype and row shape, or dynamic tables that can share row pools (`dynamic.group.pool_key`): each run can
+    dtype and row shape, or dynamic tables that can share row pools (`pool_key`): each run can
     share one storage. Only consecutive tables, so that an optimizer numbers
     their slots in table order, as it does unbatched. `batch=False`: every table alone."""
     runs, last = [], None

@@ -1,9 +1,10 @@
 """TensorFlow's embedding entry points, dispatched to tf_sharded tables.
 
 `tf.nn.embedding_lookup`, `tf.nn.embedding_lookup_sparse`,
-`tf.nn.safe_embedding_lookup_sparse` and their `tf.compat.v1` forms run on a
-`tfs.ShardedVariable` (or a `tfs.DynamicTable`, except the safe form, whose
-pruning of negative ids means nothing for raw keys) given alone or as a
+`tf.nn.safe_embedding_lookup_sparse` and their `tf.compat.v1` forms run on any
+table (`registry.TableClass`: a `tfs.ShardedVariable`, a table on table
+servers, a `tfs.DynamicTable` except in the safe form, whose pruning of
+negative ids means nothing for raw keys: refused there) given alone or as a
 one-element list (TF's partitioned-variable form), with TF's semantics:
 ragged ids give ragged rows, `SparseTensor` ids of rank above 2 are combined
 as TF combines them, and the safe form prunes negative ids (and, unless
@@ -19,12 +20,11 @@ from typing import List, Union
 import tensorflow as tf
 
 from tf_sharded import _compat
-from tf_sharded.table.dynamic.table import DynamicTable
 from tf_sharded.table.lookup import embedding_lookup, embedding_lookup_sparse
-from tf_sharded.table.sharded_variable import ShardedVariable
+from tf_sharded.table.registry import TableClass
 
-Tables = Union[ShardedVariable, DynamicTable, List[ShardedVariable], List[DynamicTable]]
-Sharded = Union[ShardedVariable, List[ShardedVariable]]
+# Every table class, of every kind and placement, derives from TableClass: one dispatch covers them all.
+Tables = Union[TableClass, List[TableClass]]
 
 
 def _table(params, arg: str = "params"):
@@ -62,6 +62,12 @@ def _lookup_sparse(params, sp_ids, sp_weights, combiner=None, max_norm=None, nam
 
 def _safe_lookup_sparse(params, sparse_ids, sparse_weights, combiner, default_id, max_norm, name):
     table = _table(params, "embedding_weights")
+    if not table.kind.static_rows:
+        raise TypeError(
+            f"Argument `embedding_weights` must be a table of rows [0, n): the safe lookup prunes negative ids, which "
+            f"are keys like any other in a {table.kind.name} table. Received: {type(table).__name__} '{table.name}'. "
+            f"Use tf.nn.embedding_lookup_sparse."
+        )
     combiner = combiner or "mean"
     if not isinstance(sparse_ids, (tf.SparseTensor, tf.RaggedTensor)):
         raise TypeError(
@@ -120,8 +126,8 @@ for _target in _RAGGED.values():
     tf.experimental.unregister_dispatch_for(_target)
 
 
-def _ours(params, kinds=(ShardedVariable, DynamicTable)) -> bool:
-    return isinstance(params[0] if isinstance(params, (list, tuple)) and params else params, kinds)
+def _ours(params) -> bool:
+    return isinstance(params[0] if isinstance(params, (list, tuple)) and params else params, TableClass)
 
 
 @tf.experimental.dispatch_for_api(tf.compat.v1.nn.embedding_lookup, {"params": Tables}, {"ids": tf.RaggedTensor})
@@ -150,19 +156,19 @@ def _embedding_lookup_sparse_v1(params, sp_ids, sp_weights, partition_strategy="
     return _lookup_sparse(params, sp_ids, sp_weights, combiner, max_norm, name)
 
 
-@tf.experimental.dispatch_for_api(tf.nn.safe_embedding_lookup_sparse, {"embedding_weights": Sharded})
+@tf.experimental.dispatch_for_api(tf.nn.safe_embedding_lookup_sparse, {"embedding_weights": Tables})
 def _safe_embedding_lookup_sparse(embedding_weights, sparse_ids, sparse_weights=None, combiner="mean",
                                   default_id=None, max_norm=None, name=None, allow_fast_lookup=False):  # fmt: skip
     return _safe_lookup_sparse(embedding_weights, sparse_ids, sparse_weights, combiner, default_id, max_norm, name)
 
 
 @tf.experimental.dispatch_for_api(
-    tf.compat.v1.nn.safe_embedding_lookup_sparse, {"embedding_weights": Sharded}, {"sparse_ids": tf.RaggedTensor}
+    tf.compat.v1.nn.safe_embedding_lookup_sparse, {"embedding_weights": Tables}, {"sparse_ids": tf.RaggedTensor}
 )
 def _safe_embedding_lookup_sparse_v1(embedding_weights, sparse_ids, sparse_weights=None, combiner="mean",
                                      default_id=None, name=None, partition_strategy="div", max_norm=None,
                                      allow_fast_lookup=False):  # fmt: skip
-    if not _ours(embedding_weights, ShardedVariable):
+    if not _ours(embedding_weights):
         return _RAGGED[tf.compat.v1.nn.safe_embedding_lookup_sparse](
             embedding_weights, sparse_ids, sparse_weights, combiner, default_id, name, partition_strategy, max_norm,
             allow_fast_lookup,

@@ -16,18 +16,13 @@ from typing import Any, Dict, Optional, Sequence, Union
 
 import tensorflow as tf
 
-from tf_sharded import _compat, trace
+from tf_sharded import trace
 from tf_sharded.config import Combiner
-from tf_sharded.exchange.workers import exchange_rows, gather_everywhere
-from tf_sharded.hybrid.dynamic import lookup_served_dynamic
-from tf_sharded.hybrid.table import is_served, lookup_served
+from tf_sharded.table import registry
 from tf_sharded.table.batched import storage_of
-from tf_sharded.table.dynamic.table import DynamicTable
-from tf_sharded.table.dynamic.table import lookup_many as dynamic_lookup_many
-from tf_sharded.table.protocol import is_table
-from tf_sharded.table.remote import is_remote
+from tf_sharded.table.norms import clip_rows
 from tf_sharded.table.segment import physical
-from tf_sharded.table.sharded_variable import gather_rows
+from tf_sharded.table.sharded_variable import FIXED, gather_rows
 
 _SUBSTITUTES = threading.local()
 
@@ -36,8 +31,8 @@ _SUBSTITUTES = threading.local()
 def substituted(tables: Dict[int, Any]):
     """Inside the block (this thread), lookups of table `t` read `tables[id(t)]`, one plain whole-table variable.
 
-    (For a dynamic table, a `ServedDynamicTable`; for a quantized export, a
-    `ServedQuantizedTable`: objects with a `lookup(ids)`.) `tfs.export` traces the
+    (For a dynamic table, an `ExportedDynamicTable`; for a quantized export, an
+    `ExportedQuantizedTable`: objects with a `lookup(ids)`.) `tfs.export` traces the
     model this way, so the SavedModel holds plain variables and `tf.gather`
     instead of shards.
     """
@@ -47,11 +42,6 @@ def substituted(tables: Dict[int, Any]):
         yield
     finally:
         _SUBSTITUTES.tables = saved
-
-
-def _clip_rows(rows: tf.Tensor, max_norm: float, inner_axes) -> tf.Tensor:
-    norms = tf.sqrt(tf.reduce_sum(tf.square(rows), axis=inner_axes, keepdims=True))
-    return rows * tf.where(norms > max_norm, max_norm / tf.maximum(norms, 1e-30), tf.ones_like(norms))
 
 
 def _assemble(parts, positions, shard, idx, num_unique):
@@ -80,7 +70,7 @@ def _assemble(parts, positions, shard, idx, num_unique):
     return assemble(*parts)
 
 
-def _device_rows(variables, local, slot):
+def device_rows(variables, local, slot):
     """On one device: rows of its shard `variables` at `local` ids, `slot[i]` naming the shard of id `i`."""
     if len(variables) == 1:
         return gather_rows(variables[0], local)
@@ -90,13 +80,13 @@ def _device_rows(variables, local, slot):
     return tf.dynamic_stitch(where, [gather_rows(v, piece) for v, piece in zip(variables, pieces)])
 
 
-def _lookup_group(members, max_norm):
+def lookup_group(members, max_norm, remote_rows=None):
     """Rows for `(table, flat ids)` pairs whose tables share dtype and row shape, as one id space.
 
     Each table's ids become shard-major keys (`Layout.keys`) offset by the
     table's base, so one `unique`, one `searchsorted` and one partition by
     device serve every table; each device gets one id tensor and returns one
-    row tensor (its shards read by `_device_rows`). A table listed twice is
+    row tensor (its shards read by `device_rows`). A table listed twice is
     looked up once. The gradient reaches every shard as `IndexedSlices` of
     distinct local rows (`_assemble`).
     """
@@ -106,7 +96,7 @@ def _lookup_group(members, max_norm):
         bases[id(table)] = total
         starts.extend(total + o for o in table.layout.offsets[:-1])
         shards.extend(table.variables)
-        owners.extend(range(table.num_shards))  # spread over workers: replica `i` holds shard `i`
+        owners.extend(range(table.num_shards))  # sharded over workers: replica `i` holds shard `i`
         total += table.shape[0]
     counts = {}
     for table, flat_ids in members:
@@ -122,8 +112,8 @@ def _lookup_group(members, max_norm):
     storage = list({id(v): v for v, _ in placed}.values())
     _note_storage_lookups(tables, counts)
     shift = [start - offset for start, (_, offset) in zip(starts, placed)]  # key - shift = row in its variable
-    if any(is_remote(v) for v in storage):
-        rows = _spread_rows(tables, uniq, starts, owners, shift, placed, max_norm, keys.shape[0])
+    if remote_rows is not None:
+        rows = remote_rows(tables, uniq, starts, owners, shift, placed, max_norm, keys.shape[0])
         return _split(rows, idx, members)
     if len(shards) == 1:
         shard = tf.zeros_like(uniq, tf.int32)
@@ -156,8 +146,8 @@ def _lookup_group(members, max_norm):
     parts = []
     for device, variables, local_d, slot_d in zip(devices, on_device, locals_, slots):
         with tf.device(device):
-            rows = _device_rows(variables, local_d, slot_d)
-        parts.append(_clip_rows(rows, max_norm, inner_axes) if clip else rows)
+            rows = device_rows(variables, local_d, slot_d)
+        parts.append(clip_rows(rows, max_norm, inner_axes) if clip else rows)
     return _split(_assemble(parts, positions, device_of, idx, tf.size(uniq)), None, members)
 
 
@@ -171,30 +161,6 @@ def _split(rows, idx, members) -> list:
     if any(n is None for n in sizes):
         sizes = tf.stack([tf.size(flat_ids, out_type=tf.int32) for _, flat_ids in members])
     return tf.split(rows, sizes, num=len(members))
-
-
-def _spread_rows(tables, uniq, starts, owners, shift, placed, max_norm, bound):
-    """Rows at a group's distinct keys `uniq` when its shards are spread over workers (`tfs.exchange.workers`)."""
-    held = list({id(v): v for v, _ in placed if not is_remote(v)}.values())
-    position = {id(v): i for i, v in enumerate(held)}
-    slot = tf.constant([position.get(id(v), 0) for v, _ in placed], tf.int32)
-    row_shape = tables[0].shape[1:].as_list()
-
-    def read_held(shard, row):
-        if not held:
-            return tf.zeros(tf.concat([tf.shape(row), tf.constant(row_shape, tf.int32)], 0), tables[0].dtype)
-        # Every shard this worker holds is read (each on its own device, the replica's asks only for its own):
-        # its other replicas' shards get an empty gradient from this replica, and every local replica
-        # trains the same variables, as Keras's optimizer asks.
-        rows = _device_rows(held, row, tf.gather(slot, shard))
-        return _clip_rows(rows, max_norm, list(range(1, len(row_shape) + 1))) if max_norm is not None else rows
-
-    strategy = tables[0].strategy
-    ctx = tf.distribute.get_replica_context()
-    if ctx is not None and ctx.strategy is strategy:
-        return exchange_rows(uniq, starts, owners, shift, read_held, row_shape, tables[0].dtype, bound)
-    first, local = _compat.cluster_replicas(strategy)[0], len(strategy.extended.worker_devices)
-    return gather_everywhere(uniq, starts, owners, shift, read_held, row_shape, strategy, range(first, first + local))
 
 
 def _note_storage_lookups(tables, counts) -> None:
@@ -212,43 +178,45 @@ def _note_storage_lookups(tables, counts) -> None:
 def lookup_many(pairs, max_norm: Optional[float] = None, training: bool = True) -> list:
     """Rows for several `(table, int64 ids of rank 1)` pairs at once, with sparse per-shard gradients.
 
-    Tables of the same dtype and row shape are looked up together as one id
-    space (`_lookup_group`): one de-duplication, one routing and one request
-    per device for the whole group. Dynamic tables look their keys up
-    together (`dynamic.lookup_many`): a training lookup inserts into all of
-    them in one critical section per device. Tables on table servers
-    (hybrid training) are read together too: one call per server.
+    Tables are grouped by placement and kind, and each group is looked up
+    together by the route registered for the pair (`registry.lookup_route`).
+    Fixed-row tables on this process's devices, for one, are read as one id
+    space per dtype and row shape (`lookup_group`): one de-duplication, one
+    routing and one request per device for the whole group; dynamic tables
+    insert into all of them in one critical section per device; tables on
+    table servers are read with one call per server.
     """
     results = [None] * len(pairs)
-    groups, dynamic, served = {}, [], []
+    routes = {}
     for i, (table, flat_ids) in enumerate(pairs):
         plain = getattr(_SUBSTITUTES, "tables", {}).get(id(table))
-        if is_served(table) and plain is None:
-            served.append(i)
-            continue
-        if isinstance(table, DynamicTable) and plain is None:
-            dynamic.append(i)
-            continue
         if plain is not None:  # a plain variable, or a served table (dynamic ones too) that looks its rows up
             rows = plain.lookup(flat_ids) if hasattr(plain, "lookup") else tf.gather(plain, flat_ids)
-            inner_axes = list(range(1, table.shape.rank))
-            results[i] = _clip_rows(rows, max_norm, inner_axes) if max_norm is not None else rows
+            results[i] = clip_rows(rows, max_norm)
             continue
-        # Tables spread over workers are looked up by their own exchange, apart from the others.
-        key = (table.dtype, tuple(table.shape[1:].as_list()), getattr(table, "spread", False))
-        groups.setdefault(key, []).append(i)
-    for members in groups.values():
-        for i, rows in zip(members, _lookup_group([pairs[i] for i in members], max_norm)):
+        routes.setdefault((table.placement_type, table.kind), []).append(i)
+    for (placement, kind), members in routes.items():
+        route = registry.lookup_route(placement, kind)
+        for i, rows in zip(members, route([pairs[i] for i in members], max_norm, training)):
             results[i] = rows
-    for i, rows in zip(dynamic, dynamic_lookup_many([pairs[i] for i in dynamic], training)):
-        results[i] = _clip_rows(rows, max_norm, [1]) if max_norm is not None else rows
-    keyed = [i for i in served if isinstance(pairs[i][0], DynamicTable)]
-    served = [i for i in served if i not in keyed]
-    found = list(zip(served, lookup_served([pairs[i] for i in served]) if served else []))
-    found += zip(keyed, lookup_served_dynamic([pairs[i] for i in keyed], training) if keyed else [])
-    for i, rows in found:
-        results[i] = _clip_rows(rows, max_norm, [1]) if max_norm is not None else rows
     return results
+
+
+def lookup_groups(pairs, max_norm: Optional[float], remote_rows=None) -> list:
+    """Rows for fixed-row tables, looked up as one id space per dtype and row shape (`lookup_group`)."""
+    results = [None] * len(pairs)
+    groups = {}
+    for i, (table, _) in enumerate(pairs):
+        groups.setdefault((table.dtype, tuple(table.shape[1:].as_list())), []).append(i)
+    for members in groups.values():
+        for i, rows in zip(members, lookup_group([pairs[i] for i in members], max_norm, remote_rows)):
+            results[i] = rows
+    return results
+
+
+# Fixed-row tables on this process's devices, whatever their placement there (sharded over workers is the
+# exchange's route: `tfs.exchange.workers`).
+registry.register_lookup(None, FIXED, lambda pairs, max_norm, training: lookup_groups(pairs, max_norm))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,7 +353,7 @@ def embedding_lookup(
     >>> tfs.embedding_lookup(table, [[5, 0], [5, 5]]).numpy().tolist()
     [[[10.0, 11.0], [0.0, 1.0]], [[10.0, 11.0], [10.0, 11.0]]]
     """
-    if not is_table(params) and not isinstance(params, DynamicTable):
+    if not registry.is_any_table(params):
         return tf.nn.embedding_lookup(params, ids, max_norm=max_norm, name=name)
     _check_max_norm(max_norm)
     with tf.name_scope(name or f"{params.name}_lookup"):
@@ -426,7 +394,7 @@ def embedding_lookup_sparse(
     [5.0, 3.0, 0.0]
     """
     combiner = Combiner.parse(combiner, "combiner")
-    if not is_table(params) and not isinstance(params, DynamicTable):
+    if not registry.is_any_table(params):
         raise TypeError(
             f"Argument `params` must be a tfs.ShardedVariable or tfs.DynamicTable. Received: "
             f"{type(params).__name__}. For plain tables use tf.nn.embedding_lookup_sparse."

@@ -11,7 +11,7 @@ once, over the strategy's collectives:
   contribution, its own rows in place and zeros elsewhere (`collective_rows`);
 * a write (assign, scatter, restore) applies, on each worker, the part that
   its own shard holds, and skips the rest;
-* a lookup goes through `tf_sharded.table.spread`.
+* a lookup goes through `tf_sharded.exchange.workers`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def is_remote(shard) -> bool:
 
 
 def held_shards(variables) -> list:
-    """Indices of the shards held here among a spread table's `variables` (one per local replica)."""
+    """Indices of the shards held here among the `variables` of a table sharded over workers (one per local replica)."""
     return [i for i, v in enumerate(variables) if not is_remote(v)]
 
 

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from tf_sharded import _compat
 from tf_sharded.layout import Layout, PartitionSpec
-from tf_sharded.table import saveable
+from tf_sharded.table import registry, saveable
 from tf_sharded.table.ids import check_ids
 from tf_sharded.table.protocol import MAX_IDS_RANK, implements_table, register_shards
 from tf_sharded.table.remote import collective_rows, held_shards, is_remote
@@ -36,8 +36,12 @@ def gather_rows(variable, ids) -> tf.Tensor:
     return tf.gather(_compat.local_component(variable), ids)
 
 
+# Tables of rows [0, n), all created with the table: `ShardedVariable`, and the tables on table servers.
+FIXED = registry.register_kind(registry.Kind("fixed", static_rows=True))
+
+
 @implements_table
-class ShardedVariable(_compat.Trackable):
+class ShardedVariable(registry.TableClass, _compat.Trackable):
     """A table split along its rows into shard variables, possibly on many devices.
 
     Create one with `strategy.create_sharded_variable(...)` or
@@ -143,7 +147,7 @@ class ShardedVariable(_compat.Trackable):
         return self._exchange
 
     @property
-    def spread(self) -> bool:
+    def sharded_over_workers(self) -> bool:
         """Whether some shards are held by other workers (`placement="sharded"` across processes)."""
         return any(is_remote(v) for v in self._variables)
 
@@ -151,6 +155,13 @@ class ShardedVariable(_compat.Trackable):
     def placement(self):
         """ "device", "host" or "sharded" under a mirrored strategy (None elsewhere)."""
         return self._placement
+
+    kind = FIXED
+
+    @property
+    def placement_type(self) -> registry.PlacementType:
+        """Where the rows live and how lookups reach them (`tf_sharded.table.registry`)."""
+        return registry.placement_of_option(self._placement, self.sharded_over_workers)
 
     def __repr__(self):
         return (
@@ -199,7 +210,7 @@ class ShardedVariable(_compat.Trackable):
 
     def _gather_rows(self, rows: tf.Tensor) -> tf.Tensor:
         """Rows of the table at int64 logical ids (no gradient bookkeeping)."""
-        if self.spread:  # every worker asks for the same rows; each gives those it holds
+        if self.sharded_over_workers:  # every worker asks for the same rows; each gives those it holds
             return collective_rows(self._strategy, self._held_rows(rows))
         _, locals_, positions = self._partition_rows(rows)
         parts = []
@@ -211,7 +222,7 @@ class ShardedVariable(_compat.Trackable):
         return tf.dynamic_stitch(positions, parts)
 
     def _held_rows(self, rows: tf.Tensor) -> tf.Tensor:
-        """A spread table's rows at `rows` that this worker holds, zeros for the others'."""
+        """A table sharded over workers: its rows at `rows` that this worker holds, zeros for the others'."""
         shape = tf.concat([tf.shape(rows, out_type=tf.int64), tf.constant(self._shape[1:].as_list(), tf.int64)], 0)
         contribution = tf.zeros(shape, self._dtype)
         shard, local = self._layout.route(rows)
@@ -324,7 +335,7 @@ class ShardedVariable(_compat.Trackable):
 
     def read_value(self) -> tf.Tensor:
         """The whole table in logical row order: an explicit, full materialisation."""
-        if self.spread:
+        if self.sharded_over_workers:
             return self._gather_rows(tf.range(int(self._shape[0]), dtype=tf.int64))
         parts = [tf.convert_to_tensor(v) for v in self._variables]
         if len(parts) == 1:
@@ -371,7 +382,7 @@ class ShardedVariable(_compat.Trackable):
         return self._variables[mine[0]].device if mine else ""
 
     def read_slice(self, start: int, stop: int, shard: int) -> tf.Tensor:
-        if self.spread:
+        if self.sharded_over_workers:
             return self._gather_rows(tf.range(start, stop, dtype=tf.int64))
         v = self._variables[shard]
         with tf.device(v.device):
@@ -436,4 +447,3 @@ def _refuse_conversion(value, dtype=None, name=None, as_ref=False):
 
 
 tf.register_tensor_conversion_function(ShardedVariable, _refuse_conversion)
-_compat.register_dispatchable_type(ShardedVariable)

@@ -104,7 +104,7 @@ def by_key(keys, values):
 #    workers' keys, each row updated on its owner.
 with strategy.scope():
     table = strategy.create_dynamic_table("users", dim=4, seed=3, placement="sharded")
-assert (table.placement, table.spread, table.num_shards) == ("sharded", True, 2), table
+assert (table.placement, table.sharded_over_workers, table.num_shards) == ("sharded", True, 2), table
 (held,) = table.held_variables
 assert table.variables[task] is held and table.trainable_variables == (held,)
 rows = adagrad_rows_match_reference(check, strategy, table, per_replica)
@@ -140,7 +140,7 @@ from tests.harness.models import IDS, RAW_KEYS, fit_dynamic_like_keras
 
 model = fit_dynamic_like_keras(check, strategy, placement="sharded")
 emb = model.get_layer("emb").table
-assert emb.spread and len(model.get_layer("emb").trainable_weights) == 1  # this worker's pool only
+assert emb.sharded_over_workers and len(model.get_layer("emb").trainable_weights) == 1  # this worker's pool only
 served = tf.saved_model.load(tfs.export(model, os.path.join(sys.argv[1], f"export{task}")))
 keys = RAW_KEYS[IDS][:4]
 want = tfs.predict(model, tf.data.Dataset.from_tensor_slices(keys).batch(4))
@@ -152,7 +152,7 @@ from tests.table.dynamic.test_dynamic_pooled import (NAMES, assert_like_referenc
                                                      train_replicas)
 
 layer, adagrad = pooled_collection(strategy, **{n: {"placement": "sharded"} for n in NAMES})
-assert all(layer.tables[n].spread for n in NAMES)
+assert all(layer.tables[n].sharded_over_workers for n in NAMES)
 batches = [key_batches(np.random.default_rng(3 + s), 2, n=16) for s in range(3)]  # per step, one per worker
 batches[1][1] = {n: v[:0] for n, v in batches[1][1].items()}  # worker 1 meets no keys in step 2
 reference = train_replicas(strategy, layer, adagrad, batches)
@@ -240,16 +240,16 @@ print(f"worker {task} pooled digest {'-'.join(digest(pooled[n]) for n in NAMES)}
 # 5. placement="sharded": worker r holds shard r, shared by its two replicas; the table matches one dense variable
 #    trained on every replica's keys, and a key met on both replicas of a worker is admitted once, at its count.
 with strategy.scope():
-    spread = strategy.create_dynamic_table("spread", dim=4, seed=3, placement="sharded")
-assert (spread.placement, spread.spread, spread.num_shards) == ("sharded", True, 2), spread
-(held,) = spread.held_variables
-assert spread.variables[task] is held
-rows = adagrad_rows_match_reference(check, strategy, spread, per_replica, replicas=4)
-mine = spread.shards[task].export()[0].numpy()
-assert len(mine) and np.all(spread.shard_of(mine).numpy() == task), "a worker holds only its shard's keys"
-path = tf.train.Checkpoint(table=spread).write(os.path.join(CHECKPOINTS, f"worker{task}", "ckpt"))
+    over_workers = strategy.create_dynamic_table("over_workers", dim=4, seed=3, placement="sharded")
+assert (over_workers.placement, over_workers.sharded_over_workers, over_workers.num_shards) == ("sharded", True, 2)
+(held,) = over_workers.held_variables
+assert over_workers.variables[task] is held
+rows = adagrad_rows_match_reference(check, strategy, over_workers, per_replica, replicas=4)
+mine = over_workers.shards[task].export()[0].numpy()
+assert len(mine) and np.all(over_workers.shard_of(mine).numpy() == task), "a worker holds only its shard's keys"
+path = tf.train.Checkpoint(table=over_workers).write(os.path.join(CHECKPOINTS, f"worker{task}", "ckpt"))
 with strategy.scope():
-    again = strategy.create_dynamic_table("spread2", dim=4, seed=9, placement="sharded")
+    again = strategy.create_dynamic_table("over_workers2", dim=4, seed=9, placement="sharded")
 tf.train.Checkpoint(table=again).read(path).assert_consumed()
 restored = dict(zip(*[t.numpy().tolist() for t in again.export()]))
 assert set(restored) == set(rows)

@@ -61,7 +61,7 @@ def _check_saves_together(model) -> None:
     collectives, which every worker must join at the same step, and each worker's clock would choose its own."""
     for variable in model.trainable_variables:
         tag = owner_of(variable)
-        if tag is not None and getattr(tag[0], "spread", False):
+        if tag is not None and getattr(tag[0], "sharded_over_workers", False):
             raise ValueError(
                 f"Argument `checkpoint_secs` cannot apply to table '{tag[0].name}', sharded over the workers: every "
                 "worker must save at the same step, and a time interval is measured by each worker's clock. Use "

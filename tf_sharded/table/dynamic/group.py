@@ -17,7 +17,7 @@ keeps its own view of them for checkpoints and weight files.
 
 Only tables whose pools grow freely are pooled: a `max_rows` bound or a
 capacity eviction counts a shard's rows, which a shared pool does not keep
-apart (`pool_key`).
+apart (`table.batched.pool_key`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_sharded import policies
 from tf_sharded.table.dynamic.agree import agreeing_context, gather_keys
 from tf_sharded.table.dynamic.keys import shard_of_keys
 from tf_sharded.table.dynamic.packed import Request, expand, resolve_by_device
@@ -37,16 +36,6 @@ from tf_sharded.table.protocol import register_shards
 
 # member table -> the group holding its rows (kept while the member lives: the optimizer finds it by the pools)
 _GROUP = weakref.WeakKeyDictionary()
-
-
-def pool_key(config) -> Optional[tuple]:
-    """What dynamic table configs must share to be pooled (row width, shard count and key dtype: a step
-    sends each device one tensor of keys per pool), or None for a config that keeps its own pools (a
-    `max_rows` bound or a capacity eviction)."""
-    _, evictions = policies.parse(config.name, config.admission, config.eviction)
-    if config.max_rows is not None or any(isinstance(e, policies.CapacityEviction) for e in evictions):
-        return None
-    return ("dynamic", config.dim, config.partitions, config.key_dtype)
 
 
 def group_of(table) -> Optional[PooledTables]:
@@ -72,6 +61,7 @@ class PooledTables:
         # The pools' gradient is exchanged as each member's would be: not at all with one copy per ps or
         # device, all-gathered among the replicas of the Mirrored strategies (host copies).
         self.exchange, self.placement = first.exchange, first.placement
+        self.kind, self.placement_type = first.kind, first.placement_type
         for member in self._members:
             _GROUP[member] = self
         register_shards(self, self.variables)

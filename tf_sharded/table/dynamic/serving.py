@@ -1,6 +1,6 @@
 """A dynamic table as a SavedModel holds it: core TensorFlow only, updatable in place by a delta.
 
-`ServedDynamicTable` is what `tfs.export` writes for a `tfs.DynamicTable`:
+`ExportedDynamicTable` is what `tfs.export` writes for a `tfs.DynamicTable`:
 a `MutableHashTable` from key to row, one plain variable of rows, and
 traced functions (`lookup`, `update`) whose ops are all core TensorFlow (the
 initial row of an unknown key is computed by the same hash arithmetic as in
@@ -29,7 +29,7 @@ def file_stem(table_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", table_name)
 
 
-class ServedDynamicTable(tf.Module):
+class ExportedDynamicTable(tf.Module):
     """A trained dynamic table for serving: its live keys and rows, unknown keys read their initial row.
 
     Args:

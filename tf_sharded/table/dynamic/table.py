@@ -8,7 +8,7 @@ restores into 3, and a key never inserted reads the value it would have been
 given. Each shard is a `DynamicShard` (an index, a row pool that grows, the
 optimizer's columns, a lock) on the device its strategy hook chose; a table
 sharded over workers holds one and stands in for the others'
-(`dynamic.spread`).
+(`dynamic.workers`).
 
 Training lookups insert the keys they meet; the gradient reaches each shard's
 row pool (`table.variables[i]`) as `tf.IndexedSlices` of the looked-up rows,
@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from tf_sharded import _compat, initializers, policies
 from tf_sharded.errors import positive_int
+from tf_sharded.table import registry
 from tf_sharded.table.dynamic.agree import agreeing_context, gather_keys
 from tf_sharded.table.dynamic.group import lookup_groups
 from tf_sharded.table.dynamic.keys import key_fingerprints, parse_key_dtype, shard_of_keys
@@ -33,7 +34,7 @@ from tf_sharded.table.dynamic.packed import Request, expand, resolve, single
 from tf_sharded.table.dynamic.pool import GROWTH, Insert
 from tf_sharded.table.dynamic.shard import DynamicShard
 from tf_sharded.table.dynamic.slots import DynamicSlot
-from tf_sharded.table.dynamic.spread import (
+from tf_sharded.table.dynamic.workers import (
     RemoteDynamicShard,
     gather_over_workers,
     is_remote_shard,
@@ -41,10 +42,14 @@ from tf_sharded.table.dynamic.spread import (
     rows_over_workers,
     sum_over_workers,
 )
+from tf_sharded.table.norms import clip_rows
 from tf_sharded.table.protocol import MAX_IDS_RANK, register_shards
 
+# Tables keyed by raw int64 or string keys, their rows created as keys arrive and freed as they are evicted.
+DYNAMIC = registry.register_kind(registry.Kind("dynamic", static_rows=False))
 
-class DynamicTable(_compat.Trackable):
+
+class DynamicTable(registry.TableClass, _compat.Trackable):
     """An embedding table keyed by raw int64 or string ids; rows are created as keys arrive.
 
     Create one with `strategy.create_dynamic_table(...)` or
@@ -143,6 +148,13 @@ class DynamicTable(_compat.Trackable):
     # Under MirroredStrategy: one host copy ("host") whose replicas' gradients are all-gathered; else None.
     exchange = property(lambda self: self._exchange)
     placement = property(lambda self: self._placement)
+    kind = DYNAMIC
+
+    @property
+    def placement_type(self) -> registry.PlacementType:
+        """Where the rows live and how lookups reach them (`tf_sharded.table.registry`)."""
+        return registry.placement_of_option(self._placement, self.sharded_over_workers)
+
     # Unknown row count: the logical table is as long as its live keys.
     shape = property(lambda self: tf.TensorShape([None, self._dim]))
     admission = property(lambda self: self._admission)
@@ -170,7 +182,7 @@ class DynamicTable(_compat.Trackable):
         return tuple(s.rows for s in self._held)
 
     @property
-    def spread(self) -> bool:
+    def sharded_over_workers(self) -> bool:
         """Whether some shards are held by other workers (`placement="sharded"` across processes)."""
         return len(self._held) < len(self._shards)
 
@@ -279,8 +291,8 @@ class DynamicTable(_compat.Trackable):
         num_unique = tf.size(uniq, out_type=tf.int32)
         counts = tf.math.unsorted_segment_sum(tf.ones_like(idx, tf.int64), idx, num_unique)
         # A table sharded over workers is planned here only outside the replicas (in them, with the step's
-        # other such tables: `_plan_spread_together`): a read every worker makes alike, which inserts nothing.
-        inserting = training and self._trainable and not self.spread
+        # other such tables: `_plan_over_workers_together`): a read every worker makes alike, which inserts nothing.
+        inserting = training and self._trainable and not self.sharded_over_workers
         plan = _Lookup(self, idx, num_unique, inserting)
         ctx = agreeing_context(self._strategy) if inserting else None
         if ctx is not None:
@@ -308,8 +320,8 @@ class DynamicTable(_compat.Trackable):
         """`lookup_many`'s second half: the looked-up rows in the caller's order, from each shard's rows
         of its keys (-1: the key's initial row)."""
         keys, where = plan.keys, plan.where
-        if self.spread:
-            return self._finish_spread(plan, rows_per_shard)
+        if self.sharded_over_workers:
+            return self._finish_over_workers(plan, rows_per_shard)
         if plan.agreed is not None:
             uniq, every, mine = plan.agreed
             rows = tf.add_n(
@@ -320,10 +332,10 @@ class DynamicTable(_compat.Trackable):
         parts = [self.shard_values(i, k, r, held) for i, (k, r) in enumerate(zip(keys, rows_per_shard))]
         return self.assemble(plan, where, parts)
 
-    def spread_contribution(self, plan: _Lookup, rows_per_shard) -> tf.Tensor:
+    def contribution_over_workers(self, plan: _Lookup, rows_per_shard) -> tf.Tensor:
         """A lookup of a table sharded over workers: this worker's values of the keys of its shard among
         everyone's (`plan.agreed`; outside the replicas, among the keys every worker asks alike), zeros for
-        the others'. Their sum over the workers is every key's row (`finish_spread`)."""
+        the others'. Their sum over the workers is every key's row (`finish_over_workers`)."""
         held = plan.inserting and self.every_key_held
         asked = plan.agreed[1] if plan.agreed is not None else None
         shape = tf.stack([plan.num_unique if asked is None else tf.size(asked, out_type=tf.int32), self._dim])
@@ -333,15 +345,15 @@ class DynamicTable(_compat.Trackable):
                 parts.append(tf.scatter_nd(w[:, None], self.shard_values(i, k, r, held), shape))
         return tf.add_n(parts)
 
-    def finish_spread(self, plan: _Lookup, everywhere: tf.Tensor) -> tf.Tensor:
+    def finish_over_workers(self, plan: _Lookup, everywhere: tf.Tensor) -> tf.Tensor:
         """The looked-up rows in the caller's order from the summed contributions (the gradient reaches each
         pool through that sum: the all-reduce of the rows' gradients)."""
         unique_rows = everywhere if plan.agreed is None else tf.gather(everywhere, plan.agreed[2])
         return expand(unique_rows, plan.idx, plan.num_unique)
 
-    def _finish_spread(self, plan: _Lookup, rows_per_shard) -> tf.Tensor:
-        everywhere = rows_over_workers(self._strategy, self.spread_contribution(plan, rows_per_shard))
-        return self.finish_spread(plan, everywhere)
+    def _finish_over_workers(self, plan: _Lookup, rows_per_shard) -> tf.Tensor:
+        everywhere = rows_over_workers(self._strategy, self.contribution_over_workers(plan, rows_per_shard))
+        return self.finish_over_workers(plan, everywhere)
 
     def assemble(self, plan: _Lookup, where, parts) -> tf.Tensor:
         """The looked-up rows in the caller's order, from each shard's values of its keys at `where`."""
@@ -355,14 +367,14 @@ class DynamicTable(_compat.Trackable):
     def size(self) -> tf.Tensor:
         """Live keys (int64 scalar)."""
         here = tf.add_n([tf.cast(s.size(), tf.int64) for s in self._held])
-        return sum_over_workers(self._strategy, here) if self.spread else here
+        return sum_over_workers(self._strategy, here) if self.sharded_over_workers else here
 
     def index_buckets(self) -> tf.Tensor:
         """Buckets of its shards' key indexes (int64 scalar), what an int64 index's memory is proportional to
         (12 bytes each); 0 for string keys, whose index TensorFlow does not measure."""
         counts = [c for c in (s.buckets() for s in self._held) if c is not None]
         here = tf.add_n([tf.constant(0, tf.int64)] + counts)
-        return sum_over_workers(self._strategy, here) if self.spread else here
+        return sum_over_workers(self._strategy, here) if self.sharded_over_workers else here
 
     def export(self, since_step: Optional[int] = None) -> Tuple[tf.Tensor, tf.Tensor]:
         """`(keys, rows)` of every live key, or of those looked up in training after table step `since_step`.
@@ -382,7 +394,7 @@ class DynamicTable(_compat.Trackable):
         keys = tf.concat([p[0] for p in parts], 0)
         values = tf.concat([tf.reshape(p[1], [-1, self._dim]) for p in parts], 0)
         extra = {c: tf.concat([p[2][c] for p in parts], 0) for c in columns}
-        if self.spread:  # every worker's keys, in worker order
+        if self.sharded_over_workers:  # every worker's keys, in worker order
             keys, values, *gathered = gather_over_workers(self._strategy, [keys, values] + [extra[c] for c in columns])
             extra = dict(zip(columns, gathered))
         return keys, values, extra
@@ -475,7 +487,7 @@ class DynamicTable(_compat.Trackable):
         if not sketches:
             return None
         sketch = tf.reduce_max(tf.stack([v.read_value() for v in sketches]), 0)
-        return max_over_workers(self._strategy, sketch) if self.spread else sketch
+        return max_over_workers(self._strategy, sketch) if self.sharded_over_workers else sketch
 
     def _sketch_shape(self) -> Optional[list]:
         """The shape of each shard's admission sketch (None without one)."""
@@ -540,7 +552,7 @@ def lookup_many(pairs, training: bool = True) -> list:
     return out
 
 
-def _plan_spread_together(pairs, training: bool, ctx) -> list:
+def _plan_over_workers_together(pairs, training: bool, ctx) -> list:
     """`plan_lookup` for tables sharded over workers, of one key dtype, looked up in one step: one gather of
     every replica's distinct keys for all of them (each key tagged with its table), then per table its
     keys, their counts and this replica's among them."""
@@ -573,19 +585,19 @@ def _plan_spread_together(pairs, training: bool, ctx) -> list:
 def _plan_each(pairs, training: bool) -> list:
     """Each table's `plan_lookup`; the tables sharded over workers planned together per key dtype."""
     plans = [None] * len(pairs)
-    spread = [i for i, (table, _) in enumerate(pairs) if table.spread]
-    ctx = agreeing_context(pairs[spread[0]][0].strategy) if spread else None
+    over_workers = [i for i, (table, _) in enumerate(pairs) if table.sharded_over_workers]
+    ctx = agreeing_context(pairs[over_workers[0]][0].strategy) if over_workers else None
     if ctx is not None:
         by_dtype = {}
-        for i in spread:
+        for i in over_workers:
             by_dtype.setdefault(pairs[i][0].key_dtype, []).append(i)
         for members in by_dtype.values():
-            for i, plan in zip(members, _plan_spread_together([pairs[i] for i in members], training, ctx)):
+            for i, plan in zip(members, _plan_over_workers_together([pairs[i] for i in members], training, ctx)):
                 plans[i] = plan
     return [plan or table.plan_lookup(keys, training) for plan, (table, keys) in zip(plans, pairs)]
 
 
-def _finish_spread_together(plans_and_rows) -> dict:
+def _finish_over_workers_together(plans_and_rows) -> dict:
     """Rows of lookups of tables sharded over workers, `{index: rows}`: one all-reduce per row dtype and width
     carries every table's contribution."""
     groups = {}
@@ -593,11 +605,11 @@ def _finish_spread_together(plans_and_rows) -> dict:
         groups.setdefault((plan.table.dtype, plan.table.dim), []).append((i, plan, rows))
     out = {}
     for members in groups.values():
-        parts = [plan.table.spread_contribution(plan, rows) for _, plan, rows in members]
+        parts = [plan.table.contribution_over_workers(plan, rows) for _, plan, rows in members]
         sizes = [tf.shape(p)[0] for p in parts]
         summed = rows_over_workers(members[0][1].table.strategy, tf.concat(parts, 0))
         for (i, plan, _), part in zip(members, tf.split(summed, tf.stack(sizes), num=len(parts))):
-            out[i] = plan.table.finish_spread(plan, part)
+            out[i] = plan.table.finish_over_workers(plan, part)
     return out
 
 
@@ -613,7 +625,7 @@ def _lookup_each(pairs, training: bool) -> list:
               for plan in plans if plan.inserting and plan.agreed is not None
               for r in plan.resolved if r is not None]  # fmt: skip
     rows = iter(locked_together([(p.member.pool, single(p)) for p in agreed]))
-    out, spread = [], []
+    out, over_workers = [], []
     for i, plan in enumerate(plans):
         if plan.inserting and plan.agreed is None:
             out.append(plan.table.assemble(plan, plan.where, [next(values) for _ in plan.resolved]))
@@ -621,14 +633,18 @@ def _lookup_each(pairs, training: bool) -> list:
         resolved = plan.resolved
         if plan.inserting:
             resolved = [None if r is None else next(rows) for r in plan.resolved]
-        if plan.table.spread and plan.agreed is not None:
-            spread.append((i, plan, resolved))
+        if plan.table.sharded_over_workers and plan.agreed is not None:
+            over_workers.append((i, plan, resolved))
             out.append(None)
             continue
         out.append(plan.table.finish_lookup(plan, resolved))
-    for i, rows_i in _finish_spread_together(spread).items():
+    for i, rows_i in _finish_over_workers_together(over_workers).items():
         out[i] = rows_i
     return out
 
 
-_compat.register_dispatchable_type(DynamicTable)
+# Dynamic tables in this process's memory, whatever their placement (sharded over workers included: their
+# exchange is `dynamic.workers`'); tables on table servers have a route of their own.
+registry.register_lookup(
+    None, DYNAMIC, lambda pairs, max_norm, training: [clip_rows(r, max_norm) for r in lookup_many(pairs, training)]
+)
