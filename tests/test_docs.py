@@ -81,20 +81,11 @@ class PublicApiTest(tf.test.TestCase):
             self.assertTrue(inspect.ismodule(getattr(tfs, name)), msg=name)
         self.assertIs(tfs.training.steps_done, importlib.import_module("tf_sharded.keras.training").steps_done)
 
-    def test_moved_names_warn_with_the_new_spelling(self):
-        moved = {
-            name: (getattr(tfs.policies, name), f"tfs.policies.{name}")
-            for name in ("CapacityEviction", "MinCountAdmission", "ProbabilityAdmission", "StepsSinceSeenEviction")
-        }
-        for module in ("data", "models"):
-            moved[module] = (
-                importlib.import_module(f"tf_sharded.app.{module}"),
-                f"from tf_sharded.app import {module}",
-            )
-        for name, (obj, spelling) in moved.items():
+    def test_removed_aliases_are_gone(self):
+        for name in ("CapacityEviction", "MinCountAdmission", "ProbabilityAdmission", "StepsSinceSeenEviction",
+                     "data", "models"):  # fmt: skip
             self.assertNotIn(name, tfs.__all__)
-            with self.assertWarnsRegex(DeprecationWarning, f"`tfs.{name}` is deprecated.*{spelling}"):
-                self.assertIs(getattr(tfs, name), obj)
+            self.assertFalse(hasattr(tfs, name), msg=name)
         with self.assertRaisesRegex(AttributeError, "no attribute 'Nothing'"):
             tfs.Nothing  # noqa: B018
 

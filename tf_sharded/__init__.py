@@ -59,34 +59,6 @@ from tf_sharded.table import DynamicTable, ShardedVariable, Table, embedding_loo
 
 __version__ = "0.1.0"
 
-# Names that moved, kept for one release: {old name: (module, attribute or None for the module, new spelling)}.
-_MOVED = {
-    **{
-        policy: ("tf_sharded.policies", policy, f"tfs.policies.{policy}")
-        for policy in ("CapacityEviction", "MinCountAdmission", "ProbabilityAdmission", "StepsSinceSeenEviction")
-    },
-    # The application is an extra (`pip install tf_sharded[app]`): imported on first use.
-    "data": ("tf_sharded.app.data", None, "from tf_sharded.app import data"),
-    "models": ("tf_sharded.app.models", None, "from tf_sharded.app import models"),
-}
-
-
-def __getattr__(name):
-    if name in _MOVED:
-        import importlib
-        import warnings
-
-        module, attribute, spelling = _MOVED[name]
-        warnings.warn(
-            f"`tfs.{name}` is deprecated and will be removed in the next release. Use `{spelling}` instead.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        found = importlib.import_module(module)
-        return found if attribute is None else getattr(found, attribute)
-    raise AttributeError(f"module 'tf_sharded' has no attribute {name!r}")
-
-
 _install()
 
 __all__ = [

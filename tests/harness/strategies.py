@@ -46,7 +46,7 @@ def mirrored() -> tf.distribute.MirroredStrategy:
 
 def transport(name: str):
     """Context: the 4-device mirrored strategy exchanges gradients with transport `name`."""
-    return tfs.strategy.mirrored.transport_scope(mirrored(), name)
+    return tfs.strategy.mirrored.exchange_transport_scope(mirrored(), name)
 
 
 def per_replica(strategy, arrays):

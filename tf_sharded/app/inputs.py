@@ -35,7 +35,7 @@ SCHEMA_FILE = "tf_sharded_schema.json"
 
 
 @dataclasses.dataclass
-class Plan:
+class InputPlan:
     """The data of one run: the schema (with statistics), the train function, the held-out batches."""
 
     schema: schemas.Schema
@@ -105,7 +105,7 @@ def check_resumes(schema: schemas.Schema, given: str, checkpoint_dir: Optional[s
         )
 
 
-def plan(args, workers: int, strategy=None) -> Plan:
+def plan(args, workers: int, strategy=None) -> InputPlan:
     """The data for the flags in `args`; `workers` input pipelines read it (1 but under parameter servers,
     whose `strategy` holds the counter of `Shares`)."""
     schema, given = requested_schema(args)
@@ -132,7 +132,7 @@ def plan(args, workers: int, strategy=None) -> Plan:
             return shares.dataset(lambda share: stretch(share, skip))
 
         held_out = data.synthetic_dataset(args.batch_size, args.max_vocab, args.seed + 1, num_batches=args.eval_steps)
-        return Plan(criteo, synthetic, as_keys(held_out), None, "synthetic")
+        return InputPlan(criteo, synthetic, as_keys(held_out), None, "synthetic")
     return _files_plan(args, schema, shares, skip)
 
 
@@ -141,7 +141,7 @@ def _saved_schema(checkpoint_dir: Optional[str]) -> Optional[schemas.Schema]:
     return schemas.load(path) if path and os.path.exists(path) else None
 
 
-def _files_plan(args, schema: schemas.Schema, shares: Shares, skip: int) -> Plan:
+def _files_plan(args, schema: schemas.Schema, shares: Shares, skip: int) -> InputPlan:
     saved = _saved_schema(args.checkpoint_dir)
     if saved is not None and saved.columns == schema.columns:
         # A resumed run standardizes with the statistics it started with.
@@ -217,7 +217,7 @@ def _files_plan(args, schema: schemas.Schema, shares: Shares, skip: int) -> Plan
     held_out = readers.batched(readers.records(source, schema, held_files), args.batch_size)
     held_out = held_out.take(args.eval_steps)
     description = f"{args.data} ({source.format}{', gzip' if source.gzip else ''}, {len(files)} file(s))"
-    return Plan(schema, train_fn, held_out, scanned, description)
+    return InputPlan(schema, train_fn, held_out, scanned, description)
 
 
 def save_schema(schema: schemas.Schema, checkpoint_dir: Optional[str]) -> None:

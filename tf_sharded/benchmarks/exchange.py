@@ -9,7 +9,7 @@ same process run; step times are medians, reported with their ratio to TF's
 default. Under `MirroredStrategy` tf_sharded gathers on one device and merges
 once; `allgather_collective` is the same
 table's all-gather over TF's collective with a merge on every replica, the
-transport `MultiWorkerMirroredStrategy` uses (`tfs.strategy.mirrored.transport_scope`).
+transport `MultiWorkerMirroredStrategy` uses (`tfs.strategy.mirrored.exchange_transport_scope`).
 
 Bytes are those one replica would receive per step over a collective, from
 the measured distinct ids: allgather `R * max_distinct * (row_bytes + 8)` (padded to the largest
@@ -66,7 +66,7 @@ def _collective(strategy, step):
     from tf_sharded.strategy import mirrored
 
     def call(batch):
-        with mirrored.transport_scope(strategy, "collective"):
+        with mirrored.exchange_transport_scope(strategy, "collective"):
             return step(batch)
 
     return call
