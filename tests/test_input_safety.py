@@ -1,6 +1,6 @@
 """What the library and the application read from outside is read as data, and what does not fit is refused.
 
-README.md's "What the library reads from outside" is the catalogue; this file
+docs/security.md's "What the library reads from outside" is the catalogue; this file
 checks what it claims that other test files do not:
 
 * No library module (tf_sharded/, strategy/) has a way to run input as code:
@@ -17,7 +17,7 @@ checks what it claims that other test files do not:
   directories written with another schema or by another model, `inspect`
   on what is not a checkpoint, dynamic tables' key files,
   `LocalCluster(imports=...)`.
-* Every test the README's table names exists.
+* Every test the catalogue's table names exists.
 
 The application runs in this process (`cli.main`, `__main__.main`) on a few
 hundred rows under the default strategy: no Python process is started.
@@ -210,9 +210,9 @@ def test_shell_scripts_run_no_input_as_code():
             assert not code.search(text), f"{script.relative_to(ROOT)}:{number}: {line.strip()}"
 
 
-def test_the_readme_catalogue_names_tests_that_exist():
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### What the library reads from outside", 1)[1].split("\n## ", 1)[0]
+def test_the_security_catalogue_names_tests_that_exist():
+    page = (ROOT / "docs" / "security.md").read_text()
+    section = page.split("## What the library reads from outside", 1)[1].split("\n## ", 1)[0]
     named = re.findall(r"`((?:safety|[\w/]+\.py)::[\w:]+)`", section)
     assert len(named) >= 20, named
     for reference in named:

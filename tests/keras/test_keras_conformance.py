@@ -36,9 +36,10 @@ KERAS_TESTS = os.path.join(KERAS_SRC, "layers", "core", "embedding_test.py")
 OPTIMIZER_TESTS = [os.path.join(KERAS_SRC, "optimizers", f"{n}_test.py") for n in ("sgd", "adagrad", "adam", "ftrl")]
 ALL_OPTIMIZER_TESTS = sorted(glob.glob(os.path.join(KERAS_SRC, "optimizers", "*_test.py")))
 
-# Refused on purpose (README): a constraint projects the whole table after every step (both tests build a
-# layer with `embeddings_constraint`); negative ids are an error, where Keras's `take` wraps them (-1 reads the
-# last row): the last part of the LoRA + int8 / int4 tests feeds float noise as ids.
+# Refused on purpose (docs/api.md, compatibility with keras.layers.Embedding): a constraint projects the whole
+# table after every step (both tests build a layer with `embeddings_constraint`); negative ids are an error, where
+# Keras's `take` wraps them (-1 reads the last row): the last part of the LoRA + int8 / int4 tests feeds float
+# noise as ids.
 REFUSED = {
     "test_embedding_constraints": "Argument `embeddings_constraint` is not supported",
     "test_enable_lora_with_embeddings_constraint": "Argument `embeddings_constraint` is not supported",
