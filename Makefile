@@ -13,7 +13,7 @@ OLDEST_VENV := .venv-oldest
 OLDEST_PY := $(OLDEST_VENV)/bin/python
 OLDEST_STAMP := $(OLDEST_VENV)/.installed
 PEERS_STAMP := $(OLDEST_VENV)/.peers
-PYTEST := -m pytest -q --durations=15
+PYTEST := -m pytest -q --durations=15 --cpu-durations=15
 # The library's tests (tables, exchange, Keras, strategies, checkpoints, serving, faults, the readers);
 # the application, benchmark and notebook tiers run on the newest stack only.
 NEWEST_ONLY := tests/app/test_app.py tests/app/test_app_dynamic.py tests/app/test_demo.py tests/benchmarks/test_bench.py \

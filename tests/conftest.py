@@ -128,3 +128,39 @@ def pytest_sessionfinish(session, exitstatus):
         sys.stdout.flush()
         if child.returncode != 0 and session.exitstatus == 0:
             session.exitstatus = child.returncode
+
+
+# CPU seconds per test (this process's and the processes it started and waited for): on two cores the suite's
+# time is its CPU time, which wall-clock durations hide once several groups share the cores.
+_CPU_KEY = pytest.StashKey[dict]()
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--cpu-durations", type=int, default=0, metavar="N", help="show the N tests that used the most CPU seconds"
+    )
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    start = _cpu_seconds()
+    yield
+    spent = item.config.stash.setdefault(_CPU_KEY, {})
+    spent[item.nodeid] = _cpu_seconds() - start
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    count = config.getoption("--cpu-durations")
+    spent = config.stash.get(_CPU_KEY, {})
+    if not count or not spent:
+        return
+    terminalreporter.write_sep("=", f"most CPU seconds ({sum(spent.values()):.0f} s in all, this process's tests)")
+    for nodeid, seconds in sorted(spent.items(), key=lambda kv: -kv[1])[:count]:
+        terminalreporter.write_line(f"{seconds:8.1f}s cpu  {nodeid}")

@@ -49,7 +49,6 @@ COMPUTED_IMPORT = "import of a module named by a variable"
 
 # Sites that import a module named by a variable: {(module, function, rule): why the name is not input}.
 ALLOWED = {
-    ("tf_sharded", "__getattr__", COMPUTED_IMPORT): "the module's own `_MOVED` table of deprecated names",
     ("tf_sharded.cluster", "_serve", COMPUTED_IMPORT): (
         "a process task imports what its parent's program passed to LocalCluster(imports=...), given on the "
         "task's command line; dotted names only (`_checked_imports`), as a program chooses its own imports"

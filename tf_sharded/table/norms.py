@@ -2,8 +2,9 @@
 
 >>> import tensorflow as tf
 >>> from tf_sharded.table.norms import clip_rows
->>> clip_rows(tf.constant([[3.0, 4.0], [0.3, 0.4]]), 1.0).numpy().round(2).tolist()
-[[0.6, 0.8], [0.3, 0.4]]
+>>> print(clip_rows(tf.constant([[3.0, 4.0], [0.3, 0.4]]), 1.0).numpy().round(2))
+[[0.6 0.8]
+ [0.3 0.4]]
 """
 
 from __future__ import annotations
