@@ -11,16 +11,56 @@ does.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import keras
 import tensorflow as tf
 
 from tf_sharded import _compat
+from tf_sharded.errors import positive_int
 from tf_sharded.keras.training import evaluation, recovery
 from tf_sharded.strategy import FitLoop, family_of
+
+
+@dataclasses.dataclass
+class FitSettings:
+    """What one `tfs.fit` call asks of its loop, checked (`checked`): `tfs.fit`'s arguments of the same names,
+    with `validation` the epoch-end evaluation (or None) and `per_execution` the model's
+    `steps_per_execution`."""
+
+    epochs: int = 1
+    steps_per_epoch: Optional[int] = None
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: Optional[int] = None
+    checkpoint_secs: Optional[float] = None
+    verbose: int = 1
+    log_every: int = 10
+    max_restarts: int = 2
+    max_steps: Optional[int] = None
+    restart_timeout: float = 300.0
+    validation: Optional[Callable[[], dict]] = None
+    per_execution: int = 1
+
+    @classmethod
+    def checked(cls, **arguments) -> FitSettings:
+        """The settings of `arguments`, each checked; errors name the argument."""
+        settings = cls(**arguments)
+        settings.epochs = positive_int("epochs", settings.epochs)
+        for name in ("steps_per_epoch", "checkpoint_every", "max_steps"):
+            if getattr(settings, name) is not None:
+                setattr(settings, name, positive_int(name, getattr(settings, name)))
+        secs = settings.checkpoint_secs
+        if secs is not None and not (isinstance(secs, (int, float)) and not isinstance(secs, bool) and secs > 0):
+            raise ValueError(f"Argument `checkpoint_secs` must be a positive number. Received: {secs!r}")
+        restarts = settings.max_restarts
+        if not isinstance(restarts, int) or isinstance(restarts, bool) or restarts < 0:
+            raise ValueError(f"Argument `max_restarts` must be an int >= 0. Received: {restarts!r}")
+        settings.log_every = positive_int("log_every", settings.log_every)
+        settings.per_execution = positive_int("steps_per_execution", settings.per_execution)
+        return settings
 
 
 def _with_skip(fn: Callable, skip: int) -> Callable:
@@ -43,7 +83,8 @@ def pass_offset(epoch: int, per_epoch: int, size: int) -> int:
 
 
 class Runner:
-    """How one step is launched and its results collected, per strategy.
+    """How steps are launched and their results collected: `CoordinatorRunner` (parameter servers: steps
+    scheduled on the workers) or `ReplicaRunner` (every replica runs each step here); `runner_for` picks.
 
     `position`: steps of this run already done, whose input a dataset
     function skips (per worker under parameter servers: `position /
@@ -51,40 +92,22 @@ class Runner:
     instead (`new_epoch`).
     """
 
-    def __init__(self, strategy, dataset, step_fn, position: int = 0):
-        self.strategy = strategy
-        self.ps = family_of(strategy).fit_loop(strategy, 1) == FitLoop.COORDINATOR
-        self._dataset, self._size, self._consumed = dataset, 0, 0
-        if self.ps:
-            self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
-            workers = _compat.ps_num_workers(strategy)
-            fn = dataset if callable(dataset) else (lambda context: dataset)
-            self.per_epoch = False
-            self.distributed = self.coordinator.create_per_worker_dataset(
-                evaluation.per_worker(_with_skip(fn, position // workers))
-            )
-        else:
-            self.coordinator = None
-            # A finite Dataset is read once per epoch, like model.fit; a dataset function should repeat.
-            self.per_epoch = isinstance(dataset, tf.data.Dataset)
-            if self.per_epoch:
-                self.distributed = strategy.experimental_distribute_dataset(dataset)
-                # A finite Dataset resumes where its epoch stopped (`new_epoch`); an endless one (or one of
-                # unknown length) is a stream its caller positions.
-                self._size = max(int(dataset.cardinality()), 0)
-            else:
-                self.distributed = strategy.distribute_datasets_from_function(_with_skip(dataset, position))
+    # Whether a failed step can be a lost parameter server, recovered from inside the loop.
+    recovers_tasks = False
+    # Whether a finite Dataset is read once per epoch (as model.fit reads it) and positioned by `new_epoch`.
+    per_epoch = False
+    # Replicas whose batches one step's logs stand for (the first replica's batch size counts for each).
+    replicas = 1
 
+    def __init__(self, strategy, step_fn, unrolled: bool):
+        self.strategy = strategy
         # Unrolled copies must each trace their own collectives: the undecorated step, not one function
         # called several times (its collectives would share their instance keys). Only the mirrored
         # families have replicas that meet in a step; elsewhere the steps run in a loop, traced once.
         inline_step = getattr(step_fn, "python_function", step_fn)
-        unrolled = not self.ps and family_of(strategy).mirrors_tables
 
         def one_step(iterator, inline=False):
-            # The first replica's logs (its batch size stands for every replica's): plain tensors.
-            logs = (inline_step if inline else step_fn)(next(iterator))
-            return logs if self.ps else self._first_replica(logs)
+            return self._logs((inline_step if inline else step_fn)(next(iterator)))
 
         @tf.function
         def scheduled(iterator, count):
@@ -103,16 +126,91 @@ class Runner:
             return logs
 
         self._scheduled = scheduled
-        self.iterator = iter(self.distributed)
+
+    def _logs(self, logs):
+        """A step's logs as the launch returns them."""
+        return logs
 
     def new_epoch(self, epoch: int, step_in_epoch: int, per_epoch: int):
-        """Positions a Dataset's iterator for `epoch` from its step `step_in_epoch` (not 0 in a resumed run).
+        """Positions the input for `epoch` from its step `step_in_epoch` (not 0 in a resumed run)."""
 
-        As in Keras's `model.fit` with `steps_per_epoch`, an epoch goes on
-        where the last one stopped: an endless stream (or one of unknown
-        length) is never restarted, and a finite Dataset starts over only
-        when what is left of it cannot fill the epoch (`pass_offset`).
-        """
+    def launch(self, count: int = 1):
+        """Starts `count` steps (one scheduled function, traced once per distinct count)."""
+        raise NotImplementedError
+
+    def _values(self, launched: list) -> list:
+        raise NotImplementedError
+
+    def results(self, launched: list) -> list:
+        """Per launch `(result, count)`: its last step's logs as floats and its samples over all replicas."""
+        return [({k: float(v) for k, v in r.items() if k != "_samples"}, int(r["_samples"]) * self.replicas)
+                for r in self._values(launched)]  # fmt: skip
+
+    def completed(self, launched: list) -> int:
+        """After a failure: the steps of `launched` that completed (a retried launch once)."""
+        return sum(count for _, count in launched)
+
+
+class CoordinatorRunner(Runner):
+    """Parameter servers: each launch is scheduled on a worker by TensorFlow's coordinator, each worker
+    reading its own dataset."""
+
+    recovers_tasks = True
+
+    def __init__(self, strategy, dataset, step_fn, position: int = 0):
+        super().__init__(strategy, step_fn, unrolled=False)
+        self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+        workers = _compat.ps_num_workers(strategy)
+        fn = dataset if callable(dataset) else (lambda context: dataset)
+        self.distributed = self.coordinator.create_per_worker_dataset(
+            evaluation.per_worker(_with_skip(fn, position // workers))
+        )
+        self.iterator = iter(self.distributed)
+
+    def launch(self, count: int = 1):
+        return self.coordinator.schedule(self._scheduled, args=(self.iterator, count))
+
+    def _values(self, launched: list) -> list:
+        self.coordinator.join()
+        return [r.fetch() for r, _ in launched]
+
+    def completed(self, launched: list) -> int:
+        done = 0
+        for result, count in launched:
+            try:
+                result.fetch()
+            except Exception:  # noqa: BLE001 - failed or cancelled: it did not complete
+                continue
+            done += count
+        return done
+
+
+class ReplicaRunner(Runner):
+    """Every replica of this process runs each step (default, mirrored, multi-worker mirrored, hybrid)."""
+
+    def __init__(self, strategy, dataset, step_fn, position: int = 0):
+        super().__init__(strategy, step_fn, unrolled=family_of(strategy).mirrors_tables)
+        self.replicas = strategy.num_replicas_in_sync
+        self._dataset, self._size, self._consumed = dataset, 0, 0
+        # A finite Dataset is read once per epoch, like model.fit; a dataset function should repeat.
+        self.per_epoch = isinstance(dataset, tf.data.Dataset)
+        if self.per_epoch:
+            self.distributed = strategy.experimental_distribute_dataset(dataset)
+            # A finite Dataset resumes where its epoch stopped (`new_epoch`); an endless one (or one of
+            # unknown length) is a stream its caller positions.
+            self._size = max(int(dataset.cardinality()), 0)
+        else:
+            self.distributed = strategy.distribute_datasets_from_function(_with_skip(dataset, position))
+        self.iterator = iter(self.distributed)
+
+    def _logs(self, logs):
+        # The first replica's logs (its batch size stands for every replica's): plain tensors.
+        return tf.nest.map_structure(lambda v: self.strategy.experimental_local_results(v)[0], logs)
+
+    def new_epoch(self, epoch: int, step_in_epoch: int, per_epoch: int):
+        """As in Keras's `model.fit` with `steps_per_epoch`, an epoch goes on where the last one stopped: an
+        endless stream (or one of unknown length) is never restarted, and a finite Dataset starts over only
+        when what is left of it cannot fill the epoch (`pass_offset`)."""
         if not self.per_epoch or not self._size:
             return
         wanted = pass_offset(epoch, per_epoch, self._size) + step_in_epoch
@@ -122,36 +220,17 @@ class Runner:
             self._consumed = wanted
 
     def launch(self, count: int = 1):
-        """Starts `count` steps (one scheduled function, traced once per distinct count)."""
-        if self.ps:
-            return self.coordinator.schedule(self._scheduled, args=(self.iterator, count))
         self._consumed += count
         return self._scheduled(self.iterator, count)
 
-    def results(self, launched: list) -> list:
-        """Per launch `(result, count)`: its last step's logs as floats and its samples over all replicas."""
-        if self.ps:
-            self.coordinator.join()
-            values = [r.fetch() for r, _ in launched]
-        else:
-            values = [tf.nest.map_structure(lambda v: v.numpy(), r) for r, _ in launched]
-        replicas = 1 if self.ps else self.strategy.num_replicas_in_sync
-        return [({k: float(v) for k, v in r.items() if k != "_samples"}, int(r["_samples"]) * replicas) for r in values]
+    def _values(self, launched: list) -> list:
+        return [tf.nest.map_structure(lambda v: v.numpy(), r) for r, _ in launched]
 
-    def completed(self, launched: list) -> int:
-        """After a failure: the steps of `launched` that completed (a retried launch once)."""
-        done = 0
-        for result, count in launched:
-            if self.ps:
-                try:
-                    result.fetch()
-                except Exception:  # noqa: BLE001 - failed or cancelled: it did not complete
-                    continue
-            done += count
-        return done
 
-    def _first_replica(self, out):
-        return tf.nest.map_structure(lambda v: self.strategy.experimental_local_results(v)[0], out)
+def runner_for(strategy, dataset, step_fn, position: int = 0) -> Runner:
+    """The runner of `strategy`'s fit loop."""
+    coordinated = family_of(strategy).fit_loop(strategy, 1) == FitLoop.COORDINATOR
+    return (CoordinatorRunner if coordinated else ReplicaRunner)(strategy, dataset, step_fn, position)
 
 
 def _names(tasks) -> str:
@@ -161,7 +240,7 @@ def _names(tasks) -> str:
 class Loop:
     """The epochs of one `tfs.fit` call under `FitLoop.COORDINATOR` or `FitLoop.REPLICAS`."""
 
-    def __init__(self, model, strategy, dataset, settings: dict, checkpoints, counter, make_step: Callable):
+    def __init__(self, model, strategy, dataset, settings: FitSettings, checkpoints, counter, make_step: Callable):
         self.model, self.strategy, self.dataset, self.s = model, strategy, dataset, settings
         self.checkpoints, self.counter, self.make_step = checkpoints, counter, make_step
         self.global_step = int((counter if counter is not None else model.optimizer.iterations).numpy())
@@ -169,7 +248,7 @@ class Loop:
         # rerun continues the run the checkpoints belong to.
         self.first_step = 0 if checkpoints.manager is not None else self.global_step
         self.restarts, self.recoveries = 0, []
-        self.runner = Runner(strategy, dataset, make_step(), self.global_step - self.first_step)
+        self.runner = runner_for(strategy, dataset, make_step(), self.global_step - self.first_step)
         self.last_save = time.monotonic()
         self._awaiting_first = None
         if checkpoints.manager is not None and checkpoints.started_from is None:
@@ -180,17 +259,17 @@ class Loop:
 
     def _more(self) -> bool:
         """Whether steps remain: the epochs not all done, and `max_steps` (the model's own count) not reached."""
-        max_steps = self.s["max_steps"]
-        done = self.position() >= self.s["epochs"] * self.s["steps_per_epoch"]
+        max_steps = self.s.max_steps
+        done = self.position() >= self.s.epochs * self.s.steps_per_epoch
         return not done and (max_steps is None or self.global_step < max_steps)
 
     def run(self, callbacks, history) -> None:
-        epochs, per_epoch = self.s["epochs"], self.s["steps_per_epoch"]
+        epochs, per_epoch = self.s.epochs, self.s.steps_per_epoch
         callbacks.on_train_begin()
         logs = {}
-        if not self._more() and self.s["verbose"]:
+        if not self._more() and self.s.verbose:
             epochs_done = self.position() >= epochs * per_epoch
-            covered = f"{epochs} epoch(s) of {per_epoch} steps" if epochs_done else f"max_steps={self.s['max_steps']}"
+            covered = f"{epochs} epoch(s) of {per_epoch} steps" if epochs_done else f"max_steps={self.s.max_steps}"
             print(f"checkpoint at step {self.global_step} already covers {covered}")
         while self._more():
             epoch = self.position() // per_epoch
@@ -205,25 +284,25 @@ class Loop:
         history.recoveries = self.recoveries
 
     def _epoch(self, epoch, callbacks) -> dict:
-        per_epoch, verbose = self.s["steps_per_epoch"], self.s["verbose"]
+        per_epoch, verbose = self.s.steps_per_epoch, self.s.verbose
         self.model.reset_metrics()
         step = self.position() - epoch * per_epoch
         # The epoch's last step: its end, or earlier where `max_steps` comes first.
-        max_steps = self.s["max_steps"]
+        max_steps = self.s.max_steps
         end = per_epoch if max_steps is None else min(per_epoch, step + max_steps - self.global_step)
         self.runner.new_epoch(epoch, step, per_epoch)
         callbacks.on_epoch_begin(epoch)
         bar = keras.utils.Progbar(end, verbose=verbose) if verbose else None
         launched, samples, start = [], 0, time.perf_counter()
         while step < end:
-            count = min(self.s["per_execution"], end - step)
+            count = min(self.s.per_execution, end - step)
             callbacks.on_train_batch_begin(step)
             step += count
             last = step == end
             try:
                 launched.append((self.runner.launch(count), count))
                 due = self._checkpoint_due(self.global_step + sum(n for _, n in launched), count)
-                every = self.s["log_every"]
+                every = self.s.log_every
                 collect = step // every > (step - count) // every or last or due or self._awaiting_first is not None
                 results = self.runner.results(launched) if collect else None
             except Exception:
@@ -244,8 +323,8 @@ class Loop:
                 self.save()
         logs = {name: float(value) for name, value in self.model.get_metrics_result().items()}
         logs["samples_per_second"] = samples / max(time.perf_counter() - start, 1e-9)
-        if self.s["validation"] is not None:
-            logs.update({f"val_{name}": value for name, value in self.s["validation"]().items()})
+        if self.s.validation is not None:
+            logs.update({f"val_{name}": value for name, value in self.s.validation().items()})
         if bar is not None:
             shown = [(k, v) for k, v in logs.items() if k != "samples_per_second"]
             bar.update(end, shown + [("samples/s", logs["samples_per_second"])], finalize=True)
@@ -254,7 +333,7 @@ class Loop:
         return logs
 
     def _checkpoint_due(self, launched_to: int, count: int) -> bool:
-        every, secs = self.s["checkpoint_every"], self.s["checkpoint_secs"]
+        every, secs = self.s.checkpoint_every, self.s.checkpoint_secs
         if every and launched_to // every > (launched_to - count) // every:
             return True
         return secs is not None and time.monotonic() - self.last_save >= secs
@@ -276,7 +355,7 @@ class Loop:
         """After a failure (the completed steps counted): recovers from a ps failure and returns, the loop
         continuing from the restored `global_step`; raises any other error."""
         tasks = set()
-        if self.runner.ps:
+        if self.runner.recovers_tasks:
             tasks = recovery.failed_ps(error) or recovery.lost_ps()
         if not tasks:
             self.sync_step()  # the exact count, where the failed step's own increments raced
@@ -292,11 +371,11 @@ class Loop:
             self.restarts += 1
             self._recovery_began, self._renewed, self._lost = time.monotonic(), [], set()
         while True:
-            remaining = self.s["restart_timeout"] - (time.monotonic() - self._recovery_began)
+            remaining = self.s.restart_timeout - (time.monotonic() - self._recovery_began)
             if remaining <= 0:
                 raise RuntimeError(
                     f"{_names(tasks)} failed at step {failed_at} and did not serve steps again within "
-                    f"{self.s['restart_timeout']:.0f}s: rerun with the same checkpoint_dir to resume"
+                    f"{self.s.restart_timeout:.0f}s: rerun with the same checkpoint_dir to resume"
                 ) from error
             if retrying:
                 time.sleep(min(1.0, remaining))
@@ -330,7 +409,7 @@ class Loop:
         recovery.zero_unrestored(self._renewed)
         self.sync_step()
         self.model.reset_metrics()
-        self.runner = Runner(self.strategy, self.dataset, self.make_step(), self.position())
+        self.runner = runner_for(self.strategy, self.dataset, self.make_step(), self.position())
         return path
 
     def _check_restart_allowed(self, tasks, error) -> None:
@@ -340,9 +419,9 @@ class Loop:
                 f"{where}; tfs.fit was given no checkpoint_dir, so there is nothing to restore: rerun with "
                 "checkpoint_dir=... to resume from checkpoints after a parameter-server failure"
             ) from error
-        if self.restarts >= self.s["max_restarts"]:
+        if self.restarts >= self.s.max_restarts:
             raise RuntimeError(
-                f"{where}; max_restarts={self.s['max_restarts']} restarts already used: rerun with the same "
+                f"{where}; max_restarts={self.s.max_restarts} restarts already used: rerun with the same "
                 "checkpoint_dir to resume from the latest checkpoint"
             ) from error
 
@@ -353,4 +432,4 @@ class Loop:
             self._awaiting_first = None
 
 
-__all__ = ["Loop", "Runner"]
+__all__ = ["CoordinatorRunner", "FitSettings", "Loop", "ReplicaRunner", "Runner", "runner_for"]

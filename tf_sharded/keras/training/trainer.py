@@ -21,11 +21,10 @@ import keras
 import tensorflow as tf
 
 from tf_sharded import _compat
-from tf_sharded.errors import positive_int
 from tf_sharded.keras.optimizers import check_trains_tables
 from tf_sharded.keras.training import evaluation
 from tf_sharded.keras.training.checkpoints import Checkpoints, PeriodicCheckpoint
-from tf_sharded.keras.training.loop import Loop
+from tf_sharded.keras.training.loop import FitSettings, Loop
 from tf_sharded.strategy import FitLoop, family_of
 from tf_sharded.table.protocol import owner_of
 
@@ -169,6 +168,34 @@ def fit(
     >>> len(history.history["loss"])
     2
     """
+    _check_model_and_dataset(model, dataset)
+    per_execution = getattr(model, "steps_per_execution", 1) or 1
+    settings = FitSettings.checked(
+        epochs=epochs, steps_per_epoch=steps_per_epoch, checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every, checkpoint_secs=checkpoint_secs, verbose=verbose, log_every=log_every,
+        max_restarts=max_restarts, max_steps=max_steps, restart_timeout=RESTART_TIMEOUT, per_execution=per_execution,
+    )  # fmt: skip
+    if settings.checkpoint_secs is not None:
+        _check_saves_together(model)
+    strategy = evaluation.strategy_of(model)
+    settings.validation = evaluation.validation(model, strategy, validation_data, validation_steps)
+    loop, data = _fit_loop_kind(strategy, dataset, settings)
+    if loop == FitLoop.KERAS:
+        return _keras_fit(model, data, settings.epochs, settings.steps_per_epoch, callbacks, checkpoint_dir,
+                          settings.checkpoint_every, checkpoint_secs, verbose, validation_data, validation_steps,
+                          settings.max_steps)  # fmt: skip
+    if settings.steps_per_epoch is None and isinstance(dataset, tf.data.Dataset) and loop == FitLoop.REPLICAS:
+        settings.steps_per_epoch = int(dataset.cardinality()) if int(dataset.cardinality()) > 0 else None
+    if settings.steps_per_epoch is None:
+        raise ValueError(
+            f"Argument `steps_per_epoch` is required under {type(strategy).__name__} unless the dataset is a "
+            "tf.data.Dataset of known, finite length (parameter-server workers read their own, usually "
+            "repeated, datasets). Received: steps_per_epoch=None"
+        )
+    return _fit_loop(model, strategy, dataset, callbacks, settings)
+
+
+def _check_model_and_dataset(model, dataset) -> None:
     if not isinstance(model, keras.Model) or getattr(model, "optimizer", None) is None:
         raise ValueError(
             f"Argument `model` must be a compiled keras.Model. Received: {type(model).__name__}"
@@ -181,55 +208,18 @@ def fit(
             "Argument `dataset` must be a tf.data.Dataset or a function input_context -> tf.data.Dataset. "
             f"Received: {type(dataset).__name__}"
         )
-    epochs = positive_int("epochs", epochs)
-    if steps_per_epoch is not None:
-        steps_per_epoch = positive_int("steps_per_epoch", steps_per_epoch)
-    if checkpoint_every is not None:
-        checkpoint_every = positive_int("checkpoint_every", checkpoint_every)
-    if checkpoint_secs is not None and not (isinstance(checkpoint_secs, (int, float)) and checkpoint_secs > 0):
-        raise ValueError(f"Argument `checkpoint_secs` must be a positive number. Received: {checkpoint_secs!r}")
-    if checkpoint_secs is not None:
-        _check_saves_together(model)
-    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
-        raise ValueError(f"Argument `max_restarts` must be an int >= 0. Received: {max_restarts!r}")
-    if max_steps is not None:
-        max_steps = positive_int("max_steps", max_steps)
-    strategy = evaluation.strategy_of(model)
-    validation = evaluation.validation(model, strategy, validation_data, validation_steps)
-    per_execution = getattr(model, "steps_per_execution", 1) or 1
-    loop = family_of(strategy).fit_loop(strategy, per_execution)
+
+
+def _fit_loop_kind(strategy, dataset, settings: FitSettings):
+    """(the loop `tfs.fit` runs, the dataset Keras's `model.fit` reads or None)."""
+    family = family_of(strategy)
+    loop = family.fit_loop(strategy, settings.per_execution)
     data = evaluation.as_dataset(dataset) if loop == FitLoop.KERAS else None
-    if loop == FitLoop.KERAS and family_of(strategy).mirrors_tables and evaluation.keras_fails_on(data):
-        loop = (
-            FitLoop.REPLICAS
-        )  # Keras 3's model.fit fails on ragged or string inputs there: the replica loop runs them
-    if loop == FitLoop.KERAS and max_steps is not None and per_execution > 1:
+    if loop == FitLoop.KERAS and family.mirrors_tables and evaluation.keras_fails_on(data):
+        loop = FitLoop.REPLICAS  # Keras 3 fails on ragged or string inputs there: the replica loop runs them
+    if loop == FitLoop.KERAS and settings.max_steps is not None and settings.per_execution > 1:
         loop = FitLoop.REPLICAS  # Keras runs whole groups of steps_per_execution steps: it could pass max_steps
-    if loop != FitLoop.KERAS:
-        if steps_per_epoch is None and isinstance(dataset, tf.data.Dataset) and loop == FitLoop.REPLICAS:
-            steps_per_epoch = int(dataset.cardinality()) if int(dataset.cardinality()) > 0 else None
-        if steps_per_epoch is None:
-            raise ValueError(
-                f"Argument `steps_per_epoch` is required under {type(strategy).__name__} unless the dataset is a "
-                "tf.data.Dataset of known, finite length (parameter-server workers read their own, usually "
-                "repeated, datasets). Received: steps_per_epoch=None"
-            )
-        settings = dict(
-            epochs=epochs,
-            steps_per_epoch=steps_per_epoch,
-            checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every,
-            checkpoint_secs=checkpoint_secs,
-            verbose=verbose,
-            log_every=positive_int("log_every", log_every),
-            validation=validation,
-            max_restarts=max_restarts,
-            restart_timeout=RESTART_TIMEOUT,
-            max_steps=max_steps,
-        )
-        return _fit_loop(model, strategy, dataset, callbacks, settings)
-    return _keras_fit(model, data, epochs, steps_per_epoch, callbacks, checkpoint_dir, checkpoint_every,
-                      checkpoint_secs, verbose, validation_data, validation_steps, max_steps)  # fmt: skip
+    return loop, data
 
 
 class _StopAt(keras.callbacks.Callback):
@@ -332,11 +322,10 @@ def train_function(model: keras.Model, strategy) -> tf.types.experimental.Generi
     return step_fn
 
 
-def _fit_loop(model, strategy, dataset, callbacks, settings: dict):
+def _fit_loop(model, strategy, dataset, callbacks, settings: FitSettings):
     _build_for_training(model, strategy, dataset)
     counter = _step_counter(model, strategy)
-    checkpoints = Checkpoints(model, settings["checkpoint_dir"], step=counter, several_tasks=counter is not None)
-    settings["per_execution"] = positive_int("steps_per_execution", getattr(model, "steps_per_execution", 1) or 1)
+    checkpoints = Checkpoints(model, settings.checkpoint_dir, step=counter, several_tasks=counter is not None)
     loop = Loop(model, strategy, dataset, settings, checkpoints, counter, lambda: train_function(model, strategy))
     history = keras.callbacks.History()
     history.initial_step = loop.global_step
@@ -345,9 +334,9 @@ def _fit_loop(model, strategy, dataset, callbacks, settings: dict):
         add_history=False,
         add_progbar=False,
         model=model,
-        epochs=settings["epochs"],
-        steps=settings["steps_per_epoch"],
-        verbose=settings["verbose"],
+        epochs=settings.epochs,
+        steps=settings.steps_per_epoch,
+        verbose=settings.verbose,
     )
     loop.run(callback_list, history)
     return history
