@@ -195,7 +195,7 @@ class _OnServers(registry.PlacementType):
     servers train them with the worker optimizer's class and config, from each worker's own gradients."""
 
     def __init__(self):
-        super().__init__("servers", "on table servers", in_process=False, trained_remotely=True)
+        super().__init__("servers", "on table servers", trained_remotely=True)
 
     def attach_optimizer(self, optimizer, table) -> None:
         table.configure(optimizer)

@@ -15,10 +15,10 @@ A new kind or placement is a package of its own that registers it and its
 routes here when it is imported.
 
 >>> from tf_sharded.table import registry
->>> sorted(k.name for k in registry.kinds())
-['dynamic', 'fixed']
->>> sorted(p.name for p in registry.placements())
-['device', 'host', 'local', 'replicas', 'servers', 'workers']
+>>> {"dynamic", "fixed"} <= {k.name for k in registry.kinds()}
+True
+>>> {"device", "host", "local", "replicas", "servers", "workers"} <= {p.name for p in registry.placements()}
+True
 >>> registry.kind("fixed").static_rows
 True
 """
@@ -58,8 +58,6 @@ class PlacementType:
     Args:
       name: the registry's key ("local", "device", "host", "replicas", "workers", "servers").
       description: one phrase, for messages and plans.
-      in_process: whether every row is held by a device of this process, as opposed to other workers' or
-        servers' memory.
       single_copy: whether each shard is one plain variable that an optimizer updates once, on its device
         (one copy per host; split over replicas or workers), rather than a copy per replica.
       trained_remotely: whether the rows are updated where they live, from each worker's own gradients: those are
@@ -67,10 +65,9 @@ class PlacementType:
         `after_update`.
     """
 
-    def __init__(self, name: str, description: str, in_process: bool = True, single_copy: bool = False,
-                 trained_remotely: bool = False):  # fmt: skip
+    def __init__(self, name: str, description: str, single_copy: bool = False, trained_remotely: bool = False):
         self.name, self.description = name, description
-        self.in_process, self.single_copy, self.trained_remotely = in_process, single_copy, trained_remotely
+        self.single_copy, self.trained_remotely = single_copy, trained_remotely
 
     def attach_optimizer(self, optimizer, table) -> None:
         """`optimizer` was built to train `table` (where the rows are trained remotely: it tells them how)."""
@@ -174,7 +171,7 @@ LOCAL = register_placement(PlacementType("local", "on this process's devices (de
 DEVICE = register_placement(PlacementType("device", "a copy on each replica's device"))
 HOST = register_placement(PlacementType("host", "one copy on the worker's host", single_copy=True))
 REPLICAS = register_placement(PlacementType("replicas", "split over the replicas of one process", single_copy=True))
-WORKERS = register_placement(PlacementType("workers", "split over the workers", in_process=False, single_copy=True))
+WORKERS = register_placement(PlacementType("workers", "split over the workers", single_copy=True))
 
 _BY_OPTION = {None: LOCAL, "device": DEVICE, "host": HOST, "sharded": REPLICAS}
 
