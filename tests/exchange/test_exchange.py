@@ -201,6 +201,7 @@ class ExchangeTest(tf.test.TestCase):
                 ref_optimizer.apply_gradients([(tape.gradient(loss, reference), reference)])
                 self.assertAllClose(table.numpy(), reference.numpy(), atol=1e-5, msg=f"{name} {size}")
 
+    @pytest.mark.slow  # over 4 s here
     def test_same_width_shards_share_one_exchange(self):
         # Three width-4 tables (2 shards each) and one width-8 table: one all-gather per row shape, and the
         # tables trained as on one device (ids collide across tables and shards only if the offsets are wrong).

@@ -1,6 +1,7 @@
 """Dynamic tables under the default strategy, against a plain reference: distinct keys mapped to a dense variable."""
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
@@ -126,6 +127,7 @@ class DynamicTableTest(tf.test.TestCase):
         other = tfs.create_dynamic_table(uid("seed"), dim=DIM, seed=4)
         self.assertNotAllClose(tfs.embedding_lookup(other, keys).numpy(), values[0])
 
+    @pytest.mark.slow  # over 4 s here
     def test_the_dense_index_reserved_keys_train_evict_and_restore_like_any_other(self):
         # The index's dense table reserves the two smallest int64 keys as markers; they are held beside it.
         low = [-(2**63), -(2**63) + 1]

@@ -29,6 +29,7 @@ def rows_used(table):
 
 
 class AdmissionTest(tf.test.TestCase):
+    @pytest.mark.slow  # 4-6 s here
     def test_min_count_admits_on_the_nth_occurrence_and_only_then_trains(self):
         table = tfs.create_dynamic_table(
             uid("minc"), 2, admission=tfs.policies.MinCountAdmission(3), partitions=2, seed=1
@@ -172,6 +173,7 @@ class DeltaAndServingTest(tf.test.TestCase):
 
 
 class PolicyCheckpointTest(tf.test.TestCase):
+    @pytest.mark.slow  # over 4 s here
     def test_admission_counts_step_and_last_seen_restore_into_another_layout(self):
         make = lambda n: tfs.create_dynamic_table(  # noqa: E731
             uid("pck"), 2, partitions=n, seed=4, admission=tfs.policies.MinCountAdmission(2),
