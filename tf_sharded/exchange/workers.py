@@ -44,7 +44,7 @@ import tensorflow as tf
 from tf_sharded import _compat
 from tf_sharded.exchange.cost import sharded_transport_costs
 from tf_sharded.table import registry
-from tf_sharded.table.lookup import device_rows, lookup_groups
+from tf_sharded.table.lookup import device_rows, lookup_by_row_shape
 from tf_sharded.table.norms import clip_rows
 from tf_sharded.table.remote import collective_rows, is_remote
 from tf_sharded.table.sharded_variable import FIXED
@@ -273,5 +273,5 @@ def rows_over_workers(tables, uniq, starts, owners, shift, placed, max_norm, bou
 registry.register_lookup(
     registry.WORKERS,
     FIXED,
-    lambda pairs, max_norm, training: lookup_groups(pairs, max_norm, remote_rows=rows_over_workers),
+    lambda pairs, max_norm, training: lookup_by_row_shape(pairs, max_norm, remote_rows=rows_over_workers),
 )

@@ -88,7 +88,9 @@ def lookup_group(members, max_norm, remote_rows=None):
     device serve every table; each device gets one id tensor and returns one
     row tensor (its shards read by `device_rows`). A table listed twice is
     looked up once. The gradient reaches every shard as `IndexedSlices` of
-    distinct local rows (`_assemble`).
+    distinct local rows (`_assemble`). Where other workers hold the shards,
+    `remote_rows` reads the group's rows across them instead
+    (`exchange.workers.rows_over_workers`).
     """
     tables = list({id(t): t for t, _ in members}.values())  # first-appearance order
     bases, starts, shards, owners, total = {}, [], [], [], 0
@@ -202,7 +204,7 @@ def lookup_many(pairs, max_norm: Optional[float] = None, training: bool = True) 
     return results
 
 
-def lookup_groups(pairs, max_norm: Optional[float], remote_rows=None) -> list:
+def lookup_by_row_shape(pairs, max_norm: Optional[float], remote_rows=None) -> list:
     """Rows for fixed-row tables, looked up as one id space per dtype and row shape (`lookup_group`)."""
     results = [None] * len(pairs)
     groups = {}
@@ -216,7 +218,7 @@ def lookup_groups(pairs, max_norm: Optional[float], remote_rows=None) -> list:
 
 # Fixed-row tables on this process's devices, whatever their placement there (sharded over workers is the
 # exchange's route: `tfs.exchange.workers`).
-registry.register_lookup(None, FIXED, lambda pairs, max_norm, training: lookup_groups(pairs, max_norm))
+registry.register_lookup(None, FIXED, lambda pairs, max_norm, training: lookup_by_row_shape(pairs, max_norm))
 
 
 @dataclasses.dataclass(frozen=True)

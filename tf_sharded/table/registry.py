@@ -88,7 +88,7 @@ _ROUTES: Dict[Tuple[Optional[str], str], Route] = {}
 
 def _register(registry: dict, item, what: str):
     existing = registry.get(item.name)
-    if existing is not None and existing is not item and existing != item:
+    if existing is not None and existing != item:
         raise ValueError(f"A {what} named '{item.name}' is registered already: {existing}")
     registry[item.name] = item
     return item
