@@ -17,6 +17,30 @@ NUM_VIRTUAL_CPUS = 4
 _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_VIRTUAL_CPUS)
 
+
+@pytest.fixture(autouse=True)
+def _own_collective_keys():
+    """Gives each test's mirrored strategies group keys no earlier test used, as TensorFlow's own tests do.
+
+    Every `MirroredStrategy` and `MultiWorkerMirroredStrategy` of a process
+    starts its collectives at group key 1 and instance key 100, and
+    TensorFlow remembers an instance's shape for the process's life: a
+    strategy whose instance 100 carries another shape than an earlier
+    strategy's fails with "Shape mismatch in the collective instance 100".
+    """
+    from tensorflow.python.distribute import collective_all_reduce_strategy as collective
+    from tensorflow.python.distribute import mirrored_strategy as mirrored
+
+    for cls in (
+        mirrored.MirroredStrategy,
+        mirrored.MirroredStrategyV1,
+        collective.CollectiveAllReduceStrategy,
+        collective.CollectiveAllReduceStrategyV1,
+    ):
+        cls._collective_key_base += 100_000
+    yield
+
+
 # Set in a child process: the file naming the tests it runs.
 CHILD_TESTS = "TF_SHARDED_TEST_CHILD_TESTS"
 _CHILDREN_KEY = pytest.StashKey[list]()
