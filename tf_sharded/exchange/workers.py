@@ -46,7 +46,7 @@ from tf_sharded.exchange.cost import sharded_transport_costs
 from tf_sharded.table import registry
 from tf_sharded.table.lookup import device_rows, lookup_by_row_shape
 from tf_sharded.table.norms import clip_rows
-from tf_sharded.table.remote import collective_rows, is_remote
+from tf_sharded.table.remote import is_remote, sum_over_workers
 from tf_sharded.table.sharded_variable import FIXED
 
 ALLTOALL, GATHER = "alltoall", "gather"
@@ -235,15 +235,15 @@ def _gather_reduce(ctx, uniq, route, read_held, row_shape, dtype):
 def gather_everywhere(uniq, starts, owners, shifts, read_held, row_shape, strategy, mine: range) -> tf.Tensor:
     """Rows at `uniq` outside a replica context: every worker asks for the same keys (it runs the same program),
     each gives the rows its replicas (`mine`, replica ids) hold and zeros for the others, and one all-reduce
-    sums them (with one row more, so that it is never empty). No gradient."""
+    sums them (`sum_over_workers`). No gradient."""
     starts = tf.constant(starts, tf.int64)
     owners, shifts = tf.constant(owners, tf.int32), tf.constant(shifts, tf.int64)
     owner, shard, row = _route(uniq, starts, owners, shifts)
     here = tf.where((owner >= mine.start) & (owner < mine.stop))[:, 0]
     held = read_held(tf.gather(shard, here), tf.gather(row, here))
-    total = tf.concat([tf.shape(uniq, out_type=tf.int64) + 1, tf.constant(list(row_shape), tf.int64)], 0)
+    total = tf.concat([tf.shape(uniq, out_type=tf.int64), tf.constant(list(row_shape), tf.int64)], 0)
     contribution = tf.scatter_nd(here[:, None], tf.stop_gradient(held), total)
-    return collective_rows(strategy, contribution)[:-1]
+    return sum_over_workers(strategy, contribution)
 
 
 def rows_over_workers(tables, uniq, starts, owners, shift, placed, max_norm, bound):

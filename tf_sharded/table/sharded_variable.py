@@ -19,7 +19,7 @@ from tf_sharded.layout import Layout, PartitionSpec
 from tf_sharded.table import registry, saveable
 from tf_sharded.table.ids import check_ids
 from tf_sharded.table.protocol import MAX_IDS_RANK, implements_table, register_shards
-from tf_sharded.table.remote import collective_rows, held_shards, is_remote
+from tf_sharded.table.remote import held_shards, is_remote, sum_over_workers
 from tf_sharded.table.segment import RowSegment
 
 
@@ -211,7 +211,7 @@ class ShardedVariable(registry.TableClass, _compat.Trackable):
     def _gather_rows(self, rows: tf.Tensor) -> tf.Tensor:
         """Rows of the table at int64 logical ids (no gradient bookkeeping)."""
         if self.sharded_over_workers:  # every worker asks for the same rows; each gives those it holds
-            return collective_rows(self._strategy, self._held_rows(rows))
+            return sum_over_workers(self._strategy, self._held_rows(rows))
         _, locals_, positions = self._partition_rows(rows)
         parts = []
         for v, local in zip(self._variables, locals_):

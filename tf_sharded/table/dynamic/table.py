@@ -34,16 +34,10 @@ from tf_sharded.table.dynamic.packed import Request, expand, resolve, single
 from tf_sharded.table.dynamic.pool import GROWTH, Insert
 from tf_sharded.table.dynamic.shard import DynamicShard
 from tf_sharded.table.dynamic.slots import DynamicSlot
-from tf_sharded.table.dynamic.workers import (
-    RemoteDynamicShard,
-    gather_over_workers,
-    is_remote_shard,
-    max_over_workers,
-    rows_over_workers,
-    sum_over_workers,
-)
+from tf_sharded.table.dynamic.workers import gather_over_workers, max_over_workers
 from tf_sharded.table.norms import clip_rows
 from tf_sharded.table.protocol import MAX_IDS_RANK, register_shards
+from tf_sharded.table.remote import RemoteShard, is_remote, sum_over_workers
 
 # Tables keyed by raw int64 or string keys, their rows created as keys arrive and freed as they are evicted.
 DYNAMIC = registry.register_kind(registry.Kind("dynamic", static_rows=False))
@@ -93,19 +87,19 @@ class DynamicTable(registry.TableClass, _compat.Trackable):
         max_keys = bounded[0].per_shard(len(devices)) if bounded else None
         per_shard = None if max_rows is None else -(-max_rows // len(devices))
         pools = [None] * len(devices) if pools is None else list(pools)
-        # Sharded over workers (`remote[i]`: shard i is another worker's): a stand-in without memory there.
+        # Sharded over workers (`remote[i]`: shard i is another worker's): a stand-in for its row pool there.
         remote = list(remote) or [False] * len(devices)
         self._shards = [
-            RemoteDynamicShard(name, i, d, self._dim, self._dtype, trainable) if remote[i] else
+            RemoteShard([None, self._dim], self._dtype, d, trainable, f"{name}/rows_{i}") if remote[i] else
             DynamicShard(name, i, d, self._key_dtype, self._dim, self._dtype, trainable, growth, per_shard,
                          self._admission, bounded[0] if bounded else None, max_keys, pool)
             for i, (d, pool) in enumerate(zip(devices, pools))
         ]  # fmt: skip
-        self._held = [s for s in self._shards if not is_remote_shard(s)]
+        self._held = [s for s in self._shards if not is_remote(s)]
         with tf.init_scope(), tf.device(self._held[0].device):
             # Training lookups so far: what "last seen", eviction by age and `export(since_step=)` count in.
             self._step = _compat.plain_variable(tf.constant(0, tf.int64), f"{name}/step", False)
-        register_shards(self, [s.rows for s in self._shards])
+        register_shards(self, list(self.variables))
 
     def _settings(self, name, dim, key_dtype, dtype, initializer, seed, trainable, strategy, admission, eviction):
         """The table's validated description (what any form of the table holds, wherever its shards are)."""
@@ -172,8 +166,9 @@ class DynamicTable(registry.TableClass, _compat.Trackable):
 
     @property
     def variables(self) -> Tuple[tf.Variable, ...]:
-        """Each shard's row pool (`[capacity, dim]`, unknown static shape): what gradients and optimizers see."""
-        return tuple(s.rows for s in self._shards)
+        """Each shard's row pool (`[capacity, dim]`, unknown static shape): what gradients and optimizers see
+        (another worker's: its `RemoteShard`)."""
+        return tuple(s if is_remote(s) else s.rows for s in self._shards)
 
     @property
     def held_variables(self) -> Tuple[tf.Variable, ...]:
@@ -250,8 +245,8 @@ class DynamicTable(registry.TableClass, _compat.Trackable):
         keys, where, counts = self._partition(uniq, tf.range(tf.size(uniq, out_type=tf.int32)), counts)
         # Another worker's shard (a table sharded over workers) is resolved there: None here.
         if not inserting:
-            return keys, where, [None if is_remote_shard(s) else s.find(k) for s, k in zip(self._shards, keys)]
-        requests = [None if is_remote_shard(self._shards[i]) else Request(self, i, k, c, step)
+            return keys, where, [None if is_remote(s) else s.find(k) for s, k in zip(self._shards, keys)]
+        requests = [None if is_remote(self._shards[i]) else Request(self, i, k, c, step)
                     for i, (k, c) in enumerate(zip(keys, counts))]  # fmt: skip
         return keys, where, requests
 
@@ -352,7 +347,7 @@ class DynamicTable(registry.TableClass, _compat.Trackable):
         return expand(unique_rows, plan.idx, plan.num_unique)
 
     def _finish_over_workers(self, plan: _Lookup, rows_per_shard) -> tf.Tensor:
-        everywhere = rows_over_workers(self._strategy, self.contribution_over_workers(plan, rows_per_shard))
+        everywhere = sum_over_workers(self._strategy, self.contribution_over_workers(plan, rows_per_shard))
         return self.finish_over_workers(plan, everywhere)
 
     def assemble(self, plan: _Lookup, where, parts) -> tf.Tensor:
@@ -422,7 +417,7 @@ class DynamicTable(registry.TableClass, _compat.Trackable):
         names = list(columns or {})
         key_parts, value_parts, *column_parts = self._partition(keys, values, *[columns[k] for k in names])
         for i, s in enumerate(self._shards):
-            if not is_remote_shard(s):  # another worker's shard: that worker loads it
+            if not is_remote(s):  # another worker's shard: that worker loads it
                 s.replace(key_parts[i], value_parts[i], {k: parts[i] for k, parts in zip(names, column_parts)})
 
     def reset_lost(self) -> int:
@@ -440,7 +435,7 @@ class DynamicTable(registry.TableClass, _compat.Trackable):
         """An optimizer slot: a column of `fill` beside every shard's rows, grown and saved with them."""
         column = name.rsplit("/", 1)[-1]
         if column not in self._slots:
-            columns = [s.rows if is_remote_shard(s) else s.add_column(column, fill) for s in self._shards]
+            columns = [s if is_remote(s) else s.add_column(column, fill) for s in self._shards]
             self._slots[column] = DynamicSlot(self, column, columns)
         return self._slots[column]
 
@@ -452,7 +447,7 @@ class DynamicTable(registry.TableClass, _compat.Trackable):
         """Sets optimizer column `column` of `keys` that the table holds to `values` (others are skipped)."""
         keys = tf.convert_to_tensor(keys, self._key_dtype)
         for s, k, v in zip(self._shards, *self._partition(keys, tf.convert_to_tensor(values, self._dtype))):
-            if not is_remote_shard(s):
+            if not is_remote(s):
                 s.set_column(column, k, v)
 
     def shard_rows(self, shard: int) -> tf.Tensor:
@@ -483,7 +478,7 @@ class DynamicTable(registry.TableClass, _compat.Trackable):
         """The admission sketch a checkpoint holds (None without one). Layout-free: each key's counts are in its
         shard's sketch, and the elementwise maximum over shards never underestimates a key (restored into every
         shard, saving it again does not inflate it)."""
-        sketches = [s.admission_state for s in self._shards if s.admission_state is not None]
+        sketches = [s.admission_state for s in self._held if s.admission_state is not None]
         if not sketches:
             return None
         sketch = tf.reduce_max(tf.stack([v.read_value() for v in sketches]), 0)
@@ -491,7 +486,7 @@ class DynamicTable(registry.TableClass, _compat.Trackable):
 
     def _sketch_shape(self) -> Optional[list]:
         """The shape of each shard's admission sketch (None without one)."""
-        states = [s.admission_state for s in self._shards if s.admission_state is not None]
+        states = [s.admission_state for s in self._held if s.admission_state is not None]
         return states[0].shape.as_list() if states else None
 
     def _check_restore(self, saved) -> None:
@@ -527,7 +522,7 @@ class DynamicTable(registry.TableClass, _compat.Trackable):
         if "step" in restored_tensors:
             self._step.assign(restored_tensors["step"])
         if "sketch" in restored_tensors:
-            for shard in self._shards:
+            for shard in self._held:
                 if shard.admission_state is not None:
                     shard.admission_state.assign(restored_tensors["sketch"])
         return tf.no_op() if not tf.executing_eagerly() else None
@@ -607,7 +602,7 @@ def _finish_over_workers_together(plans_and_rows) -> dict:
     for members in groups.values():
         parts = [plan.table.contribution_over_workers(plan, rows) for _, plan, rows in members]
         sizes = [tf.shape(p)[0] for p in parts]
-        summed = rows_over_workers(members[0][1].table.strategy, tf.concat(parts, 0))
+        summed = sum_over_workers(members[0][1].table.strategy, tf.concat(parts, 0))
         for (i, plan, _), part in zip(members, tf.split(summed, tf.stack(sizes), num=len(parts))):
             out[i] = plan.table.finish_over_workers(plan, part)
     return out

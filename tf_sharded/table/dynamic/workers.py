@@ -2,7 +2,7 @@
 
 Worker `r` holds shard `r` (the keys whose hash lands there, their rows and
 optimizer columns, its policies' state); the other shards are
-`RemoteDynamicShard`s, metadata without memory. Every worker runs the same
+`RemoteShard`s (`table.remote`), metadata without memory. Every worker runs the same
 program, so whatever needs another worker's keys is done by all at once:
 
 * a training lookup all-gathers the replicas' distinct keys and counts (as
@@ -24,51 +24,7 @@ from typing import List, Sequence
 import tensorflow as tf
 
 from tf_sharded.table.dynamic.agree import join_codes, string_codes
-from tf_sharded.table.remote import RemoteShard
-
-
-class RemoteDynamicShard:
-    """Shard of a dynamic table held by another worker: its metadata only (`rows` is a `RemoteShard`)."""
-
-    admission_state = None
-
-    def __init__(self, name: str, shard: int, device: str, dim: int, dtype, trainable: bool):
-        self.name, self.shard, self.device, self.dim, self.dtype = name, shard, device, dim, tf.as_dtype(dtype)
-        self.rows = RemoteShard([None, dim], dtype, device, trainable, f"{name}/rows_{shard}")
-
-
-def is_remote_shard(shard) -> bool:
-    """Whether `shard` (of a dynamic table) is another worker's."""
-    return isinstance(shard, RemoteDynamicShard)
-
-
-def _first_of_worker(ctx) -> tf.Tensor:
-    """Whether this replica is its worker's first (TensorFlow numbers a worker's `L` replicas `w * L + l`):
-    with several replicas per worker, it speaks for the worker's shard in collectives over the replicas."""
-    local = len(ctx.strategy.extended.worker_devices)
-    return tf.equal(ctx.replica_id_in_sync_group % local, 0)
-
-
-def sum_over_workers(strategy, value: tf.Tensor) -> tf.Tensor:
-    """The sum over the workers of each one's `value` (every worker calls it, in the same order): in a
-    replica context by its all-reduce (with several replicas per worker, the first one's value counts, the
-    others' are zeros), else over the strategy."""
-    ctx = tf.distribute.get_replica_context()
-    if ctx is not None and not tf.distribute.in_cross_replica_context() and ctx.num_replicas_in_sync > 1:
-        if len(ctx.strategy.extended.worker_devices) > 1:
-            value = tf.where(_first_of_worker(ctx), value, tf.zeros_like(value))
-        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, value)
-    return strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
-
-
-def rows_over_workers(strategy, contribution: tf.Tensor) -> tf.Tensor:
-    """Rows of which each worker gives those of its shard and zeros for the others': their sum, everywhere
-    (differentiable in a replica context: the gradient is the all-reduce of the rows' gradients).
-
-    One row more travels (zeros) so that the collective is never empty."""
-    extra = tf.zeros(tf.concat([[1], tf.shape(contribution)[1:]], 0), contribution.dtype)
-    return sum_over_workers(strategy, tf.concat([contribution, extra], 0))[:-1]
-
+from tf_sharded.table.remote import first_of_worker
 
 # Per (strategy, dtype, rank): one function gathering any first-axis length over the workers. TensorFlow's
 # `strategy.gather` traces a new function for every new shape, and a save gathers tensors of every size.
@@ -80,7 +36,7 @@ def _worker_value(ctx, value: tf.Tensor) -> tf.Tensor:
     replicas then holds each worker's value once."""
     if len(ctx.strategy.extended.worker_devices) == 1:
         return value
-    return value[: tf.where(_first_of_worker(ctx), tf.shape(value)[0], 0)]
+    return value[: tf.where(first_of_worker(ctx), tf.shape(value)[0], 0)]
 
 
 def _gather(strategy, value: tf.Tensor) -> tf.Tensor:
