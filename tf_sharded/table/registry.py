@@ -9,7 +9,11 @@ names its own: `table.kind` and `table.placement_type`. Every table class
 derives from `TableClass`, on which TensorFlow's embedding ops dispatch. Code that handles
 tables asks them, or the registry, instead of testing a table's class: a
 lookup, for one, groups its tables by (placement, kind) and calls the route
-registered for the pair (`lookup_route`).
+registered for the pair (`lookup_route`); weight files, checkpoint checks,
+export and recovery call the kind's stages (`Kind`); the planner and the
+mirrored strategy ask a placement what each replica and worker holds
+(`PlacementType`), and a table config's kind is the one registered for its
+`vocabulary` (`kind_of_config`).
 
 A new kind or placement is a package of its own that registers it and its
 routes here when it is imported.
@@ -37,16 +41,62 @@ Route = Callable[[List[Tuple[Any, Any]], Optional[float], bool], list]
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
-    """How a table's rows are keyed and stored.
+    """How a table's rows are keyed and stored, and so how its tables are saved, restored and exported.
+
+    The facts are fields; the stages that differ between kinds are methods, whose versions here are those of a
+    table that is one full-shape array of rows. A kind that stores its rows otherwise subclasses it (dynamic
+    tables do: their keys and rows are saved apart).
 
     Attributes:
       name: the registry's key ("fixed", "dynamic").
       static_rows: whether rows are `[0, n)`, all created with the table (a dynamic table's rows come and go with
-        its keys, and its shape has no row count).
+        its keys, and its shape has no row count): such a table is sized and laid out by its row count, any id
+        outside `[0, n)` (a negative one) is padding, and its layout is recorded beside checkpoints.
+      vocabulary: the `vocabulary` of the table configs that make tables of this kind (`tf_sharded.config`).
+      noun: what a table of this kind is called in messages.
+      deltas: whether an export can be brought up to date with the rows changed since a step
+        (`tfs.export_delta`).
     """
 
     name: str
     static_rows: bool
+    vocabulary: Optional[str] = None
+    noun: str = "table"
+    deltas: bool = False
+
+    def save_weights(self, table, store, key: str) -> None:
+        """Writes `table` into a Keras weight file's `store` as entry `key`."""
+        store[key] = table.numpy()
+
+    def load_weights(self, table, store, key: str, layer: str) -> None:
+        """Assigns what `save_weights` wrote as `key` to `table` (errors name `layer`), after checking its shape."""
+        if key not in store:
+            raise ValueError(
+                f"Layer '{layer}': the saved file has no '{key}' entry. Received keys: {list(store.keys())}"
+            )
+        value = store[key]
+        shape = list(value.shape)
+        if shape != table.shape.as_list():
+            raise ValueError(
+                f"Layer '{layer}': saved '{key}' has shape {shape}, the layer's table has shape "
+                f"{table.shape.as_list()}. Received a file saved from another model configuration."
+            )
+        table.assign(value[...])
+
+    def checkpoint_difference(self, table, key: str, shapes: dict, dtypes: dict) -> Optional[Tuple[str, str]]:
+        """None where `table` is one entry `key` of a checkpoint, compared as a variable is; else `(prefix, what
+        differs)`: the prefix of the checkpoint keys that hold it, and what keeps the checkpoint's from
+        restoring into it ("" where nothing does). `shapes` and `dtypes`: the checkpoint reader's maps."""
+        return None
+
+    def exported(self, table) -> Any:
+        """What serves `table` in a `tfs.export` SavedModel; None: its rows, read once into a variable."""
+        return None
+
+    def reset_lost(self, table) -> int:
+        """Sets what `table` keeps besides variables to an empty table's state where its task was lost (a
+        restore refills it); returns how many variables it set. Variables alone a restore renews: none."""
+        return 0
 
 
 class PlacementType:
@@ -63,11 +113,42 @@ class PlacementType:
       trained_remotely: whether the rows are updated where they live, from each worker's own gradients: those are
         then neither summed over the replicas nor applied by Keras, and the optimizer hands them over in
         `after_update`.
+      option: the `placement=` argument that asks for it under mirrored strategies (`tfs.Placement`), None for
+        none.
+      per_replica: what each replica's device holds: "copy" (the whole table), "shard" (its share of the
+        rows) or None (nothing: the rows are elsewhere).
+      exchanged: whether the replicas' gradients are summed by the table's `tfs.exchange.ExchangePolicy` (a
+        copy per replica or per host) rather than on each row's owner or nowhere.
     """
 
-    def __init__(self, name: str, description: str, single_copy: bool = False, trained_remotely: bool = False):
+    def __init__(
+        self,
+        name: str,
+        description: str,
+        single_copy: bool = False,
+        trained_remotely: bool = False,
+        option: Optional[str] = None,
+        per_replica: Optional[str] = None,
+        exchanged: bool = False,
+    ):
+        if per_replica not in (None, "copy", "shard"):
+            raise ValueError(f"Argument `per_replica` must be None, 'copy' or 'shard'. Received: {per_replica!r}")
         self.name, self.description = name, description
         self.single_copy, self.trained_remotely = single_copy, trained_remotely
+        self.option, self.per_replica, self.exchanged = option, per_replica, exchanged
+
+    def replica_bytes(self, nbytes: float, replicas: int) -> float:
+        """Bytes of a table of `nbytes` that one replica's device holds, the table split over `replicas`."""
+        if self.per_replica == "copy":
+            return nbytes
+        return nbytes / max(1, replicas) if self.per_replica == "shard" else 0.0
+
+    def copies_per_worker(self, local_replicas: int, replicas: int) -> float:
+        """Copies of a table that one worker with `local_replicas` holds, the table split over `replicas` (a
+        shard is that share of one copy); one where its replicas hold none (a copy on the host)."""
+        if self.per_replica == "copy":
+            return local_replicas
+        return local_replicas / max(1, replicas) if self.per_replica == "shard" else 1
 
     def attach_optimizer(self, optimizer, table) -> None:
         """`optimizer` was built to train `table` (where the rows are trained remotely: it tells them how)."""
@@ -168,10 +249,19 @@ def lookup_route(placement: PlacementType, kind: Kind) -> Route:
 
 # The placements of the tables every strategy makes (their lookups are registered by the modules that do them).
 LOCAL = register_placement(PlacementType("local", "on this process's devices (default and parameter servers)"))
-DEVICE = register_placement(PlacementType("device", "a copy on each replica's device"))
-HOST = register_placement(PlacementType("host", "one copy on the worker's host", single_copy=True))
-REPLICAS = register_placement(PlacementType("replicas", "split over the replicas of one process", single_copy=True))
-WORKERS = register_placement(PlacementType("workers", "split over the workers", single_copy=True))
+DEVICE = register_placement(
+    PlacementType("device", "a copy on each replica's device", option="device", per_replica="copy", exchanged=True)
+)
+HOST = register_placement(
+    PlacementType("host", "one copy on the worker's host", single_copy=True, option="host", exchanged=True)
+)
+REPLICAS = register_placement(
+    PlacementType("replicas", "split over the replicas of one process", single_copy=True, option="sharded",
+                  per_replica="shard")
+)  # fmt: skip
+WORKERS = register_placement(
+    PlacementType("workers", "split over the workers", single_copy=True, option="sharded", per_replica="shard")
+)
 
 _BY_OPTION = {None: LOCAL, "device": DEVICE, "host": HOST, "sharded": REPLICAS}
 
@@ -179,4 +269,19 @@ _BY_OPTION = {None: LOCAL, "device": DEVICE, "host": HOST, "sharded": REPLICAS}
 def placement_of_option(option: Optional[str], over_workers: bool) -> PlacementType:
     """The placement of a table made with the `placement=` option `option` (None: the strategy's default), its
     shards held by several workers or not."""
-    return WORKERS if over_workers else _BY_OPTION[option]
+    return WORKERS if over_workers else _BY_OPTION[None if option is None else str(option)]
+
+
+def chosen_placement(option: Optional[str]) -> Optional[PlacementType]:
+    """The placement a mirrored table's `placement=` option asks for within one process; None where it leaves
+    the choice to the strategy or a plan (None, "auto")."""
+    return None if option is None or str(option) == "auto" else _BY_OPTION[str(option)]
+
+
+def kind_of_config(config: Any) -> Kind:
+    """The kind of the tables a table config (`tf_sharded.config`) makes, by its `vocabulary`."""
+    vocabulary = str(config.vocabulary)
+    for registered in _KINDS.values():
+        if registered.vocabulary == vocabulary:
+            return registered
+    raise ValueError(f"No table kind is registered for {vocabulary!r} tables (config '{config.name}')")

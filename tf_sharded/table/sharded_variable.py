@@ -37,7 +37,7 @@ def gather_rows(variable, ids) -> tf.Tensor:
 
 
 # Tables of rows [0, n), all created with the table: `ShardedVariable`, and the tables on table servers.
-FIXED = registry.register_kind(registry.Kind("fixed", static_rows=True))
+FIXED = registry.register_kind(registry.Kind("fixed", static_rows=True, vocabulary="static"))
 
 
 @implements_table

@@ -28,10 +28,17 @@ from tf_sharded.errors import positive_int
 from tf_sharded.table import registry
 from tf_sharded.table.dynamic.agree import agreeing_context, gather_keys
 from tf_sharded.table.dynamic.group import lookup_groups
-from tf_sharded.table.dynamic.keys import key_fingerprints, parse_key_dtype, shard_of_keys
+from tf_sharded.table.dynamic.keys import (
+    key_fingerprints,
+    keys_from_file,
+    keys_to_file,
+    parse_key_dtype,
+    shard_of_keys,
+)
 from tf_sharded.table.dynamic.lock import locked_together
 from tf_sharded.table.dynamic.packed import Request, expand, resolve, single
 from tf_sharded.table.dynamic.pool import GROWTH, Insert
+from tf_sharded.table.dynamic.serving import ExportedDynamicTable
 from tf_sharded.table.dynamic.shard import DynamicShard
 from tf_sharded.table.dynamic.slots import DynamicSlot
 from tf_sharded.table.dynamic.workers import gather_over_workers, max_over_workers
@@ -39,8 +46,42 @@ from tf_sharded.table.norms import clip_rows
 from tf_sharded.table.protocol import MAX_IDS_RANK, register_shards
 from tf_sharded.table.remote import RemoteShard, is_remote, sum_over_workers
 
-# Tables keyed by raw int64 or string keys, their rows created as keys arrive and freed as they are evicted.
-DYNAMIC = registry.register_kind(registry.Kind("dynamic", static_rows=False))
+
+class _DynamicKind(registry.Kind):
+    """Tables keyed by raw int64 or string keys, their rows created as keys arrive and freed as they are
+    evicted: saved as their live keys and rows, served by an `ExportedDynamicTable`."""
+
+    def save_weights(self, table, store, key: str) -> None:
+        keys, values = table.export()
+        keys_to_file(store, f"{key}__keys", keys)
+        store[f"{key}__values"] = values.numpy()
+
+    def load_weights(self, table, store, key: str, layer: str) -> None:
+        keys = keys_from_file(store, f"{key}__keys", table.key_dtype, f"Layer '{layer}'")
+        table.assign_keys(keys, store[f"{key}__values"][...])
+
+    def checkpoint_difference(self, table, key: str, shapes: dict, dtypes: dict):
+        # Saved as attributes of its own (keys, values, counters, optimizer columns), not one value.
+        prefix = key[: -len(_compat.VARIABLE_VALUE_KEY)]
+        keys, values = prefix + "keys", prefix + "values"
+        if keys not in shapes or values not in shapes:
+            return prefix, "in the model, not in the checkpoint"
+        if dtypes[keys] != table.key_dtype:
+            return prefix, f"{dtypes[keys].name} keys in the checkpoint, {table.key_dtype.name} in the model"
+        if list(shapes[values])[1:] != [table.dim]:
+            return prefix, f"rows of {shapes[values][1]} in the checkpoint, {table.dim} in the model"
+        return prefix, ""
+
+    def exported(self, table):
+        return ExportedDynamicTable(table)
+
+    def reset_lost(self, table) -> int:
+        return table.reset_lost()
+
+
+DYNAMIC = registry.register_kind(
+    _DynamicKind("dynamic", static_rows=False, vocabulary="dynamic", noun="dynamic table", deltas=True)
+)
 
 
 class DynamicTable(registry.TableClass, _compat.Trackable):
