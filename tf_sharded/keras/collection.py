@@ -16,15 +16,14 @@ from tf_sharded.keras.layer_tables import (
     create_layer_group,
     create_layer_table,
     dense_keys_to_ragged,
-    load_table,
     padded_to_ragged,
     refuse_multi_hot,
 )
 from tf_sharded.layout import PartitionSpec
 from tf_sharded.planning.plans import Plan
 from tf_sharded.policies import deserialize_policies, serialize_policies
+from tf_sharded.table import registry
 from tf_sharded.table.batched import storage_runs
-from tf_sharded.table.dynamic.keys import keys_from_file, keys_to_file
 from tf_sharded.table.lookup import FeatureLookup, lookup_features
 
 
@@ -127,8 +126,8 @@ class EmbeddingCollection(keras.layers.Layer):
 
     def _with_defaults(self, config):
         """`config` with the collection's `partitions` / `scheme` where it sets none (validated, naming the
-        table); a dynamic table takes neither (its shards follow the strategy)."""
-        if isinstance(config, DynamicTableConfig):
+        table); a table without static rows (dynamic) takes neither (its shards follow the strategy)."""
+        if not registry.kind_of_config(config).static_rows:
             return config
         changes = {}
         if config.partitions is None and self.partitions is not None:
@@ -157,11 +156,11 @@ class EmbeddingCollection(keras.layers.Layer):
                 for name in names:
                     config = configs[name]
                     with self._naming(name):
-                        if isinstance(config, DynamicTableConfig):
-                            created[name] = self._create_dynamic(name, config)
-                        else:
+                        if registry.kind_of_config(config).static_rows:
                             config = dataclasses.replace(config, name=f"{self.name}/{name}")
                             created[name] = create_layer_table(self, config, name)
+                        else:
+                            created[name] = self._create_dynamic(name, config)
         for name, table in created.items():
             self.tables[name] = table
             # Keras wraps `self.tables` in its own container, which TensorFlow checkpoints do not follow.
@@ -195,12 +194,12 @@ class EmbeddingCollection(keras.layers.Layer):
         strategy does not batch tables."""
         group, prefix = f"{self.name}/batched_{names[0]}", f"batched_{names[0]}"
         with self._naming(", ".join(names)):
-            if isinstance(configs[names[0]], DynamicTableConfig):
-                specs = [dict(self._dynamic_options(configs[n]), name=f"{self.name}/{n}") for n in names]
-                tables = create_layer_dynamic_group(self, specs, group, prefix)
-            else:
+            if registry.kind_of_config(configs[names[0]]).static_rows:
                 statics = [dataclasses.replace(configs[n], name=f"{self.name}/{n}") for n in names]
                 tables = create_layer_group(self, statics, group, prefix)
+            else:
+                specs = [dict(self._dynamic_options(configs[n]), name=f"{self.name}/{n}") for n in names]
+                tables = create_layer_dynamic_group(self, specs, group, prefix)
         if tables is None:
             return False
         created.update(zip(names, tables))
@@ -233,10 +232,10 @@ class EmbeddingCollection(keras.layers.Layer):
             table = self.tables[spec.table]
             if spec.combiner is None:
                 refuse_multi_hot(ids, who)
-            elif isinstance(self.table_configs[spec.table], DynamicTableConfig):
-                ids = dense_keys_to_ragged(table, ids)
-            else:
+            elif table.kind.static_rows:  # ids outside [0, rows) pad
                 ids = padded_to_ragged(ids, spec.combiner, False, who)
+            else:  # any key is one
+                ids = dense_keys_to_ragged(table, ids)
             requests.append(FeatureLookup(table, ids, spec.combiner, arg=f"inputs['{feature}']"))
         # `training` matters to dynamic tables only: a training call gives unseen keys a row.
         return dict(zip(self.feature_configs, lookup_features(requests, training=training is not False)))
@@ -251,20 +250,11 @@ class EmbeddingCollection(keras.layers.Layer):
 
     def save_own_variables(self, store):
         for name, table in self.tables.items():
-            if isinstance(self.table_configs[name], DynamicTableConfig):
-                keys, values = table.export()
-                keys_to_file(store, f"{name}__keys", keys)
-                store[f"{name}__values"] = values.numpy()
-            else:
-                store[name] = table.numpy()
+            table.kind.save_weights(table, store, name)
 
     def load_own_variables(self, store):
         for name, table in self.tables.items():
-            if isinstance(self.table_configs[name], DynamicTableConfig):
-                keys = keys_from_file(store, f"{name}__keys", table.key_dtype, f"Layer '{self.name}'")
-                table.assign_keys(keys, store[f"{name}__values"][...])
-            else:
-                load_table(table, store, name, self.name)
+            table.kind.load_weights(table, store, name, self.name)
 
     def get_config(self):
         config = super().get_config()

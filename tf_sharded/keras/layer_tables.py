@@ -170,14 +170,5 @@ def refuse_multi_hot(ids, who: str) -> None:
 
 
 def load_table(table, store, key: str, layer: str) -> None:
-    """Assigns a weight file's entry `key` (a full-shape array) to `table`, after checking its shape."""
-    if key not in store:
-        raise ValueError(f"Layer '{layer}': the saved file has no '{key}' entry. Received keys: {list(store.keys())}")
-    value = store[key]
-    shape = list(value.shape)
-    if shape != table.shape.as_list():
-        raise ValueError(
-            f"Layer '{layer}': saved '{key}' has shape {shape}, the layer's table has shape "
-            f"{table.shape.as_list()}. Received a file saved from another model configuration."
-        )
-    table.assign(value[...])
+    """Assigns a weight file's entry `key` to `table`, as the table's kind saved it (errors name `layer`)."""
+    table.kind.load_weights(table, store, key, layer)

@@ -18,9 +18,9 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sharded.keras import quantized
+from tf_sharded.table import registry
 from tf_sharded.table.batched import logical_tables
-from tf_sharded.table.dynamic.serving import ExportedDynamicTable, write_delta
-from tf_sharded.table.dynamic.table import DynamicTable
+from tf_sharded.table.dynamic.serving import write_delta
 from tf_sharded.table.lookup import substituted
 from tf_sharded.table.protocol import Table, owner_of
 
@@ -136,8 +136,9 @@ class ExportedQuantizedTable(tf.Module):
 
 
 def _served_table(table, quantize: Optional[str]):
-    if isinstance(table, DynamicTable):
-        return ExportedDynamicTable(table)
+    exported = table.kind.exported(table)
+    if exported is not None:
+        return exported
     if quantize is not None and table.dtype.is_floating and table.shape.rank >= 2:
         return ExportedQuantizedTable(table, quantize)
     return tf.Variable(table.read_value(), trainable=False, name=table.name.replace("/", "_"))
@@ -195,7 +196,8 @@ def export(model: keras.Model, path: str, input_signature: Any = None, quantize:
         raise ValueError(f"Argument `quantize` must be one of {QUANTIZE_MODES}. Received: quantize={quantize!r}")
     spec = input_signature if input_signature is not None else _default_signature(model)
     with tf.device("/cpu:0"):
-        plain_tables = {key: _served_table(table, quantize) for key, table in _tables_of(model).items()}
+        tables = _tables_of(model)
+        plain_tables = {key: _served_table(table, quantize) for key, table in tables.items()}
         copies = [(v, tf.Variable(v.numpy(), trainable=False)) for v in model.variables if owner_of(v) is None]
 
     def serve(inputs):
@@ -206,7 +208,7 @@ def export(model: keras.Model, path: str, input_signature: Any = None, quantize:
 
     module = tf.Module()
     module.tables = list(plain_tables.values())
-    exported = [t for t in module.tables if isinstance(t, ExportedDynamicTable)]
+    exported = [plain_tables[key] for key, table in tables.items() if table.kind.deltas]
     signatures = {}
     if exported:
         # Updates the dynamic tables in place from a `tfs.export_delta` directory (core ops only).
@@ -270,10 +272,10 @@ def export_delta(model, path: str, since_step: int) -> Dict[str, int]:
     if isinstance(since_step, bool) or not isinstance(since_step, int) or since_step < 0:
         raise ValueError(f"Argument `since_step` must be an integer >= 0. Received: since_step={since_step!r}")
     if isinstance(model, keras.Model):
-        tables = [t for t in _tables_of(model).values() if isinstance(t, DynamicTable)]
+        tables = [t for t in _tables_of(model).values() if t.kind.deltas]
     else:
         tables = list(model) if isinstance(model, (list, tuple)) else [model]
-    if not tables or not all(isinstance(t, DynamicTable) for t in tables):
+    if not tables or not all(registry.is_any_table(t) and t.kind.deltas for t in tables):
         raise TypeError(
             "Argument `model` must be a Keras model with dynamic tables, or tfs.DynamicTable(s). "
             f"Received: {type(model).__name__}" + (" without dynamic tables" if isinstance(model, keras.Model) else "")

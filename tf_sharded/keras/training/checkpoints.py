@@ -24,8 +24,7 @@ from google.protobuf import text_format
 
 from tf_sharded import _compat
 from tf_sharded.errors import CheckpointMismatchError
-from tf_sharded.table.dynamic.table import DynamicTable
-from tf_sharded.table.protocol import is_table
+from tf_sharded.table import registry
 
 STEP_KEY = "step/.ATTRIBUTES/VARIABLE_VALUE"
 
@@ -183,7 +182,7 @@ def _saved_objects(root) -> List[Tuple[List[str], object, bool]]:
             if id(child) in seen:
                 continue
             seen.add(id(child))
-            value = is_table(child) or isinstance(child, (DynamicTable, tf.Variable, keras.Variable))
+            value = registry.is_any_table(child) or isinstance(child, (tf.Variable, keras.Variable))
             found.append((path + [name], child, value))
             if not value:
                 queue.append((child, path + [name]))
@@ -192,10 +191,8 @@ def _saved_objects(root) -> List[Tuple[List[str], object, bool]]:
 
 def _described(key: str, obj) -> str:
     name = key.split("/" + _compat.VARIABLE_VALUE_KEY)[0].replace("/.ATTRIBUTES", "")
-    if isinstance(obj, DynamicTable):
-        return f"{name} (dynamic table '{obj.name}')"
-    if is_table(obj):
-        return f"{name} (table '{obj.name}')"
+    if registry.is_any_table(obj):
+        return f"{name} ({obj.kind.noun} '{obj.name}')"
     return f"{name} (variable '{getattr(obj, 'path', None) or obj.name}')"
 
 
@@ -217,17 +214,13 @@ def differences(root, path: str, model: keras.Model) -> List[str]:
         if len(object_path) == 1:
             continue
         where = _described(key, obj)
-        if isinstance(obj, DynamicTable):
-            # Saved as attributes of its own (keys, values, counters, optimizer columns), not one value.
-            prefix = key[: -len(_compat.VARIABLE_VALUE_KEY)]
+        # A table its kind saves as several entries (a dynamic table's keys and rows) is compared by its kind.
+        entries = obj.kind.checkpoint_difference(obj, key, shapes, dtypes) if registry.is_any_table(obj) else None
+        if entries is not None:
+            prefix, problem = entries
             prefixes.append(prefix)
-            keys, values = prefix + "keys", prefix + "values"
-            if keys not in shapes or values not in shapes:
-                found.append(f"{where}: in the model, not in the checkpoint")
-            elif dtypes[keys] != obj.key_dtype:
-                found.append(f"{where}: {dtypes[keys].name} keys in the checkpoint, {obj.key_dtype.name} in the model")
-            elif list(shapes[values])[1:] != [obj.dim]:
-                found.append(f"{where}: rows of {shapes[values][1]} in the checkpoint, {obj.dim} in the model")
+            if problem:
+                found.append(f"{where}: {problem}")
             continue
         claimed.add(key)
         if key not in shapes:
@@ -271,7 +264,8 @@ def table_keys(root) -> dict:
                 continue
             seen.add(id(child))
             child_path = path + [name]
-            if is_table(child):
+            # Tables of rows [0, n): the layout of their rows is what a reader of the checkpoint needs.
+            if registry.is_any_table(child) and child.kind.static_rows:
                 keys[_compat.checkpoint_key(child_path)] = child
             queue.append((child, child_path))
     return keys

@@ -31,7 +31,7 @@ from typing import Set, Tuple
 import tensorflow as tf
 
 from tf_sharded import _compat
-from tf_sharded.table.dynamic.table import DynamicTable
+from tf_sharded.table import registry
 
 _PS_TASK = re.compile(r"/job:ps/replica:0/task:(\d+)")
 
@@ -118,10 +118,11 @@ def reconnect(tasks: Set[int]) -> Tuple[Set[int], list]:
 
 
 def reset_dynamic(root) -> int:
-    """Dynamic tables under `root` whose shards lost their task: an empty table's state, which a restore
-    can read and refill (it exports every shard before it assigns). Returns how many variables were set."""
+    """Tables under `root` whose shards lost their task and that keep state besides variables (a dynamic table's
+    keys): an empty table's state, which a restore can read and refill (it exports every shard before it
+    assigns), as each table's kind sets it. Returns how many variables were set."""
     found = tf.train.TrackableView(root).descendants()
-    return sum(t.reset_lost() for t in found if isinstance(t, DynamicTable))
+    return sum(t.kind.reset_lost(t) for t in found if registry.is_any_table(t))
 
 
 def zero_unrestored(variables: list) -> None:
