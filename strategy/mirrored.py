@@ -42,6 +42,7 @@ from tf_sharded import _compat
 from tf_sharded.config import Exchange, ExchangePolicy
 from tf_sharded.layout import resolve_spec
 from tf_sharded.strategy import FitLoop, StrategyFamily, Transport, register
+from tf_sharded.table import registry
 from tf_sharded.table.batched import build_batched
 from tf_sharded.table.builder import ShardPlacement, build_sharded_variable, colocate_scope
 
@@ -62,7 +63,7 @@ def host_device(strategy) -> str:
 
 def resolve_placement(placement, table_bytes: int) -> str:
     """Resolves a validated `placement` argument; None and "auto" choose by table size."""
-    if placement in (None, "auto"):
+    if registry.chosen_placement(placement) is None:
         return "host" if table_bytes > HOST_PLACEMENT_BYTES else "device"
     return placement
 
@@ -142,30 +143,32 @@ def _budget_source(strategy) -> str:
     return f"the host's physical memory over {len(strategy.extended.worker_devices)} replica(s)"
 
 
-def _placement_of(strategy, config) -> str:
+def _placement_of(strategy, config) -> registry.PlacementType:
     """A table's placement; "auto" (or none given) in one process shards a table whose copy with a slot does not
     fit a replica's memory but whose shard does, else keeps the size rule (`resolve_placement`). In one process,
-    an explicit "device" whose copy alone exceeds a replica's memory is refused before anything is created."""
+    an explicit copy per replica ("device") that alone exceeds a replica's memory is refused before anything is
+    created."""
     table_bytes = config.dtype.size * int(tf.TensorShape(config.shape).num_elements())
     # Across workers each would measure its own memory and might decide otherwise: tfs.plan decides for all.
     one_process = _compat.uses_merge_call(strategy) and not _compat.in_multi_worker_mode(strategy)
-    if config.placement == "device" and one_process:
+    chosen = registry.chosen_placement(config.placement)
+    if chosen is not None and chosen.per_replica == "copy" and one_process:
         budget = replica_memory(strategy)
         if budget is not None and table_bytes > budget:
             replicas = min(strategy.num_replicas_in_sync, config.shape[0])
             instead = f"placement='sharded' ({_mib(table_bytes / replicas)} per replica), " if replicas > 1 else ""
             raise ValueError(
-                f"Argument `placement` of table '{config.name}': placement='device' puts a copy of "
+                f"Argument `placement` of table '{config.name}': placement='{chosen.option}' puts a copy of "
                 f"{_mib(table_bytes)} (the table alone, before optimizer slots) on every replica, and a replica "
                 f"holds {_mib(budget)} ({_budget_source(strategy)}). Use {instead}'host' or 'auto'."
             )
-    if config.placement in (None, "auto") and one_process:
+    if chosen is None and one_process:
         replicas = min(strategy.num_replicas_in_sync, config.shape[0])
         budget = replica_memory(strategy) if replicas > 1 else None
         need = table_bytes * (1 + AUTO_SLOTS)
         if budget is not None and need > budget:
-            return "sharded" if need / replicas <= budget else "host"
-    return resolve_placement(config.placement, table_bytes)
+            return registry.REPLICAS if need / replicas <= budget else registry.HOST
+    return chosen or registry.chosen_placement(resolve_placement(None, table_bytes))
 
 
 def _sharded_layout(strategy, config):
@@ -180,7 +183,7 @@ def create_group(strategy, configs, name, variable_factory=None):
     """Tables sharded over the replicas, of one dtype and row shape, in one storage variable per replica
     (table-batched storage: one gather per replica and owner, one update per owner and step); None (each
     table its own variables) unless every table is sharded."""
-    if any(_placement_of(strategy, config) != "sharded" for config in configs):
+    if any(_placement_of(strategy, config).per_replica != "shard" for config in configs):
         return None
     specs, shard_devices = [], []
     for config in configs:
@@ -203,24 +206,42 @@ def _seeded(strategy, configs):
     return [c if c.seed is not None else dataclasses.replace(c, seed=zlib.crc32(c.name.encode())) for c in configs]
 
 
+def _split_over_replicas(strategy, config):
+    """Shard `r` on replica `r`'s device, a plain variable there (held by another worker: a stand-in here)."""
+    spec, devices = _sharded_layout(strategy, config)
+    on_replica = lambda i: colocate_scope(_compat.single_device(devices[i]))  # noqa: E731
+    return spec, ShardPlacement([None] * spec.num_shards, scope=on_replica, remote=_remote(strategy, devices))
+
+
+def _on_host(strategy, config):
+    """Every shard a plain variable on this worker's host CPU, read by its replicas."""
+    spec = resolve_spec(config.partitions, config.shape, config.dtype, config.scheme, default_shards=1)
+    host = _compat.single_device(host_device(strategy))
+    return spec, ShardPlacement([None] * spec.num_shards, scope=lambda i: colocate_scope(host))
+
+
+def _copy_per_replica(strategy, config):
+    """Every shard a `MirroredVariable`, as the strategy makes one."""
+    spec = resolve_spec(config.partitions, config.shape, config.dtype, config.scheme, default_shards=1)
+    return spec, ShardPlacement([None] * spec.num_shards)
+
+
+# How each placement a mirrored table can have lays out its shards: `(partition spec, shard placement)`. The
+# exchange of the replicas' gradients, where the placement has one, is the table's `ExchangePolicy`.
+_LAYOUTS = {
+    registry.DEVICE.name: _copy_per_replica,
+    registry.HOST.name: _on_host,
+    registry.REPLICAS.name: _split_over_replicas,
+}
+
+
 def create(strategy, config, variable_factory=None):
     placement = _placement_of(strategy, config)
     (config,) = _seeded(strategy, [config])
-    if placement == "sharded":
-        spec, devices = _sharded_layout(strategy, config)
-        on_replica = lambda i: colocate_scope(_compat.single_device(devices[i]))  # noqa: E731
-        shards = ShardPlacement([None] * spec.num_shards, scope=on_replica, remote=_remote(strategy, devices))
-        with strategy.scope():
-            return build_sharded_variable(
-                config, spec, strategy, shards, variable_factory=variable_factory, mirrored_placement=placement
-            )
-    spec = resolve_spec(config.partitions, config.shape, config.dtype, config.scheme, default_shards=1)
-    policy = ExchangePolicy(config.exchange or _DEFAULT_EXCHANGE.get(strategy, "auto"), config.ids_per_step)
-    if placement == "host":
-        host = _compat.single_device(host_device(strategy))
-        shards = ShardPlacement([None] * spec.num_shards, scope=lambda i: colocate_scope(host))
-    else:
-        shards = ShardPlacement([None] * spec.num_shards)
+    spec, shards = _LAYOUTS[placement.name](strategy, config)
+    policy = None
+    if placement.exchanged:
+        policy = ExchangePolicy(config.exchange or _DEFAULT_EXCHANGE.get(strategy, "auto"), config.ids_per_step)
     with strategy.scope():
         return build_sharded_variable(
             config,
@@ -229,7 +250,7 @@ def create(strategy, config, variable_factory=None):
             shards,
             variable_factory=variable_factory,
             exchange=policy,
-            mirrored_placement=placement,
+            mirrored_placement=placement.option,
         )
 
 

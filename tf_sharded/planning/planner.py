@@ -33,9 +33,10 @@ from typing import Dict, List, Optional
 import numpy as np
 import tensorflow as tf
 
-from tf_sharded.config import BaseTableConfig, DynamicTableConfig
+from tf_sharded.config import BaseTableConfig
 from tf_sharded.exchange.cost import choose, cost_bytes, placement_costs
 from tf_sharded.planning.plans import MIRRORED, MULTI, PS, Plan, TablePlan, Topology
+from tf_sharded.table import registry
 from tf_sharded.table.batched import storage_runs
 
 # Fitted by B11 (`bench plan`, a cluster of 2 ps + 1 worker; docs/benchmarks.md; they vary by ~30% between runs
@@ -85,7 +86,7 @@ def _features_of(tables, configs: dict) -> dict:
     else each table read by a feature of its name."""
     features = getattr(tables, "feature_configs", None)
     pairs = {f: spec.table for f, spec in features.items()} if features is not None else {n: n for n in configs}
-    return {f: t for f, t in pairs.items() if not isinstance(configs[t], DynamicTableConfig)}
+    return {f: t for f, t in pairs.items() if _static(configs[t])}
 
 
 def ids_from_batches(batches, features: dict) -> dict:
@@ -256,14 +257,21 @@ class Memory:
     per_replica: Optional[int] = None
 
 
+def _static(config) -> bool:
+    """Whether `config`'s table has rows `[0, n)` (its kind's `static_rows`), which the plan sizes and lays out;
+    the shards of any other follow the strategy."""
+    return registry.kind_of_config(config).static_rows
+
+
 def _table_bytes(config) -> int:
     return int(np.prod(config.shape)) * tf.as_dtype(config.dtype).size
 
 
 def _base(name, config, stats):
     per_step, distinct, _ = stats.get(name, (None, None, None))
-    if isinstance(config, DynamicTableConfig):
-        return TablePlan(name, None, config.dim, per_step, distinct, reason="dynamic: its shards follow the strategy")
+    if not _static(config):
+        reason = f"{registry.kind_of_config(config).name}: its shards follow the strategy"
+        return TablePlan(name, None, config.dim, per_step, distinct, reason=reason)
     return TablePlan(name, config.rows, config.dim, per_step, distinct)
 
 
@@ -304,7 +312,7 @@ def _place(parts: Dict[str, int], weights: Dict[str, float], num_ps: int) -> lis
 def _shards(configs, stats, num_ps) -> Dict[str, tuple]:
     """{table: (shards, why)} of the static tables: whole on one ps while small, else a shard per ps; then,
     while whole tables leave a ps over `BALANCE` of the mean bytes or lookups, the largest of them is split."""
-    static = {n: c for n, c in configs.items() if not isinstance(c, DynamicTableConfig)}
+    static = {n: c for n, c in configs.items() if _static(c)}
     size = {n: float(_table_bytes(c)) for n, c in static.items()}
     lookups = {n: float(stats[n][0]) if n in stats else 0.0 for n in static}
     share = {n: v / (sum(size.values()) or 1) for n, v in size.items()}
@@ -391,28 +399,34 @@ def _replica_placement(name, config, need, held, replicas, budget):
     `held`: the bytes one replica holds of the tables placed before this one; `replicas`: how many replicas a
     sharded table would be split over (1: it cannot be).
     """
+    chosen = registry.chosen_placement(config.placement)
     copy_fits = held + need <= budget
-    if config.placement == "device" and not copy_fits:
+    if chosen is not None and chosen.per_replica == "copy" and not copy_fits:
         raise ValueError(
-            f"Table '{name}' with placement='device' needs {_mb(need)} (table and slots) on every replica beside "
-            f"{_mb(held)} of the tables before it; argument `memory_per_replica` is {_mb(budget)}. Use "
+            f"Table '{name}' with placement='{chosen.option}' needs {_mb(need)} (table and slots) on every replica "
+            f"beside {_mb(held)} of the tables before it; argument `memory_per_replica` is {_mb(budget)}. Use "
             "placement='sharded' or 'auto'."
         )
-    if config.placement not in (None, "auto"):
+    if chosen is not None:
         return None
     if copy_fits:
-        return "device", f"device: a copy of {_mb(need)} beside {_mb(held)} fits memory_per_replica {_mb(budget)}"
+        return registry.DEVICE, (
+            f"device: a copy of {_mb(need)} beside {_mb(held)} fits memory_per_replica {_mb(budget)}"
+        )
     shard = need / replicas
     if replicas > 1 and held + shard <= budget:
-        return "sharded", (
+        return registry.REPLICAS, (
             f"sharded: a copy of {_mb(need)} beside {_mb(held)} does not fit memory_per_replica {_mb(budget)}; "
             f"a shard of {_mb(shard)} per replica ({replicas}) does"
         )
     where = "a shard per replica" if replicas > 1 else "a copy"
-    return "host", f"host: neither {where} nor a copy fits memory_per_replica {_mb(budget)} beside {_mb(held)}"
+    return registry.HOST, f"host: neither {where} nor a copy fits memory_per_replica {_mb(budget)} beside {_mb(held)}"
 
 
 def _plan_mirrored(configs, stats, topology, slots, budgets, groups):
+    """Each table's placement, as a registered placement (`registry.DEVICE`, `HOST` or `REPLICAS`: the plan
+    speaks in `placement=` options, and a table sharded over the workers holds its shards as over the replicas),
+    its memory counted as the placement holds it."""
     from tf_sharded.strategy.mirrored import HOST_PLACEMENT_BYTES, resolve_placement
 
     in_process = topology.kind == MIRRORED
@@ -421,15 +435,11 @@ def _plan_mirrored(configs, stats, topology, slots, budgets, groups):
     shard_over = topology.replicas
     memory = budgets.per_device
     cores_shared = topology.devices == "cpu"
+    chosen = {name: registry.chosen_placement(config.placement) for name, config in configs.items()}
     # Across workers, the tables that may be sharded with a sample share their group's rendezvous (one per width).
     sharing: Dict[tuple, int] = {}
     for name, config in configs.items():
-        if (
-            name in stats
-            and not isinstance(config, DynamicTableConfig)
-            and config.placement in (None, "auto")
-            and not in_process
-        ):
+        if name in stats and _static(config) and chosen[name] is None and not in_process:
             sharing[_width(config)] = sharing.get(_width(config), 0) + 1
     out, held = {}, 0.0  # held: the worker's bytes of the tables placed so far
     held_replica = 0.0  # one replica's
@@ -443,37 +453,42 @@ def _plan_mirrored(configs, stats, topology, slots, budgets, groups):
         by_replica = None
         if budgets.per_replica is not None:
             by_replica = _replica_placement(name, config, need, held_replica, shard_over, budgets.per_replica)
-        if config.placement not in (None, "auto"):
-            placement, why = config.placement, "placement set by the table config"
+        if chosen[name] is not None:
+            placement, why = chosen[name], "placement set by the table config"
         elif by_replica is not None:
             placement, why = by_replica
         elif memory is not None:
             # In table order: a copy per replica while the worker still has room for them, else one on the host.
-            placement = "device" if held + need * local_replicas <= memory else "host"
+            fits = held + need * local_replicas <= memory
+            placement = registry.DEVICE if fits else registry.HOST
             why = (
-                f"{placement}: {local_replicas} copies of {_mb(need)} beside {_mb(held)} placed "
-                f"{'fit' if placement == 'device' else 'do not fit'} memory_per_device {_mb(memory)}"
+                f"{placement.option}: {local_replicas} copies of {_mb(need)} beside {_mb(held)} placed "
+                f"{'fit' if fits else 'do not fit'} memory_per_device {_mb(memory)}"
             )
         else:
-            placement = resolve_placement(None, nbytes)
-            why = f"{placement}: {_mb(nbytes)} {'>' if placement == 'host' else '<='} {_mb(HOST_PLACEMENT_BYTES)}"
+            placement = registry.chosen_placement(resolve_placement(None, nbytes))
+            above = nbytes > HOST_PLACEMENT_BYTES
+            why = f"{placement.option}: {_mb(nbytes)} {'>' if above else '<='} {_mb(HOST_PLACEMENT_BYTES)}"
         traffic = None
-        if placement == "device" and config.placement in (None, "auto") and shard_over > 1 and t.distinct_per_step:
+        if placement.per_replica == "copy" and chosen[name] is None and shard_over > 1 and t.distinct_per_step:
+            # A copy per replica, or a shard per replica where the cost model finds the step cheaper so.
             traffic = _placement_ms(t, nbytes // t.rows, topology, slots, in_process, sharing.get(_width(config), 1))
-            if traffic["sharded"] < traffic["device"]:
-                placement = "sharded"
-            other = "device" if placement == "sharded" else "sharded"
+            split = registry.REPLICAS
+            if traffic[split.option] < traffic[placement.option]:
+                placement, other = split, placement
+            else:
+                other = split
             why = (
-                f"{placement}: est. {traffic[placement]:.2f} ms a step against {traffic[other]:.2f} "
-                f"{'copied' if other == 'device' else 'sharded'} at {math.ceil(t.distinct_per_step):,} distinct ids "
-                "per replica"
+                f"{placement.option}: est. {traffic[placement.option]:.2f} ms a step against "
+                f"{traffic[other.option]:.2f} {'copied' if other.per_replica == 'copy' else 'sharded'} at "
+                f"{math.ceil(t.distinct_per_step):,} distinct ids per replica"
                 + (", the copies' updates sharing this process's cores" if in_process and cores_shared else "")
-                + ("; " + why.split(": ", 1)[1] if placement == "device" else "")
+                + ("; " + why.split(": ", 1)[1] if placement.per_replica == "copy" else "")
             )
         # Copies of the table this worker holds: one per replica, one on the host, or its replicas' shards.
-        copies = {"device": local_replicas, "sharded": local_replicas / max(1, shard_over)}.get(placement, 1)
+        copies = placement.copies_per_worker(local_replicas, shard_over)
         held += need * copies
-        held_replica += {"device": need, "sharded": need / max(1, shard_over)}.get(placement, 0.0)
+        held_replica += placement.replica_bytes(need, shard_over)
         if memory is not None and held > memory:
             raise ValueError(
                 f"Table '{name}' needs {_mb(need * copies)} with {slots} slot(s) ({copies} cop(ies)) beside "
@@ -481,9 +496,9 @@ def _plan_mirrored(configs, stats, topology, slots, budgets, groups):
                 f"{_mb(memory)}. Use parameter servers for these tables."
             )
         exchange, bound, ms = None, None, 0.0
-        if placement == "sharded":
+        if not placement.exchanged:
             why += "; rows travel to their owners and back: no exchange to choose"
-            ms = traffic["sharded"] if traffic else 0.0
+            ms = traffic[placement.option] if traffic else 0.0
         elif config.exchange not in (None, "auto") or config.ids_per_step is not None:
             why += "; exchange set by the table config"
         elif t.distinct_per_step is not None:
@@ -492,7 +507,7 @@ def _plan_mirrored(configs, stats, topology, slots, budgets, groups):
             exchange = choose(t.rows, row_bytes, topology.replicas, bound, in_process=in_process)
             args = (t.rows, row_bytes, topology.replicas, min(bound, t.rows))
             costs = {m: cost_bytes(m, *args, in_process=in_process) for m in ("allgather", "dense")}
-            ms = traffic["device"] if traffic else costs[exchange] / EXCHANGE_BYTES_PER_MS
+            ms = traffic[placement.option] if traffic else costs[exchange] / EXCHANGE_BYTES_PER_MS
             why += (
                 f"; {exchange}: {bound:,} distinct ids per replica, cost {costs['allgather'] / 1e6:.2f} MB-eq. "
                 f"gathered against {costs['dense'] / 1e6:.2f} dense"
@@ -500,7 +515,7 @@ def _plan_mirrored(configs, stats, topology, slots, budgets, groups):
         else:
             why += "; exchange decided every step (no sample)"
         out[name] = dataclasses.replace(
-            t, placement=placement if config.placement in (None, "auto") else None, exchange=exchange,
+            t, placement=placement.option if chosen[name] is None else None, exchange=exchange,
             exchange_ids=bound, estimate_ms=ms, memory_mb=need * copies / 2**20, reason=why,
         )  # fmt: skip
     return out, [sum(t.memory_mb for t in out.values())]

@@ -9,8 +9,9 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sharded import _compat
-from tf_sharded.config import DynamicTableConfig, Exchange, Placement, Scheme, TopologyKind
+from tf_sharded.config import Exchange, Placement, Scheme, TopologyKind
 from tf_sharded.strategy import family_of
+from tf_sharded.table import registry
 
 PS, MIRRORED, MULTI, DEFAULT = (
     TopologyKind.PARAMETER_SERVER,
@@ -165,7 +166,7 @@ class Plan:
         out = {}
         for name, config in configs.items():
             planned = self.tables[name]
-            if isinstance(config, DynamicTableConfig):
+            if not registry.kind_of_config(config).static_rows:  # its shards follow the strategy
                 out[name] = config
                 continue
             if (config.rows, config.dim) != (planned.rows, planned.dim):
