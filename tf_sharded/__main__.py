@@ -23,8 +23,9 @@ commands:
           and restore it into another layout
   bench [ps|exchange|fused|memory|e2e ...] [--quick] [--out DIR] [--mode inprocess|process|both]
           the benchmark suite (default: all): tables, ratios, JSON and PNG in bench_results/
-  bench report [--bench_dir DIR] [--out FILE]
-          the results page (docs/benchmarks.md) from the benchmarks' JSON (docs/bench/)
+  bench report [--bench_dir DIR] [--out FILE] [--history FILE]
+          the results pages from the benchmarks' JSON (docs/bench/): the latest run of each
+          benchmark per stack (docs/benchmarks.md), the older runs (docs/benchmarks-history.md)
 
 --verbose (with any command) shows TensorFlow's own C++ log, which is hidden otherwise
 (as it is whenever TF_CPP_MIN_LOG_LEVEL is set: then that level applies).

@@ -1,16 +1,27 @@
-"""`python -m tf_sharded bench report [--bench_dir DIR] [--out FILE]`: the results page, written from the JSON.
+"""`python -m tf_sharded bench report [--bench_dir DIR] [--out FILE] [--history FILE]`: the results pages.
 
 Reads every `*.json` under the bench directory (default `docs/bench`, subdirectories included) and writes
-one Markdown page (default `docs/benchmarks.md`): a section per benchmark of the suite, in the order of
-their ids (B1 ... B12), and in a section one block per JSON file, grouped by the directory it is in (one
-run, or one stack, per directory). A block names the command that writes such a file, the run's date,
-machine, library versions and commit where the file records them ("not recorded" where it does not),
-the workload, tables of the figures and ratios, and the suite's plot `NAME.png` when one lies beside the
-file. Files that are not reports of the suite's benchmarks are listed at the end, unrendered.
+two Markdown pages: the results page (default `docs/benchmarks.md`), with the latest run of each benchmark
+on each stack, and beside it the page of the older runs (`benchmarks-history.md`). Both have a section per
+benchmark of the suite, in the order of their ids (B1 ... B13); the results page opens with an index of the
+runs it shows and links each section to the same section of the older runs.
 
-The page is a function of the files alone: sorted file order, paths and links relative to the page, no
-clock, host or git read while writing. Regenerating it from the same files gives the same bytes, which is
-what lets a test hold the committed page to the committed JSON.
+A run is the reports of one benchmark in one directory from one stack (`--mode both` writes `NAME.json` and
+`NAME_process.json` in one run). Its stack is the TensorFlow major.minor its reports' `meta.tensorflow`
+records, else the `tfX.Y` its directory's name begins with (`tf2.21/`), else `UNRECORDED_STACK` (TF 2.16:
+every run from before the reports recorded versions was on it). The latest run of a benchmark on a stack
+is the one whose reports record the latest `meta.date`; a run recording no date is older than one that
+does (the suite records it with every run), and among runs recording none the latest lies in the directory
+that sorts last, the bench directory's own files first. Each run gives a block per JSON file: the command
+that writes such a file, the run's date, machine, library versions and commit where the file records them
+("not recorded" where it does not), the workload, tables of the figures and ratios; then the suite's plot
+`NAME.png` when one lies beside the files. Files that are not reports of the suite's benchmarks are listed
+at the end of the results page, unrendered.
+
+The pages are a function of the files alone: sorted file order, paths and links relative to each page, no
+clock, host or git read while writing (a file's git date would change the page between writing a report
+and committing it, and a copy of the directory has none). Regenerating them from the same files gives the
+same bytes, which is what lets a test hold the committed pages to the committed JSON.
 
 What a report says about its run is read from a `meta` object when it has one: `date`, `command`,
 `commit`, `cpu` (the CPU model), `cores`, `memory_bytes`, `tensorflow`, `keras`, `numpy`, `python`.
@@ -30,7 +41,7 @@ import json
 import os
 import re
 import sys
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from tf_sharded.benchmarks.catalog import BENCHMARKS, SINGLE_RUN
 from tf_sharded.benchmarks.sharded import app_label, replicas_label
@@ -723,72 +734,251 @@ def _block(name: str, path: str, title: str, report: Dict) -> List[str]:
     return [f"#### {title}{cluster}", ""] + about + body
 
 
-def render(bench_dir: str, page_dir: str) -> Tuple[str, int]:
-    """The page for the JSON under `bench_dir`, its paths and links relative to `page_dir` (where the page
-    is written), and how many JSON files it was written from."""
+# The stack of a report that records no TensorFlow and lies in no directory named for one: the suite's reports
+# record their versions since it was tested on two stacks; before, every run was on TF 2.16.2, the one
+# TensorFlow setup.py pinned.
+UNRECORDED_STACK = (2, 16)
+
+_VERSION = re.compile(r"(\d+)\.(\d+)")
+_STACK_DIRECTORY = re.compile(r"tf(\d+)\.(\d+)")
+_DATE = re.compile(r"(\d{4}-\d{2}-\d{2})[T ](\d{2}:\d{2})(:\d{2})?")
+
+
+class Run(NamedTuple):
+    """The reports of one benchmark in one directory from one stack: one run (`--mode both` writes two files)."""
+
+    name: str
+    directory: str
+    stack: Tuple[int, int]
+    stack_from: str  # where `stack` was read: "recorded", "partly recorded", "directory" or "unrecorded"
+    date: Optional[str]  # "YYYY-MM-DD HH:MM:SS" (UTC), the latest its reports record; None if none does
+    rank: int  # the directory's place in the bench directory: its own files 0, then subdirectories by name
+    reports: Tuple[Tuple[str, Dict], ...]
+
+
+def stack_of(path: str, report: Dict) -> Tuple[Tuple[int, int], str]:
+    """A report's stack, (major, minor) of TensorFlow, and where it was read: the version its `meta` records,
+    else the `tfX.Y` its directory's name begins with, else `UNRECORDED_STACK`."""
+    found = _VERSION.match(str((report.get("meta") or {}).get("tensorflow") or ""))
+    if found:
+        return (int(found.group(1)), int(found.group(2))), "recorded"
+    found = _STACK_DIRECTORY.match(os.path.basename(os.path.dirname(path)))
+    if found:
+        return (int(found.group(1)), int(found.group(2))), "directory"
+    return UNRECORDED_STACK, "unrecorded"
+
+
+def _recorded_date(report: Dict) -> Optional[str]:
+    """`meta.date` as "YYYY-MM-DD HH:MM:SS", which sorts as time does (the suite writes UTC); None if absent or
+    not a date."""
+    found = _DATE.match(str((report.get("meta") or {}).get("date") or ""))
+    return f"{found.group(1)} {found.group(2)}{found.group(3) or ':00'}" if found else None
+
+
+def runs(bench_dir: str, loaded: Sequence[Tuple[str, Dict]]) -> List[Run]:
+    """The runs of the suite's reports in `loaded` (as `load` returns them), in load order."""
+    directories = sorted({os.path.relpath(os.path.dirname(p), bench_dir) for p, _ in loaded}, key=_rank_key)
+    grouped: Dict[Tuple[str, str, Tuple[int, int]], List[Tuple[str, Dict, str]]] = {}
+    for path, report in loaded:
+        stack, where = stack_of(path, report)
+        grouped.setdefault((report["benchmark"], os.path.dirname(path), stack), []).append((path, report, where))
+    found = []
+    for (name, directory, stack), files in grouped.items():
+        origins = {where for _, _, where in files}  # in one directory: "recorded" and at most one other
+        stack_from = origins.pop() if len(origins) == 1 else "partly recorded"
+        dates = [d for d in (_recorded_date(report) for _, report, _ in files) if d]
+        rank = directories.index(os.path.relpath(directory, bench_dir))
+        reports = tuple((path, report) for path, report, _ in files)
+        found.append(Run(name, directory, stack, stack_from, max(dates, default=None), rank, reports))
+    return found
+
+
+def _rank_key(relative: str) -> Tuple[bool, str]:
+    return (relative != os.curdir, _posix(relative))
+
+
+def _age(run: Run) -> Tuple[bool, str, int]:
+    """Sorts runs oldest first: a run recording a date is later than one recording none (the suite records the
+    date of every run since it recorded any); dated runs by date; then by directory, the last sorted latest."""
+    return (run.date is not None, run.date or "", run.rank)
+
+
+def latest_and_older(found: Iterable[Run]) -> Tuple[Dict[Tuple[str, Tuple[int, int]], Run], Dict[str, List[Run]]]:
+    """The latest run per (benchmark, stack), and per benchmark the others, newest stack first, newest first."""
+    per_stack: Dict[Tuple[str, Tuple[int, int]], List[Run]] = {}
+    for run in found:
+        per_stack.setdefault((run.name, run.stack), []).append(run)
+    latest, older = {}, {}
+    for name, stack in sorted(per_stack, key=lambda key: (key[0], -key[1][0], -key[1][1])):
+        candidates = sorted(per_stack[(name, stack)], key=_age, reverse=True)
+        latest[(name, stack)] = candidates[0]
+        older.setdefault(name, []).extend(candidates[1:])
+    return latest, older
+
+
+def stack_label(stack: Tuple[int, int]) -> str:
+    return f"TF {stack[0]}.{stack[1]}"
+
+
+def anchor(heading: str) -> str:
+    """The fragment a Markdown renderer (GitHub's) gives a heading: lower case, punctuation dropped, spaces to
+    hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def _shown_date(run: Run) -> str:
+    return f"{run.date[:16]} UTC" if run.date else f"date {NOT_RECORDED}"
+
+
+def _run_lines(run: Run, ident: str, rel: Callable[[str], str]) -> List[str]:
+    """A run: its heading, date and stack as found, a block per report, the plot beside them."""
+    how = {
+        "recorded": "as its files record",
+        "partly recorded": "as some of its files record",
+        "directory": "from its directory's name (its files record no versions)",
+        "unrecorded": (
+            "by default: neither its files nor its directory's name say, as for every run from before the files "
+            f"recorded versions, all of which were on {stack_label(UNRECORDED_STACK)}"
+        ),
+    }[run.stack_from]
+    lines = [f"### {stack_label(run.stack)}: {rel(run.directory)}/", ""]
+    lines += _para(f"Run: {_shown_date(run)}; stack {stack_label(run.stack)}, {how}.")
+    for path, report in run.reports:
+        lines += _block(run.name, path, rel(path), report)
+    plot = os.path.join(run.directory, f"{run.name}.png")
+    if os.path.isfile(plot):
+        lines += _para(f"![{ident}, {rel(plot)}]({rel(plot)})")
+    return lines
+
+
+def render(bench_dir: str, out: str, history: str) -> Tuple[str, str, int]:
+    """The results page to write at `out` (the latest run of each benchmark per stack) and the page of the older
+    runs to write at `history`, each with its paths and links relative to itself, for the JSON under
+    `bench_dir`; and how many JSON files they were written from."""
     loaded = load(bench_dir)
+    out_dir, history_dir = (os.path.dirname(os.path.abspath(p)) for p in (out, history))
 
-    def rel(path: str) -> str:
-        return _posix(os.path.relpath(path, page_dir))
+    def relative_to(page_dir: str) -> Callable[[str], str]:
+        return lambda path: _posix(os.path.relpath(os.path.abspath(path), page_dir))
 
-    by_name: Dict[str, List[Tuple[str, Dict]]] = {}
+    rel, rel_history = relative_to(out_dir), relative_to(history_dir)
+    reports: List[Tuple[str, Dict]] = []
     others: List[Tuple[str, str]] = []
     for path, report in loaded:
         name = report.get("benchmark") if isinstance(report, dict) else None
         if isinstance(name, str) and name in RENDERERS:
-            by_name.setdefault(name, []).append((path, report))
+            reports.append((path, report))
         elif isinstance(report, dict):
             found = f"`benchmark` {name!r}" if name is not None else "no `benchmark`"
             others.append((path, f"{found}: not a benchmark of the suite"))
         else:
             others.append((path, f"a JSON {type(report).__name__}, not a report"))
-    root = rel(bench_dir)
-    lines = [
-        f"_Generated by `python -m tf_sharded bench report` from the benchmark JSON in [{root}/]({root}/): do not "
-        "edit by hand; rerun the command._",
-        "",
+    latest, older = latest_and_older(runs(bench_dir, reports))
+    stacks = sorted({stack for _, stack in latest}, reverse=True)
+    to_history, to_page = rel(history), rel_history(out)
+
+    def generated(link: Callable[[str], str]) -> List[str]:
+        root = link(bench_dir)
+        return [
+            f"_Generated by `python -m tf_sharded bench report` from the benchmark JSON in [{root}/]({root}/): do "
+            "not edit by hand; rerun the command._",
+            "",
+        ]
+
+    sections = [(name, ident, f"{ident}: {what}") for name, ident, what in _sections()]
+    lines = generated(rel) + [
         "# Benchmark results",
         "",
-        "One section per benchmark of `python -m tf_sharded bench`, and in it one block per JSON file, grouped "
-        "by the directory the file is in (one run, or one stack, per directory). A block gives the command that "
-        "writes such a file (rebuilt from the benchmark's name and the `mode` and `quick` it records; "
-        "`--mode both` writes `NAME.json` and `NAME_process.json` in one run), what the file records of its "
-        f'run ("{NOT_RECORDED}" where it does not), its figures, and the plot `NAME.png` that the suite draws '
-        "from every mode's report of one run, where it lies beside the file.",
+        "One section per benchmark of `python -m tf_sharded bench`, and in it the latest run of the benchmark on "
+        f"each stack, the newest stack first; the older runs are in [{to_history}]({to_history}), which the same "
+        "command writes. A run is the JSON files of one benchmark in one directory from one stack (`--mode both` "
+        "writes `NAME.json` and `NAME_process.json` in one run). A run's stack is the TensorFlow its files "
+        "record, else the `tfX.Y` its directory's name begins with, else "
+        f"{stack_label(UNRECORDED_STACK)} (the runs from before the files recorded versions were all on it). The "
+        "latest run is the one whose files record the latest date; a run recording no date is older than one "
+        "that does (the suite records it with every run), and among runs recording none the latest is in the "
+        "directory sorting last, the bench directory's own files first.",
         "",
-        READING,
+        "A run gives its files, each in a block: the command that writes such a file (as the file records it, "
+        "else rebuilt from the benchmark's name and the `mode` and `quick` it records), what the file records of "
+        f'its run ("{NOT_RECORDED}" where it does not) and its figures; then the plot `NAME.png` that the suite '
+        "draws from every mode's report of one run, where it lies beside the files.",
+        "",
+        "## Runs shown",
         "",
     ]
-    for name, ident, what in _sections():
-        lines += [f"## {ident}: {what}", ""]
-        runs = by_name.get(name, [])
-        if not runs:
-            lines += _para(f"No report in {root}/: `python -m tf_sharded bench {name}` writes one.")
+    header = " | ".join(["benchmark"] + [stack_label(s) for s in stacks] + ["older runs"])
+    index = []
+    for name, ident, heading in sections:
+        row = [f"[{ident}](#{anchor(heading)})"]
+        for stack in stacks:
+            run = latest.get((name, stack))
+            row.append(f"{rel(run.directory)}/, {_shown_date(run)}" if run else "none")
+        count = len(older.get(name, []))
+        row.append(f"[{count}]({to_history}#{anchor(heading)})" if count else "none")
+        index.append(row)
+    lines += _table(header, index)
+    lines += [READING, ""]
+    for name, ident, heading in sections:
+        lines += [f"## {heading}", ""]
+        shown = [latest[(name, s)] for s in stacks if (name, s) in latest]
+        if not shown:
+            lines += _para(f"No report in {rel(bench_dir)}/: `python -m tf_sharded bench {name}` writes one.")
             continue
-        for directory in sorted({os.path.dirname(p) for p, _ in runs}, key=lambda d: os.path.relpath(d, bench_dir)):
-            lines += [f"### {rel(directory)}/", ""]
-            for path, report in (run for run in runs if os.path.dirname(run[0]) == directory):
-                lines += _block(name, path, rel(path), report)
-            plot = os.path.join(directory, f"{name}.png")
-            if os.path.isfile(plot):
-                lines += _para(f"![{ident}, {rel(plot)}]({rel(plot)})")
+        if older.get(name):
+            count = len(older[name])
+            runs_word = "run" if count == 1 else "runs"
+            lines += _para(f"Older runs: {count} {runs_word} in [{to_history}]({to_history}#{anchor(heading)}).")
+        for run in shown:
+            lines += _run_lines(run, ident, rel)
     if others:
         lines += ["## Files not shown", ""]
         lines += [f"- `{rel(path)}`: {why}" for path, why in others] + [""]
-    return "\n".join(lines).rstrip("\n") + "\n", len(loaded)
+
+    past = generated(rel_history) + [
+        "# Benchmark results: older runs",
+        "",
+        f"The runs that [{to_page}]({to_page}) does not show: of each benchmark on each stack, every run but the "
+        "latest, the newest stack first, the newest run first, each as that page gives a run. That page says how "
+        "a run's stack and the latest run are found, and how to read the ratios.",
+        "",
+    ]
+    if not any(older.values()):
+        past += _para(f"No older run: [{to_page}]({to_page}) shows every run.")
+    for name, ident, heading in sections:
+        if older.get(name):
+            past += [f"## {heading}", ""]
+            past += _para(f"The latest runs: [{to_page}]({to_page}#{anchor(heading)}).")
+            for run in older[name]:
+                past += _run_lines(run, ident, rel_history)
+
+    def text(page: List[str]) -> str:
+        return "\n".join(page).rstrip("\n") + "\n"
+
+    return text(lines), text(past), len(loaded)
 
 
-def write(bench_dir: str, out: str) -> int:
-    """Writes the page for `bench_dir` to `out`; returns how many JSON files it was written from."""
-    page_dir = os.path.dirname(os.path.abspath(out))
-    text, count = render(bench_dir, page_dir)
-    try:
-        os.makedirs(page_dir, exist_ok=True)
-        with open(out, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-    except OSError as e:
-        received = f"{type(e).__name__}: {e.strerror}"
-        raise ReportError(f"--out {out}: expected a writable file path, received {received}") from None
+def history_path(out: str) -> str:
+    """The page of older runs beside the page at `out`: `benchmarks.md` gives `benchmarks-history.md`."""
+    stem, ext = os.path.splitext(out)
+    return f"{stem}-history{ext or '.md'}"
+
+
+def write(bench_dir: str, out: str, history: Optional[str] = None) -> int:
+    """Writes the results page for `bench_dir` to `out` and the page of older runs to `history` (default
+    `history_path(out)`); returns how many JSON files they were written from."""
+    history = history or history_path(out)
+    if os.path.abspath(history) == os.path.abspath(out):
+        raise ReportError(f"--history {history}: expected a file other than --out's, received the same path")
+    page, past, count = render(bench_dir, out, history)
+    for flag, path, text in (("--out", out, page), ("--history", history, past)):
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "w", encoding="utf-8", newline="\n") as f:
+                f.write(text)
+        except OSError as e:
+            received = f"{type(e).__name__}: {e.strerror}"
+            raise ReportError(f"{flag} {path}: expected a writable file path, received {received}") from None
     return count
 
 
@@ -797,14 +987,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument(
         "--bench_dir", default="docs/bench", metavar="DIR", help="the benchmark JSON, read recursively (%(default)s)"
     )
-    parser.add_argument("--out", default="docs/benchmarks.md", metavar="FILE", help="the page to write (%(default)s)")
+    parser.add_argument(
+        "--out", default="docs/benchmarks.md", metavar="FILE", help="the page of the latest runs (%(default)s)"
+    )
+    parser.add_argument(
+        "--history", metavar="FILE", help="the page of the older runs (default: beside --out, NAME-history.md)"
+    )
     args = parser.parse_args(argv)
+    history = args.history or history_path(args.out)
     try:
-        count = write(args.bench_dir, args.out)
+        count = write(args.bench_dir, args.out, history)
     except ReportError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out} from {count} JSON file(s) under {args.bench_dir}")
+    print(f"wrote {args.out} and {history} from {count} JSON file(s) under {args.bench_dir}")
     return 0
 
 

@@ -5,9 +5,11 @@ process holds one cluster, and a MirroredStrategy cannot share a process with
 one), with its baseline in that same process run. Prints a table of figures
 and ratios per benchmark and writes `DIR/NAME.json` and `DIR/NAME.png`.
 
-`python -m tf_sharded bench report [--bench_dir DIR] [--out FILE]` runs
-nothing: it writes the results page (default `docs/benchmarks.md`) from the
-JSON under DIR (default `docs/bench`), see `tf_sharded.benchmarks.report`.
+`python -m tf_sharded bench report [--bench_dir DIR] [--out FILE] [--history FILE]`
+runs nothing: it writes the results page (default `docs/benchmarks.md`, the
+latest run of each benchmark per stack) and the page of the older runs beside
+it from the JSON under DIR (default `docs/bench`), see
+`tf_sharded.benchmarks.report`.
 """
 
 from __future__ import annotations
