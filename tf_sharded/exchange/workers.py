@@ -12,75 +12,30 @@ replicas on a worker hands every one of them the owner's), which updates
 each row once, on its owner. One exchange per group and step carries every
 table of the group.
 
-Two transports, the cost model's choice (`tfs.exchange.cost.sharded_transport_costs`):
-
-* `"alltoall"`: TensorFlow's `CollectiveAllToAllV2` (kernels on CPU and GPU;
-  across workers its generic implementation, NCCL's on GPUs with the NCCL
-  hint), on the strategy's own collective group. The collective needs equal
-  chunks, so the replicas first agree on the largest per-owner bucket (one
-  scalar all-reduce) and pad to it; each owner then receives only its own
-  keys and sends back only their rows. It has no gradient in TensorFlow:
-  the backward pass is the same all-to-all of the gradients, in the same
-  slots. Four rendezvous per step.
-* `"gather"`: the replicas all-gather their distinct ids; each owner reads
-  the rows it holds among all of them, and an all-reduce of those rows
-  (zeros where another replica owns the id) gives every replica its rows;
-  backward, the gradients are all-gathered and each owner keeps its own.
-  Every replica receives the global batch's ids and rows, and each
-  all-gather of unequal parts is two rendezvous: five per step.
-
-The all-to-all moves fewer bytes in fewer rendezvous at every size, so
-`transport_for` takes it in traced steps; `transport_scope` forces either
-(B12 times both).
+The exchange is the one every table sharded over workers uses
+(`tf_sharded.table.transport`: the all-to-all, or the gather form that
+`transport_scope("gather")` forces); this module routes fixed rows through
+it, and has the cost model (`tfs.exchange.cost.sharded_transport_costs`)
+choose its transport. B12 times both.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Optional
 
 import tensorflow as tf
 
 from tf_sharded import _compat
 from tf_sharded.exchange.cost import sharded_transport_costs
-from tf_sharded.table import registry
+from tf_sharded.table import registry, transport
 from tf_sharded.table.lookup import device_rows, lookup_by_row_shape
 from tf_sharded.table.norms import clip_rows
 from tf_sharded.table.remote import is_remote, sum_over_workers
 from tf_sharded.table.sharded_variable import FIXED
+from tf_sharded.table.transport import ALLTOALL, GATHER, TRANSPORTS, transport_for, transport_scope  # noqa: F401
 
-ALLTOALL, GATHER = "alltoall", "gather"
-TRANSPORTS = (ALLTOALL, GATHER)
-_FORCED = []  # the innermost transport_scope's transport (module-wide: replica functions run in other threads)
-
-
-@contextlib.contextmanager
-def transport_scope(transport: str):
-    """Steps traced inside the block look sharded tables up across workers by `transport` ("alltoall" or
-    "gather") instead of the cost model's choice."""
-    if transport not in TRANSPORTS:
-        raise ValueError(f"Argument `transport` must be one of {TRANSPORTS}. Received: transport={transport!r}")
-    _FORCED.append(transport)
-    try:
-        yield
-    finally:
-        _FORCED.pop()
-
-
-def transport_for(replicas: int, row_bytes: int, bound: Optional[int]) -> str:
-    """The transport of one group's lookup: a `transport_scope`'s, else the cheaper by the cost model at
-    `bound` distinct keys per replica (1 if unknown), keys spread evenly over the owners.
-
-    Executed eagerly by several replicas of one worker, the all-to-all did not
-    complete here, so an eager step takes the gather form (whose all-gather
-    TensorFlow refuses in eager mode with its own error).
-    """
-    if tf.executing_eagerly():
-        return GATHER
-    if _FORCED:
-        return _FORCED[-1]
-    costs = sharded_transport_costs(replicas, bound or 1, row_bytes)
-    return min(costs, key=costs.get)
+# The transport's choice is the cost model's.
+transport.price_with(sharded_transport_costs)
 
 
 def _route(keys, starts, owners, shifts):
@@ -117,119 +72,18 @@ def exchange_rows(
 
     Returns:
       `[size(uniq)] + row_shape` rows, with a gradient that sends each row's
-      gradient to its owner. The transport is `transport_for`'s choice.
+      gradient to its owner (`table.transport.exchange`).
     """
-    ctx = tf.distribute.get_replica_context()
     route = (tf.constant(starts, tf.int64), tf.constant(owners, tf.int32), tf.constant(shifts, tf.int64))
-    row_bytes = tf.as_dtype(dtype).size * (tf.TensorShape(row_shape).num_elements() or 1)
-    transport = transport_for(ctx.num_replicas_in_sync, row_bytes, bound)
-    exchange = _all_to_all if transport == ALLTOALL else _gather_reduce
-    with tf.name_scope(f"tfs_workers_{transport}"):
-        return tf.ensure_shape(exchange(ctx, uniq, route, read_held, list(row_shape), dtype), [None] + list(row_shape))
-
-
-def _read_owned(candidates, asked, route, read_held):
-    """`(which, count, rows)` of the keys at positions `asked` of `candidates`, all held here: each one's
-    position among their distinct keys, how many distinct keys, and those keys' rows (read once each)."""
-    keys, which = tf.unique(tf.gather(candidates, asked), out_idx=tf.int32)
-    _, shard, row = _route(keys, *route)
-    return which, tf.size(keys), read_held(shard, row)
-
-
-def _dense(upstream, n):
-    """The gradient of `n` rows as one dense tensor (an `IndexedSlices` summed per row)."""
-    if isinstance(upstream, tf.IndexedSlices):
-        return tf.math.unsorted_segment_sum(upstream.values, upstream.indices, n)
-    return upstream
-
-
-def _all_to_all(ctx, uniq, route, read_held, row_shape, dtype):
-    """`exchange_rows` over `CollectiveAllToAllV2`: each owner receives only its own keys, sends back only their rows.
-
-    Forward: the keys are bucketed by owner into `replicas` chunks of one
-    length, the largest bucket of any replica (one scalar all-reduce; the
-    collective needs equal chunks), padded with -1; one all-to-all sends
-    chunk `r` to replica `r`, which reads the rows of the keys it received
-    (zeros at padding), and a second one returns them in the same slots.
-    Backward: the row gradients travel in those slots to the owners, which
-    sum them per distinct row.
-    """
-    replicas = ctx.num_replicas_in_sync
-    strategy = ctx.strategy
     owner, _, _ = _route(uniq, *route)
-    bucket = tf.math.bincount(owner, minlength=replicas, maxlength=replicas)
-    # Every replica's largest bucket, by one all-reduce of each at its replica's position (the strategies
-    # reduce by SUM or MEAN only); at least one slot: a collective to which every replica sends nothing never
-    # completes.
-    me = ctx.replica_id_in_sync_group
-    largest = tf.one_hot(me, replicas, on_value=tf.reduce_max(bucket), off_value=0, dtype=tf.int32)
-    chunk = tf.maximum(tf.reduce_max(ctx.all_reduce(tf.distribute.ReduceOp.SUM, largest)), 1)
-    order = tf.argsort(owner, stable=True)
-    first = tf.math.cumsum(bucket, exclusive=True)
-    sorted_owner = tf.gather(owner, order)
-    in_bucket = tf.range(tf.size(uniq)) - tf.gather(first, sorted_owner)
-    slot = tf.scatter_nd(order[:, None], sorted_owner * chunk + in_bucket, tf.shape(owner))  # uniq[i]'s slot
-    slots = replicas * chunk
-    sent = tf.tensor_scatter_nd_update(tf.fill([slots], tf.constant(-1, tf.int64)), slot[:, None], uniq)
-    received = tf.reshape(_compat.collective_all_to_all(strategy, tf.reshape(sent, [replicas, chunk])), [-1])
-    asked = tf.where(received >= 0)[:, 0]  # slots that carry a key held here
-    which, owned, held = _read_owned(received, asked, route, read_held)
-    slots_shape = tf.concat([[slots], tf.constant(row_shape, tf.int32)], 0)
 
-    def travel(rows):
-        """`[slots] + row_shape` rows exchanged chunk for chunk."""
-        out = _compat.collective_all_to_all(strategy, tf.reshape(rows, [replicas, -1]))
-        return tf.reshape(out, slots_shape)
+    def serve(columns, _):
+        """The rows of the keys this replica received, each read once."""
+        keys, which = tf.unique(columns[0], out_idx=tf.int32)
+        _, shard, row = _route(keys, *route)
+        return which, tf.size(keys), read_held(shard, row)
 
-    @tf.custom_gradient
-    def to_replicas(held):
-        answered = tf.scatter_nd(asked[:, None], tf.gather(held, which), tf.cast(slots_shape, tf.int64))
-        rows = tf.gather(travel(answered), slot)
-
-        def home(upstream):
-            grads = travel(tf.scatter_nd(slot[:, None], _dense(upstream, tf.size(uniq)), slots_shape))
-            return tf.math.unsorted_segment_sum(tf.gather(grads, asked), which, owned)
-
-        return rows, home
-
-    return to_replicas(tf.cast(held, dtype))
-
-
-def _gather_reduce(ctx, uniq, route, read_held, row_shape, dtype):
-    """`exchange_rows` over an all-gather of ids, an all-reduce of rows and an all-gather of gradients.
-
-    Forward: the replicas all-gather their distinct keys; each owner reads
-    its rows among all of them, and an all-reduce of those rows (zeros
-    where another replica owns the key) gives every replica its rows.
-    Backward: the gradients are all-gathered and each owner sums its own per
-    distinct row. Each replica's keys end with a marker (-1): a collective to
-    which every replica sends nothing never completes (a step whose feature
-    has no id anywhere), and the markers tell where each replica's keys
-    start.
-    """
-    me = tf.cast(ctx.replica_id_in_sync_group, tf.int32)
-    n = tf.size(uniq)
-    every = ctx.all_gather(tf.concat([uniq, [-1]], 0), 0)  # every replica's keys and marker, in replica order
-    ends = tf.where(every < 0)[:, 0]
-    start = tf.concat([[-1], ends], 0)[me] + 1
-    owner, _, _ = _route(every, *route)
-    asked = tf.where(tf.equal(owner, me))[:, 0]  # positions in `every` of the keys held here
-    which, owned, held = _read_owned(every, asked, route, read_held)
-    total = tf.concat([tf.shape(every, out_type=tf.int64), tf.constant(row_shape, tf.int64)], 0)
-    marker_row = tf.zeros([1] + row_shape, dtype)
-
-    @tf.custom_gradient
-    def to_replicas(held):
-        answered = tf.scatter_nd(asked[:, None], tf.gather(held, which), total)
-        rows = ctx.all_reduce(tf.distribute.ReduceOp.SUM, answered)[start : start + tf.cast(n, tf.int64)]
-
-        def home(upstream):
-            every_grad = ctx.all_gather(tf.concat([_dense(upstream, n), marker_row], 0), 0)
-            return tf.math.unsorted_segment_sum(tf.gather(every_grad, asked), which, owned)
-
-        return rows, home
-
-    return to_replicas(tf.cast(held, dtype))
+    return transport.exchange([uniq], owner, serve, row_shape, dtype, bound=bound)
 
 
 def gather_everywhere(uniq, starts, owners, shifts, read_held, row_shape, strategy, mine: range) -> tf.Tensor:

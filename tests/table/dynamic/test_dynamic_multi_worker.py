@@ -82,7 +82,63 @@ print(f"worker {task} policies digest {'-'.join(digest(shared.tables[n]) for n i
 print("MWMS DYNAMIC OK", flush=True)
 """
 
-SHARDED_WORKER = """
+TRANSPORTS_SECTION = """
+# Both transports of tables sharded over workers, forced in turn: the keys, counts, rows and gradients of dynamic
+# tables travel over the all-to-all (the cost model's choice) or the gather form, as fixed-row tables' do, and give
+# the same tables (with several replicas per worker they take the gather form). String keys with admission: a key
+# reaches its count with every replica's occurrences summed.
+import collections
+from tests.harness.graphs import op_types
+from tf_sharded.exchange import workers
+
+replicas = strategy.num_replicas_in_sync
+ints_in = [[[5, -7, 5, 2**50, 11], [-7, 3, 11, 8], [3, 9, 2**50], [1, 2]], [[3, 9], [], [9, 9], [4]],
+           [[1, 2, 3, 4, 5, 6, 7, 8], [8, 5, -7], [], [6, 6, 1]]]
+words_in = [[[b"a", b"bb", b""], [b"bb", b"ccc"], [b"ccc"], [b"ffffff"]], [[b"a"], [], [b"ffffff"], []],
+            [[b"ccc", b"dddd", b"a"], [b"dddd", b"eeeee"], [], [b""]]]
+int_batches = [[np.array(b, np.int64) for b in step[:replicas]] for step in ints_in]
+word_batches = [[np.array(b, "S6") for b in step[:replicas]] for step in words_in]
+met = collections.Counter(w for step in word_batches for b in step for w in b.tolist())
+collectives = {"alltoall": "CollectiveAllToAllV2", "gather": "CollectiveGatherV2"}
+results = {}
+for transport in ("alltoall", "gather"):
+    with workers.transport_scope(transport):
+        with strategy.scope():
+            ints = strategy.create_dynamic_table(f"ints_{transport}", dim=3, seed=7, placement="sharded")
+            words = strategy.create_dynamic_table(f"words_{transport}", dim=3, key_dtype=tf.string, seed=7,
+                                                  placement="sharded", admission=tfs.policies.MinCountAdmission(2))
+            adagrad = tfs.optimizers.Adagrad(0.1)
+
+        @tf.function
+        def step(int_keys, word_keys):
+            def fn(int_keys, word_keys):
+                with tf.GradientTape() as tape:
+                    rows = [tfs.embedding_lookup(ints, int_keys), tfs.embedding_lookup(words, word_keys)]
+                    loss = tf.add_n([tf.reduce_sum(tf.square(r - 1.0)) for r in rows])
+                variables = ints.trainable_variables + words.trainable_variables
+                adagrad.apply_gradients(zip(tape.gradient(loss, variables), variables))
+                return loss
+
+            return strategy.run(fn, args=(int_keys, word_keys))
+
+        for ints_k, words_k in zip(int_batches, word_batches):
+            step(per_replica(ints_k), per_replica(words_k))
+        ops = op_types(step.get_concrete_function(per_replica(int_batches[0]), per_replica(word_batches[0])))
+    used = {t for t, op in collectives.items() if op in ops}
+    assert used == {transport if len(strategy.extended.worker_devices) == 1 else "gather"}, (transport, used)
+    assert (int(ints.step), int(words.step)) == (3, 3)
+    assert set(words.export()[0].numpy().tolist()) == {w for w, n in met.items() if n >= 2}, words.export()[0]
+    assert int(ints.size()) == len({k for step in int_batches for b in step for k in b.tolist()})
+    results[transport] = [dict(zip(*[t.numpy().tolist() for t in table.export()])) for table in (ints, words)]
+for over_all_to_all, over_gather in zip(results["alltoall"], results["gather"]):
+    assert set(over_all_to_all) == set(over_gather)
+    for key, row in over_all_to_all.items():
+        check.assertAllClose(row, over_gather[key], atol=1e-6)
+print(f"worker {task} transports agree", flush=True)
+"""
+
+SHARDED_WORKER = (
+    """
 import functools, os, sys
 import numpy as np, tensorflow as tf
 import tf_sharded as tfs
@@ -160,12 +216,17 @@ assert_like_reference(check, layer.tables, reference, accumulator_rtol=1e-5)
 for n in NAMES:
     held = layer.tables[n].shards[task].export()[0]
     assert np.all(layer.tables[n].shard_of(held).numpy() == task), n
+"""
+    + TRANSPORTS_SECTION
+    + """
 print("MWMS SHARDED DYNAMIC OK", flush=True)
 """
+)
 
 
 # Two replicas on each worker (logical CPUs standing in for a worker's GPUs) share the worker's copy.
-LOCAL_REPLICAS_WORKER = """
+LOCAL_REPLICAS_WORKER = (
+    """
 CHECKPOINTS = %r
 import functools, os
 import numpy as np, tensorflow as tf
@@ -256,8 +317,12 @@ assert set(restored) == set(rows)
 for key, value in rows.items():
     check.assertAllClose(restored[key], value, atol=0)
 print(f"worker {task} holds {len(mine)} of {len(rows)} keys", flush=True)
+"""
+    + TRANSPORTS_SECTION
+    + """
 print("MWMS LOCAL REPLICAS DYNAMIC OK", flush=True)
 """
+)
 
 
 class DynamicMultiWorkerTest(tf.test.TestCase):
@@ -267,6 +332,7 @@ class DynamicMultiWorkerTest(tf.test.TestCase):
         for rc, out, err in outputs:
             self.assertEqual(rc, 0, msg=out + err[-4000:])
             self.assertIn("MWMS SHARDED DYNAMIC OK", out)
+            self.assertIn("transports agree", out)
         held = [int(re.search(r"holds (\d+) of (\d+) keys", out).group(1)) for _, out, _ in outputs]
         total = {int(re.search(r"holds (\d+) of (\d+) keys", out).group(2)) for _, out, _ in outputs}
         self.assertEqual({sum(held)}, total)  # each key on one worker only
@@ -282,6 +348,7 @@ class DynamicMultiWorkerTest(tf.test.TestCase):
         for rc, out, err in outputs:
             self.assertEqual(rc, 0, msg=out + err[-4000:])
             self.assertIn("MWMS LOCAL REPLICAS DYNAMIC OK", out)
+            self.assertIn("transports agree", out)
         for part in ("custom", "strings", "fit", "pooled"):
             digests = {re.search(rf"{part} digest ([\w-]+)", out).group(1) for _, out, _ in outputs}
             self.assertEqual(len(digests), 1, msg=f"{part}: the workers' copies differ: {digests}")

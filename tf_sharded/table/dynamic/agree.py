@@ -10,7 +10,8 @@ copy and the sparse gradients (rows of the pool) go through the ordinary
 all-gather exchange.
 
 Collectives carry numbers only, so string keys travel as their bytes
-(int64 codes) and lengths and are joined again after the gather. Every
+(int64 codes) and lengths and are joined again after the gather
+(`table.transport.string_codes`). Every
 payload carries one marker entry per replica (count -1, code -1): a
 collective to which every participant sends nothing never completes, and the
 markers also tell where each replica's keys start.
@@ -18,12 +19,11 @@ markers also tell where each replica's keys start.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import tensorflow as tf
 
-# Byte value -> its one-byte string: rebuilds gathered string keys with core ops.
-_BYTES = [bytes([b]) for b in range(256)]
+from tf_sharded.table.transport import join_codes, string_codes
 
 
 def agreeing_context(strategy):
@@ -34,19 +34,6 @@ def agreeing_context(strategy):
     if ctx is None or ctx.num_replicas_in_sync == 1 or tf.distribute.in_cross_replica_context():
         return None
     return ctx
-
-
-def string_codes(keys: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
-    """`(byte lengths, bytes as int64 codes)` of string keys."""
-    lengths = tf.cast(tf.strings.length(keys), tf.int64)
-    pieces = tf.strings.bytes_split(keys).flat_values
-    codes = tf.reshape(tf.io.decode_raw(pieces, tf.uint8), [-1])
-    return lengths, tf.cast(codes, tf.int64)
-
-
-def join_codes(lengths: tf.Tensor, codes: tf.Tensor) -> tf.Tensor:
-    pieces = tf.gather(tf.constant(_BYTES), codes)
-    return tf.strings.reduce_join(tf.RaggedTensor.from_row_lengths(pieces, lengths), axis=1)
 
 
 def gather_keys(ctx, keys: tf.Tensor, counts: tf.Tensor, tags: Optional[tf.Tensor] = None, share: bool = False):

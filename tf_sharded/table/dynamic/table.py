@@ -8,7 +8,8 @@ restores into 3, and a key never inserted reads the value it would have been
 given. Each shard is a `DynamicShard` (an index, a row pool that grows, the
 optimizer's columns, a lock) on the device its strategy hook chose; a table
 sharded over workers holds one and stands in for the others'
-(`dynamic.workers`).
+(`dynamic.workers`, whose lookups take the one transport of every table sharded
+over workers, `table.transport`).
 
 Training lookups insert the keys they meet; the gradient reaches each shard's
 row pool (`table.variables[i]`) as `tf.IndexedSlices` of the looked-up rows,
@@ -41,7 +42,7 @@ from tf_sharded.table.dynamic.pool import GROWTH, Insert
 from tf_sharded.table.dynamic.serving import ExportedDynamicTable
 from tf_sharded.table.dynamic.shard import DynamicShard
 from tf_sharded.table.dynamic.slots import DynamicSlot
-from tf_sharded.table.dynamic.workers import gather_over_workers, max_over_workers
+from tf_sharded.table.dynamic.workers import gather_over_workers, lookup_over_workers, max_over_workers
 from tf_sharded.table.norms import clip_rows
 from tf_sharded.table.protocol import MAX_IDS_RANK, register_shards
 from tf_sharded.table.remote import RemoteShard, is_remote, sum_over_workers
@@ -326,8 +327,8 @@ class DynamicTable(registry.TableClass, _compat.Trackable):
         uniq, idx = tf.unique(flat_keys, out_idx=tf.int32)
         num_unique = tf.size(uniq, out_type=tf.int32)
         counts = tf.math.unsorted_segment_sum(tf.ones_like(idx, tf.int64), idx, num_unique)
-        # A table sharded over workers is planned here only outside the replicas (in them, with the step's
-        # other such tables: `_plan_over_workers_together`): a read every worker makes alike, which inserts nothing.
+        # A table sharded over workers is planned here only outside the replicas (in them its keys go to their
+        # owners: `dynamic.workers.lookup_over_workers`): a read every worker makes alike, which inserts nothing.
         inserting = training and self._trainable and not self.sharded_over_workers
         plan = _Lookup(self, idx, num_unique, inserting)
         ctx = agreeing_context(self._strategy) if inserting else None
@@ -368,28 +369,15 @@ class DynamicTable(registry.TableClass, _compat.Trackable):
         parts = [self.shard_values(i, k, r, held) for i, (k, r) in enumerate(zip(keys, rows_per_shard))]
         return self.assemble(plan, where, parts)
 
-    def contribution_over_workers(self, plan: _Lookup, rows_per_shard) -> tf.Tensor:
-        """A lookup of a table sharded over workers: this worker's values of the keys of its shard among
-        everyone's (`plan.agreed`; outside the replicas, among the keys every worker asks alike), zeros for
-        the others'. Their sum over the workers is every key's row (`finish_over_workers`)."""
-        held = plan.inserting and self.every_key_held
-        asked = plan.agreed[1] if plan.agreed is not None else None
-        shape = tf.stack([plan.num_unique if asked is None else tf.size(asked, out_type=tf.int32), self._dim])
+    def _finish_over_workers(self, plan: _Lookup, rows_per_shard) -> tf.Tensor:
+        """A lookup of a table sharded over workers outside the replicas, where every worker asks for the same
+        keys: this worker's values of the keys of its shard, zeros for the others', summed over the workers."""
+        shape = tf.stack([plan.num_unique, self._dim])
         parts = [tf.zeros(shape, self._dtype)]
         for i, (k, w, r) in enumerate(zip(plan.keys, plan.where, rows_per_shard)):
             if r is not None:
-                parts.append(tf.scatter_nd(w[:, None], self.shard_values(i, k, r, held), shape))
-        return tf.add_n(parts)
-
-    def finish_over_workers(self, plan: _Lookup, everywhere: tf.Tensor) -> tf.Tensor:
-        """The looked-up rows in the caller's order from the summed contributions (the gradient reaches each
-        pool through that sum: the all-reduce of the rows' gradients)."""
-        unique_rows = everywhere if plan.agreed is None else tf.gather(everywhere, plan.agreed[2])
-        return expand(unique_rows, plan.idx, plan.num_unique)
-
-    def _finish_over_workers(self, plan: _Lookup, rows_per_shard) -> tf.Tensor:
-        everywhere = sum_over_workers(self._strategy, self.contribution_over_workers(plan, rows_per_shard))
-        return self.finish_over_workers(plan, everywhere)
+                parts.append(tf.scatter_nd(w[:, None], self.shard_values(i, k, r, False), shape))
+        return expand(sum_over_workers(self._strategy, tf.add_n(parts)), plan.idx, plan.num_unique)
 
     def assemble(self, plan: _Lookup, where, parts) -> tf.Tensor:
         """The looked-up rows in the caller's order, from each shard's values of its keys at `where`."""
@@ -588,99 +576,36 @@ def lookup_many(pairs, training: bool = True) -> list:
     return out
 
 
-def _plan_over_workers_together(pairs, training: bool, ctx) -> list:
-    """`plan_lookup` for tables sharded over workers, of one key dtype, looked up in one step: one gather of
-    every replica's distinct keys for all of them (each key tagged with its table), then per table its
-    keys, their counts and this replica's among them."""
-    local = []
-    for _, flat in pairs:
-        uniq, idx = tf.unique(flat, out_idx=tf.int32)
-        n = tf.size(uniq, out_type=tf.int32)
-        local.append((uniq, idx, n, tf.math.unsorted_segment_sum(tf.ones_like(idx, tf.int64), idx, n)))
-    tags = tf.concat([tf.fill([n], tf.constant(t, tf.int64)) for t, (_, _, n, _) in enumerate(local)], 0)
-    words, counts, start, all_tags = gather_keys(
-        ctx, tf.concat([u for u, _, _, _ in local], 0), tf.concat([c for _, _, _, c in local], 0), tags, share=True
-    )
-    plans, offset = [], tf.cast(start, tf.int32)
-    for t, ((table, _), (uniq, idx, n, _)) in enumerate(zip(pairs, local)):
-        mask = tf.equal(all_tags, t)
-        position = tf.cumsum(tf.cast(mask, tf.int32)) - 1  # of each gathered key among this table's
-        every, at = tf.unique(tf.boolean_mask(words, mask), out_idx=tf.int32)
-        summed = tf.math.unsorted_segment_sum(tf.boolean_mask(counts, mask), at, tf.size(every, out_type=tf.int32))
-        mine = tf.gather(at, tf.gather(position, offset + tf.range(n)))  # this replica's block of this table
-        offset += n
-        inserting = training and table.trainable
-        plan = _Lookup(table, idx, n, inserting)
-        plan.agreed = (uniq, every, mine)
-        step = table.advance_step() if inserting else None
-        plan.keys, plan.where, plan.resolved = table.shard_requests(every, summed, inserting, step)
-        plans.append(plan)
-    return plans
-
-
-def _plan_each(pairs, training: bool) -> list:
-    """Each table's `plan_lookup`; the tables sharded over workers planned together per key dtype."""
-    plans = [None] * len(pairs)
+def _lookup_each(pairs, training: bool) -> list:
+    """`lookup_many` table by table (the inserts still in one critical section per device; tables sharded over
+    workers exchange their keys and rows together, `dynamic.workers`)."""
+    out = [None] * len(pairs)
     over_workers = [i for i, (table, _) in enumerate(pairs) if table.sharded_over_workers]
     ctx = agreeing_context(pairs[over_workers[0]][0].strategy) if over_workers else None
     if ctx is not None:
-        by_dtype = {}
-        for i in over_workers:
-            by_dtype.setdefault(pairs[i][0].key_dtype, []).append(i)
-        for members in by_dtype.values():
-            for i, plan in zip(members, _plan_over_workers_together([pairs[i] for i in members], training, ctx)):
-                plans[i] = plan
-    return [plan or table.plan_lookup(keys, training) for plan, (table, keys) in zip(plans, pairs)]
-
-
-def _finish_over_workers_together(plans_and_rows) -> dict:
-    """Rows of lookups of tables sharded over workers, `{index: rows}`: one all-reduce per row dtype and width
-    carries every table's contribution."""
-    groups = {}
-    for i, plan, rows in plans_and_rows:
-        groups.setdefault((plan.table.dtype, plan.table.dim), []).append((i, plan, rows))
-    out = {}
-    for members in groups.values():
-        parts = [plan.table.contribution_over_workers(plan, rows) for _, plan, rows in members]
-        sizes = [tf.shape(p)[0] for p in parts]
-        summed = sum_over_workers(members[0][1].table.strategy, tf.concat(parts, 0))
-        for (i, plan, _), part in zip(members, tf.split(summed, tf.stack(sizes), num=len(parts))):
-            out[i] = plan.table.finish_over_workers(plan, part)
-    return out
-
-
-def _lookup_each(pairs, training: bool) -> list:
-    """`lookup_many` table by table (the inserts still in one critical section per device; tables sharded over
-    workers exchange their keys and rows together)."""
-    plans = _plan_each(pairs, training)
+        for i, rows in zip(over_workers, lookup_over_workers([pairs[i] for i in over_workers], training, ctx)):
+            out[i] = rows
+    rest = [i for i, rows in enumerate(out) if rows is None]
+    plans = [pairs[i][0].plan_lookup(pairs[i][1], training) for i in rest]
     packed = [request for plan in plans if plan.inserting and plan.agreed is None for request in plan.resolved]
     values = iter(resolve(packed))
     # Several workers' copies agree (every worker inserts everyone's keys): the rows, not values, come back.
-    # Sharded over workers, another worker's shard is None here: it inserts there.
     agreed = [r.table.insert_part(r.shard, r.keys, r.counts, r.step)
-              for plan in plans if plan.inserting and plan.agreed is not None
-              for r in plan.resolved if r is not None]  # fmt: skip
+              for plan in plans if plan.inserting and plan.agreed is not None for r in plan.resolved]  # fmt: skip
     rows = iter(locked_together([(p.member.pool, single(p)) for p in agreed]))
-    out, over_workers = [], []
-    for i, plan in enumerate(plans):
+    for i, plan in zip(rest, plans):
         if plan.inserting and plan.agreed is None:
-            out.append(plan.table.assemble(plan, plan.where, [next(values) for _ in plan.resolved]))
+            out[i] = plan.table.assemble(plan, plan.where, [next(values) for _ in plan.resolved])
             continue
         resolved = plan.resolved
         if plan.inserting:
-            resolved = [None if r is None else next(rows) for r in plan.resolved]
-        if plan.table.sharded_over_workers and plan.agreed is not None:
-            over_workers.append((i, plan, resolved))
-            out.append(None)
-            continue
-        out.append(plan.table.finish_lookup(plan, resolved))
-    for i, rows_i in _finish_over_workers_together(over_workers).items():
-        out[i] = rows_i
+            resolved = [next(rows) for _ in plan.resolved]
+        out[i] = plan.table.finish_lookup(plan, resolved)
     return out
 
 
 # Dynamic tables in this process's memory, whatever their placement (sharded over workers included: their
-# exchange is `dynamic.workers`'); tables on table servers have a route of their own.
+# exchange is `dynamic.workers.lookup_over_workers`); tables on table servers have a route of their own.
 registry.register_lookup(
     None, DYNAMIC, lambda pairs, max_norm, training: [clip_rows(r, max_norm) for r in lookup_many(pairs, training)]
 )

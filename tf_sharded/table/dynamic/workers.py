@@ -2,29 +2,116 @@
 
 Worker `r` holds shard `r` (the keys whose hash lands there, their rows and
 optimizer columns, its policies' state); the other shards are
-`RemoteShard`s (`table.remote`), metadata without memory. Every worker runs the same
-program, so whatever needs another worker's keys is done by all at once:
+`RemoteShard`s (`table.remote`), metadata without memory. Every worker runs
+the same program, so whatever needs another worker's keys is done by all at
+once:
 
-* a training lookup all-gathers the replicas' distinct keys and counts (as
-  `dynamic.agree` does for copies), each owner inserts and reads the keys of
-  its shard, and one all-reduce of those rows (zeros for other owners' keys)
-  gives every replica its rows. The all-reduce's gradient is the all-reduce
-  of the rows' gradients, so each owner's pool receives the global batch's
-  sum at its rows, which the optimizer applies once, there;
-* `size()`, `export()` and checkpoints gather every worker's live keys, rows
-  and columns over the collectives (string keys as byte codes);
+* a lookup in the replicas goes through the transport of every table sharded
+  over workers (`table.transport`, the all-to-all of fixed-row tables):
+  each replica sends its distinct keys and their counts to the first
+  replica of the worker whose shard holds them, which inserts them (a
+  training lookup) and answers with their rows; the gradients come back to
+  it the same way, so its pool receives the global batch's sum at its rows,
+  which the optimizer applies once, there (`lookup_over_workers`);
+* a read outside the replicas, `size()`, `export()` and checkpoints sum or
+  gather every worker's part over the collectives (`table.remote.sum_over_workers`;
+  string keys as byte codes);
 * a restore or `set_column` applies on each worker the keys of its shard.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import List, Sequence
+from typing import Dict, List, Sequence
 
 import tensorflow as tf
 
-from tf_sharded.table.dynamic.agree import join_codes, string_codes
-from tf_sharded.table.remote import first_of_worker
+from tf_sharded.table.dynamic.keys import shard_of_keys
+from tf_sharded.table.dynamic.lock import locked_together
+from tf_sharded.table.dynamic.packed import expand, single
+from tf_sharded.table.remote import first_of_worker, held_shards
+from tf_sharded.table.transport import GATHER, exchange, join_codes, string_codes
+
+
+def lookup_over_workers(pairs, training: bool, ctx) -> List[tf.Tensor]:
+    """Rows of `(table, rank-1 keys)` pairs of tables sharded over workers, in the replica context `ctx`: one
+    exchange (`table.transport.exchange`) per key dtype, row dtype and width carries every table's keys, their
+    counts and their rows.
+
+    Each replica sends its distinct keys of each table, with their counts, to
+    the first replica of the worker whose shard holds them (it speaks for the
+    worker's shard, as in every collective over the replicas). That replica
+    receives them in the order of the replicas, each one's in the order it
+    met them, which is the order one lookup of the global batch on one device
+    inserts them in; it sums each key's counts over the replicas, so that
+    admission meets every occurrence once, inserts the keys of a training
+    lookup and answers with their rows.
+    """
+    out: List[tf.Tensor] = [None] * len(pairs)
+    groups: Dict[tuple, List[int]] = {}
+    for i, (table, _) in enumerate(pairs):
+        groups.setdefault((table.key_dtype, table.dtype, table.dim), []).append(i)
+    for members in groups.values():
+        for i, rows in zip(members, _lookup_group([pairs[i] for i in members], training, ctx)):
+            out[i] = rows
+    return out
+
+
+def _lookup_group(pairs, training: bool, ctx) -> List[tf.Tensor]:
+    """`lookup_over_workers` for tables of one key dtype, row dtype and width."""
+    tables = [t for t, _ in pairs]
+    local = []
+    for _, flat in pairs:
+        uniq, idx = tf.unique(flat, out_idx=tf.int32)
+        n = tf.size(uniq, out_type=tf.int32)
+        local.append((uniq, idx, n, tf.math.unsorted_segment_sum(tf.ones_like(idx, tf.int64), idx, n)))
+    inserting = [training and t.trainable for t in tables]
+    steps = [t.advance_step() if i else None for t, i in zip(tables, inserting)]
+    keys = tf.concat([uniq for uniq, _, _, _ in local], 0)
+    counts = tf.concat([c for _, _, _, c in local], 0)
+    tags = tf.concat([tf.fill([n], tf.constant(t, tf.int64)) for t, (_, _, n, _) in enumerate(local)], 0)
+    # Shard `w` is worker `w`'s, whose replicas TensorFlow numbers `w * L ...`: the first of them owns it.
+    owner = shard_of_keys(keys, tables[0].num_shards) * len(ctx.strategy.extended.worker_devices)
+    strings = keys if keys.dtype == tf.string else None
+    columns = [counts, tags] if strings is not None else [counts, tags, keys]
+    static = [flat.shape[0] for _, flat in pairs]
+
+    def serve(got, got_strings):
+        return _serve(tables, inserting, steps, got[0], got[1], got_strings if strings is not None else got[2])
+
+    # With several replicas per worker, a step of two such tables (one of string keys) over the all-to-all did
+    # not complete here: their lookups take the gather form.
+    forced = GATHER if len(ctx.strategy.extended.worker_devices) > 1 else None
+    rows = exchange(columns, owner, serve, [tables[0].dim], tables[0].dtype, strings=strings,
+                    bound=None if None in static else sum(static), transport=forced)  # fmt: skip
+    parts = tf.split(rows, tf.stack([n for _, _, n, _ in local]), num=len(pairs)) if len(pairs) > 1 else [rows]
+    return [expand(part, idx, n) for part, (_, idx, n, _) in zip(parts, local)]
+
+
+def _serve(tables, inserting, steps, counts, tags, keys):
+    """An owner's answer (`table.transport.Serve`) for the keys it received, `(counts, tags: the table of each,
+    keys)`: per table, the distinct keys and their summed counts, inserted into the shard held here (all the
+    tables' inserts in one critical section per device) where the lookup trains, and their rows."""
+    m = tf.size(tags)
+    received = []
+    for t in range(len(tables)):
+        mask = tf.equal(tags, t)
+        distinct, at = tf.unique(tf.boolean_mask(keys, mask), out_idx=tf.int32)
+        summed = tf.math.unsorted_segment_sum(tf.boolean_mask(counts, mask), at, tf.size(distinct))
+        received.append((mask, distinct, at, summed))
+    shards = [held_shards(table.variables)[0] for table in tables]
+    inserts = [table.insert_part(s, distinct, summed, step)
+               for table, s, step, ins, (_, distinct, _, summed) in zip(tables, shards, steps, inserting, received)
+               if ins]  # fmt: skip
+    found = iter(locked_together([(part.member.pool, single(part)) for part in inserts]))
+    which, offset, values = tf.zeros([m], tf.int32), tf.constant(0, tf.int32), []
+    for table, s, ins, (mask, distinct, at, _) in zip(tables, shards, inserting, received):
+        rows = next(found) if ins else table.shards[s].find(distinct)
+        values.append(table.shard_values(s, distinct, rows, ins and table.every_key_held))
+        which += tf.scatter_nd(tf.where(mask), offset + at, tf.shape(tags, out_type=tf.int64))
+        offset += tf.size(distinct)
+    return which, offset, tf.concat(values, 0)
+
 
 # Per (strategy, dtype, rank): one function gathering any first-axis length over the workers. TensorFlow's
 # `strategy.gather` traces a new function for every new shape, and a save gathers tensors of every size.
