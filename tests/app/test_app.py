@@ -16,7 +16,7 @@ import portpicker
 import pytest
 import tensorflow as tf
 
-from tests.harness.subprocs import ROOT, network, run_python, run_python_together
+from tests.harness.subprocs import ROOT, network, run_cli_here, run_python, run_python_together
 from tf_sharded.app import parquet
 
 # The application's commands on process clusters, killed and rerun.
@@ -123,8 +123,8 @@ class ApplicationTest(tf.test.TestCase):
     def test_files_resume_and_inspect(self):
         out = self.get_temp_dir()
         tsv, pq = os.path.join(out, "tsv"), os.path.join(out, "pq")
-        # Independent runs go two at a time (start-up and tracing overlap on two cores).
-        made = run_python_together([synthesize_args("tsv", 1500, tsv), synthesize_args("parquet", 800, pq)])
+        # Commands that end before training run in this process; training runs in processes of its own.
+        made = [run_cli_here(synthesize_args("tsv", 1500, tsv)), run_cli_here(synthesize_args("parquet", 800, pq))]
         for proc in made:
             self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
         # A malformed line where training reads (the first 2 batches of 64 are held out).
@@ -135,10 +135,8 @@ class ApplicationTest(tf.test.TestCase):
             f.writelines(lines[:149] + ["not\ta\tcriteo\tline\n"] + lines[149:])
         ckpt = os.path.join(out, "ckpt")
         # The default strategy (parameter servers, a local cluster): each worker opens the file itself.
-        first, strict = run_python_together(
-            [train_args("--data", tsv, "--checkpoint_dir", ckpt, "--steps", "5"),
-             train_args("--strategy", "default", "--data", tsv, "--strict")]
-        )  # fmt: skip
+        first = train("--data", tsv, "--checkpoint_dir", ckpt, "--steps", "5")
+        strict = run_cli_here(train_args("--strategy", "default", "--data", tsv, "--strict"))
         self.assertEqual(first.returncode, 0, first.stderr[-3000:])
         self.assertIn("under parameter_server", first.stdout)
         # --steps is the total: 5 is 2 epochs of 2 steps and one step of a third.
@@ -171,7 +169,7 @@ class ApplicationTest(tf.test.TestCase):
         self.assertEqual(len(cached), 0 if parquet.tensorflow_io_loads() else 1, from_parquet.stdout[:2000])
         self.assertTrue(all(parquet.why_cached() in line for line in cached), cached)
 
-        shown = run_python(["-m", "tf_sharded", "inspect", ckpt])
+        shown = run_cli_here(["-m", "tf_sharded", "inspect", ckpt])
         self.assertEqual(shown.returncode, 0, shown.stderr[-2000:])
         self.assertRegex(
             shown.stdout,
@@ -189,7 +187,7 @@ class ApplicationTest(tf.test.TestCase):
         rows = re.findall(r"^(C\d+) +\S+ x 16 +\d+ +\d+ +(1 shard|2 shards, div|2 shards, mod) ", proc.stdout, re.M)
         self.assertEqual(len(rows), 26, proc.stdout)
         planned = {table: "1 div" if layout == "1 shard" else f"2 {layout[-3:]}" for table, layout in rows}
-        shown = run_python(["-m", "tf_sharded", "inspect", ckpt])
+        shown = run_cli_here(["-m", "tf_sharded", "inspect", ckpt])
         self.assertEqual(shown.returncode, 0, shown.stderr[-2000:])
         pattern = r"table 'embeddings/(C\d+)' saved as PartitionSpec\(num_shards=(\d), scheme='(\w+)'\)"
         saved = {table: f"{n} {scheme}" for table, n, scheme in re.findall(pattern, shown.stdout)}
@@ -198,9 +196,10 @@ class ApplicationTest(tf.test.TestCase):
     def test_bad_flags_and_unreadable_input(self):
         small = os.path.join(self.get_temp_dir(), "small")
         ratings = os.path.join(self.get_temp_dir(), "ratings")
-        # Independent commands together (each is mostly TensorFlow's start-up), then those that read their data.
-        (bad, *shown, missing, made_small, made_ratings, unwritable, unknown, stray) = run_python_together([
-            train_args("--model", "xgboost"),
+        # A bad flag through a process of its own (its exit code and its stderr's one line), the rest called here.
+        bad = run_python(train_args("--model", "xgboost"), timeout=120)
+        self.assertNotIn("Traceback", bad.stderr)
+        (*shown, missing, made_small, made_ratings, unwritable, unknown, stray) = map(run_cli_here, [
             ["-m", "tf_sharded", "train", "--help"],
             ["-m", "tf_sharded", "train", "--helpfull"],
             train_args("--strategy", "default", "--data", "/nonexistent/day_0.tsv"),
@@ -245,12 +244,8 @@ class ApplicationTest(tf.test.TestCase):
             "error: inspect: no checkpoint at '/nonexistent': expected a checkpoint directory or a checkpoint's "
             "prefix, such as ckpt/ckpt-200",
         )
-        too_small, lacking = run_python_together(
-            [
-                train_args("--strategy", "default", "--data", small),
-                train_args("--strategy", "default", "--data", ratings),
-            ]
-        )
+        too_small, lacking = map(run_cli_here, [train_args("--strategy", "default", "--data", path)
+                                                for path in (small, ratings)])  # fmt: skip
         self.assertEqual(too_small.returncode, 1)
         self.assertIn(f"error: --data {small}: too little data in {small}/part-00000.tsv", too_small.stderr)
         self.assertNotIn("training dlrm", too_small.stdout)

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 from tests.app.test_app import RATINGS_SCHEMA, TINY, summary, write_ratings
-from tests.harness.subprocs import run_python, run_python_together
+from tests.harness.subprocs import run_cli_here, run_python, run_python_together
 
 pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=80)]  # the application's commands on process clusters
 
@@ -73,7 +73,7 @@ class DynamicVocabularyAppTest(tf.test.TestCase):
         self.assertEqual(hybrid.returncode, 0, hybrid.stderr[-3000:])
         self.assertRegex(summary(hybrid), r"hybrid \(local: 1 table server, 2 workers, a process each\) \| 4 steps")
         for where in (ckpt, served):  # a DynamicTable's entries, whoever held the tables
-            shown = run_python(["-m", "tf_sharded", "inspect", where])
+            shown = run_cli_here(["-m", "tf_sharded", "inspect", where])
             self.assertEqual(shown.returncode, 0, shown.stderr[-2000:])
             keys = live_keys(shown.stdout)
             self.assertEqual(sorted(keys), ["genres", "movie", "user"])
@@ -100,7 +100,7 @@ class DynamicVocabularyAppTest(tf.test.TestCase):
         schema["features"][0]["vocabulary"] = "open"
         with self.assertRaisesRegex(schemas.SchemaError, r"features\[0\] \('user'\): `vocabulary` must be 'hashed'"):
             schemas.parse(schema)
-        bad = run_python(["-m", "tf_sharded", "train", "--vocabulary", "open"])
+        bad = run_cli_here(["-m", "tf_sharded", "train", "--vocabulary", "open"])
         self.assertNotEqual(bad.returncode, 0)
         self.assertIn("error: flag --vocabulary=open: value should be one of <hashed|dynamic>", bad.stderr)
 

@@ -84,3 +84,23 @@ def run_python_together(commands, timeout=300, env=None):
                 p.kill()
                 p.wait()
     return results
+
+
+def run_cli_here(args) -> subprocess.CompletedProcess:
+    """`python -m tf_sharded ...` (`args` as for `run_python`) called in this process: its exit code, stdout
+    and stderr as a `CompletedProcess`, without the interpreter and TensorFlow start-up of a process of its
+    own. For commands that end before training (bad input, help, synthetic data); a test keeps one real
+    process run beside these for what only a process boundary shows."""
+    import contextlib
+    import io
+
+    from tf_sharded import __main__ as entry
+
+    assert list(args[:2]) == ["-m", "tf_sharded"], args
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = entry.main(list(args[2:]))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess([sys.executable, *args], code, out.getvalue(), err.getvalue())
