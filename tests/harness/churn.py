@@ -29,9 +29,9 @@ import tensorflow as tf
 
 import tf_sharded as tfs
 
-CAPACITY = 128
+CAPACITY = 256
 BATCH = 64
-STEPS = 50 * CAPACITY // BATCH  # 100 steps: 50 times the capacity in inserts
+STEPS = 50 * CAPACITY // BATCH  # 200 steps: 50 times the capacity in inserts
 AGE = 3
 DIM = 4
 LEARNING_RATE = 0.1
