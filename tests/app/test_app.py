@@ -51,10 +51,6 @@ def synthesize_args(fmt, rows, out):
             "--max_vocab", "500"]  # fmt: skip
 
 
-def synthesize(fmt, rows, out):
-    return run_python(synthesize_args(fmt, rows, out))
-
-
 def summary(proc):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("summary:")]
     assert lines, proc.stdout + proc.stderr[-3000:]
