@@ -497,7 +497,12 @@ def step():
         me = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
         sent = 10.0 * me + tf.reshape(tf.range(2 * replicas, dtype=tf.float32), [replicas, 2])  # row i to replica i
         before = ctx.all_reduce("SUM", me)
-        got = _compat.collective_all_to_all(strategy, sent)
+        # Assertions on what is sent and what arrives: stateful ops, which TensorFlow runs in the order the
+        # replicas traced them, one replica after another.
+        with tf.control_dependencies([tf.debugging.assert_non_negative(sent)]):
+            got = _compat.collective_all_to_all(strategy, tf.identity(sent))
+        with tf.control_dependencies([tf.debugging.assert_non_negative(got)]):
+            got = tf.identity(got)
         return got, ctx.all_reduce("SUM", before + got[0, 0])
 
     return strategy.run(fn)
@@ -518,7 +523,8 @@ print("ALL TO ALL OK")
 @pytest.mark.processes(cost=15)
 def test_collective_all_to_all_exchanges_rows_among_the_strategys_replicas():
     """Row `i` of each replica's tensor reaches replica `i`, between two all-reduces of the strategy's own
-    group; three replicas of one worker (logical CPUs standing in for its GPUs), traced. `test_multi_worker`
+    group and between assertions on each replica's tensors (which a replica traced after another must not
+    wait for); three replicas of one worker (logical CPUs standing in for its GPUs), traced. `test_multi_worker`
     runs it across two workers inside sharded lookups."""
     from tests.harness.subprocs import run_python
 

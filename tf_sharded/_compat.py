@@ -368,10 +368,24 @@ def collective_all_to_all(strategy, tensor: tf.Tensor) -> tf.Tensor:
     its next instance key, its ordering token and communication options), so
     it is ordered with the strategy's other collectives and no separate group
     is formed. On GPUs the options' NCCL hint selects NCCL's all-to-all.
+
+    Several replicas of one worker trace into one graph, one after another
+    from one `merge_call` to the next, and TensorFlow's automatic control
+    dependencies order the ops of a graph that share a resource, or are
+    stateful without one (assertions), in the order they were created, across
+    replicas too. Traced in one stretch, a later replica's op before its
+    all-to-all (an assertion on the keys) would wait for an earlier replica's
+    op after it (an assertion on what it received), which waits for the later
+    replica's all-to-all: the step never completes. The replicas therefore
+    meet in a `merge_call` (trace time only, no op) just before the
+    collective, which each replica then creates first after it: every op that
+    waits for it is created after every replica's instance of it.
     """
     from tensorflow.python.ops import collective_ops
 
     ctx = tf.distribute.get_replica_context()
+    if len(strategy.extended.worker_devices) > 1 and uses_merge_call(strategy):
+        ctx.merge_call(lambda _: None)
     launcher = strategy.extended._cross_device_ops._launchers[_local_replica(strategy, ctx)]
     options = launcher._options
     with tf.device(launcher._device):

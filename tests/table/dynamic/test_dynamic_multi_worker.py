@@ -85,8 +85,7 @@ print("MWMS DYNAMIC OK", flush=True)
 TRANSPORTS_SECTION = """
 # Both transports of tables sharded over workers, forced in turn: the keys, counts, rows and gradients of dynamic
 # tables travel over the all-to-all (the cost model's choice) or the gather form, as fixed-row tables' do, and give
-# the same tables (with several replicas per worker they take the gather form). String keys with admission: a key
-# reaches its count with every replica's occurrences summed.
+# the same tables. String keys with admission: a key reaches its count with every replica's occurrences summed.
 import collections
 from tests.harness.graphs import op_types
 from tf_sharded.exchange import workers
@@ -125,7 +124,7 @@ for transport in ("alltoall", "gather"):
             step(per_replica(ints_k), per_replica(words_k))
         ops = op_types(step.get_concrete_function(per_replica(int_batches[0]), per_replica(word_batches[0])))
     used = {t for t, op in collectives.items() if op in ops}
-    assert used == {transport if len(strategy.extended.worker_devices) == 1 else "gather"}, (transport, used)
+    assert used == {transport}, (transport, used)
     assert (int(ints.step), int(words.step)) == (3, 3)
     assert set(words.export()[0].numpy().tolist()) == {w for w, n in met.items() if n >= 2}, words.export()[0]
     assert int(ints.size()) == len({k for step in int_batches for b in step for k in b.tolist()})

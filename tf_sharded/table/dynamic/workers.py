@@ -30,7 +30,7 @@ from tf_sharded.table.dynamic.keys import shard_of_keys
 from tf_sharded.table.dynamic.lock import locked_together
 from tf_sharded.table.dynamic.packed import expand, single
 from tf_sharded.table.remote import first_of_worker, held_shards
-from tf_sharded.table.transport import GATHER, exchange, join_codes, string_codes
+from tf_sharded.table.transport import exchange, join_codes, string_codes
 
 
 def lookup_over_workers(pairs, training: bool, ctx) -> List[tf.Tensor]:
@@ -79,11 +79,8 @@ def _lookup_group(pairs, training: bool, ctx) -> List[tf.Tensor]:
     def serve(got, got_strings):
         return _serve(tables, inserting, steps, got[0], got[1], got_strings if strings is not None else got[2])
 
-    # With several replicas per worker, a step of two such tables (one of string keys) over the all-to-all did
-    # not complete here: their lookups take the gather form.
-    forced = GATHER if len(ctx.strategy.extended.worker_devices) > 1 else None
     rows = exchange(columns, owner, serve, [tables[0].dim], tables[0].dtype, strings=strings,
-                    bound=None if None in static else sum(static), transport=forced)  # fmt: skip
+                    bound=None if None in static else sum(static))  # fmt: skip
     parts = tf.split(rows, tf.stack([n for _, _, n, _ in local]), num=len(pairs)) if len(pairs) > 1 else [rows]
     return [expand(part, idx, n) for part, (_, idx, n, _) in zip(parts, local)]
 
