@@ -8,9 +8,9 @@ import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
+from tests.conformance import minimal_kind
 from tests.harness.strategies import mirrored, uid
 from tf_sharded.table import registry
-from tf_sharded.table.norms import clip_rows
 
 
 class RegistryTest(tf.test.TestCase):
@@ -47,22 +47,9 @@ class RegistryTest(tf.test.TestCase):
     def test_a_new_kind_is_a_class_a_registration_and_a_route(self):
         """A minimal kind (rows computed from the id, nothing stored) reaches tfs.embedding_lookup and TF's own
         embedding ops through the registry alone, clipped and combined as every kind is."""
-        constant = registry.register_kind(registry.Kind("constant_rows_for_test", static_rows=True))
-
-        class ConstantRows(registry.TableClass):
-            kind, placement_type = constant, registry.LOCAL
-            name, dtype, shape = "constant", tf.float32, tf.TensorShape([100, 2])
-
-            def check_ids(self, ids, arg="ids", max_rank=3):
-                ids = tf.cast(ids, tf.int64)
-                return ids, tf.reshape(ids, [-1])
-
-        def route(pairs, max_norm, training):
-            return [clip_rows(tf.stack([tf.cast(ids, tf.float32), -tf.cast(ids, tf.float32)], 1), max_norm)
-                    for _, ids in pairs]  # fmt: skip
-
-        registry.register_lookup(registry.LOCAL, constant, route)
-        table = ConstantRows()
+        self.assertIs(registry.kind("constant_rows_for_test"), minimal_kind.CONSTANT)
+        self.assertIs(registry.lookup_route(registry.LOCAL, minimal_kind.CONSTANT), minimal_kind.route)
+        table = minimal_kind.ConstantRows()
         ids = np.array([[3, 4], [0, 3]])
         want = np.stack([ids, -ids], -1).astype(np.float32)
         self.assertAllClose(tfs.embedding_lookup(table, ids), want)
