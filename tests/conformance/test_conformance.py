@@ -1,0 +1,342 @@
+"""Every registered table kind x placement x in-process strategy, against a single-device reference.
+
+The strategies: the default strategy, OneDeviceStrategy, MirroredStrategy on the 4 virtual CPUs and the
+in-process parameter-server cluster (its tests run in the cluster's child process, see conftest.py).
+
+The matrix is generated from the registry (`registry.kinds()`, `registry.placements()`) when this module is
+collected; `tests/conformance/minimal_kind.py` registers a kind of its own first, which the matrix picks up
+as it does the library's. A kind takes part through its adapter (`adapters.py`). A combination is run where
+the strategy makes a table of that kind with that placement (asked for with the strategy's default or the
+placement's `placement=` option) and a lookup route is registered for the pair; it is skipped otherwise,
+with the strategy's or the registry's answer as the reason. Each strategy lists the combinations it is
+expected to run (`expected`), so that none turns into a skip unnoticed.
+
+Checks, each against a plain `tf.Variable` on one device computed in the same test:
+* lookups of keys with repeats, in replica context, one batch per replica (one replica meets none);
+* SGD and Adagrad steps: each step's loss, then the live keys and every live row;
+* the Adagrad table's checkpoint read into tables of other layouts under the default strategy (and into a
+  plain variable where the kind's checkpoints go into one), then one of those written and read back into a
+  table of this strategy, kind and placement, which then writes the same entries and object graph as the
+  default strategy's table did, so a checkpoint written under any strategy and placement reads under any other;
+* where the placement keeps a copy per replica, the copies agree after training and after a restore.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sharded as tfs
+from tests.conformance import minimal_kind
+from tests.conformance.adapters import ADAPTERS
+from tests.harness.strategies import mirrored, per_replica, ps_strategy, uid
+from tf_sharded.errors import UnsupportedStrategyError
+from tf_sharded.table import registry
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class DefaultSpec:
+    """The default strategy: one replica, steps in a `tf.function`."""
+
+    name, replicas, marks = "default", 1, ()
+    expected = {("fixed", "local"), ("dynamic", "local"), (minimal_kind.CONSTANT.name, "local")}
+
+    def strategy(self):
+        return tf.distribute.get_strategy()
+
+    def local(self):
+        """Context of the tables made under the default strategy beside this one's."""
+        return contextlib.nullcontext()
+
+    def runner(self, fn):
+        """`run(arrays)`: `fn` in replica context, replica r given `arrays[r]`; the replicas' results."""
+        strategy = self.strategy()
+        step = tf.function(lambda ids: strategy.run(fn, args=(ids,)), reduce_retracing=True)
+        return lambda arrays: [step(tf.constant(arrays[0]))]
+
+
+class MirroredSpec(DefaultSpec):
+    """MirroredStrategy on the 4 virtual CPUs (the process's one instance)."""
+
+    name, replicas, marks = "mirrored", 4, (pytest.mark.mirrored,)
+    expected = {
+        ("fixed", "device"),
+        ("fixed", "host"),
+        ("fixed", "replicas"),
+        ("dynamic", "host"),
+        (minimal_kind.CONSTANT.name, "local"),
+    }
+
+    def strategy(self):
+        return mirrored()
+
+    def runner(self, fn):
+        strategy = self.strategy()
+        step = tf.function(lambda ids: strategy.run(fn, args=(ids,)), reduce_retracing=True)
+        return lambda arrays: strategy.experimental_local_results(step(per_replica(strategy, arrays)))
+
+
+class OneDeviceSpec(DefaultSpec):
+    """OneDeviceStrategy on the first CPU."""
+
+    name = "one_device"
+    _made = []
+
+    def strategy(self):
+        if not self._made:
+            self._made.append(tf.distribute.OneDeviceStrategy("/cpu:0"))
+        return self._made[0]
+
+
+class ParameterServerSpec(DefaultSpec):
+    """The in-process parameter-server cluster (2 ps, 2 workers): each step scheduled on a worker and joined."""
+
+    name, marks = "parameter_server", (pytest.mark.ps_cluster,)
+    _made = []
+
+    def strategy(self):
+        if not self._made:
+            strategy = ps_strategy()
+            self._made.append((strategy, tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)))
+        return self._made[0][0]
+
+    def local(self):
+        return tf.device("/job:chief/replica:0/task:0/device:CPU:0")
+
+    def runner(self, fn):
+        strategy = self.strategy()
+        coordinator = self._made[0][1]
+        step = tf.function(lambda ids: strategy.run(fn, args=(ids,)), reduce_retracing=True)
+
+        def run(arrays):
+            result = coordinator.schedule(step, args=(tf.constant(arrays[0]),))
+            coordinator.join()
+            return [result.fetch()]
+
+        return run
+
+
+SPECS = {spec.name: spec for spec in (DefaultSpec(), OneDeviceSpec(), MirroredSpec(), ParameterServerSpec())}
+KINDS = [k.name for k in registry.kinds()]
+PLACEMENTS = [p.name for p in registry.placements()]
+MATRIX = [
+    pytest.param(s, k, p, marks=SPECS[s].marks, id=f"{s}-{k}-{p}") for s in SPECS for k in KINDS for p in PLACEMENTS
+]
+_MADE = {}  # (strategy, kind, placement) -> (option, layout) that made it, or the reason it is skipped
+
+
+def make(spec, kind: str, placement: str, layout=None):
+    """A table of `kind` with `placement` under `spec`'s strategy, with `layout` (the adapter's by default) where
+    the placement takes it; skips the test, saying why, where the strategy makes no such table."""
+    adapter, wanted = ADAPTERS[kind], registry.placement(placement)
+    strategy = spec.strategy()
+    key = (spec.name, kind, placement)
+    if key not in _MADE:
+        _MADE[key] = _probe(spec, adapter, registry.kind(kind), wanted)
+    found = _MADE[key]
+    if isinstance(found, str):
+        pytest.skip(found)
+    option, default_layout = found
+    for attempt in ([layout] if layout is not None else []) + [default_layout]:
+        try:
+            with strategy.scope():
+                table = adapter.make(strategy, uid(kind), option, **attempt)
+        except ValueError:
+            continue  # the placement fixes its own layout
+        assert table.placement_type is wanted
+        return table
+    raise AssertionError(f"{key}: no layout of {layout} and {default_layout} made a table")
+
+
+def _probe(spec, adapter, kind, wanted):
+    """`(placement= option, layout)` that make a table of `kind` placed `wanted` under `spec`, or why none does."""
+    try:
+        registry.lookup_route(wanted, kind)
+    except NotImplementedError as e:
+        return str(e)
+    strategy, reasons = spec.strategy(), []
+    for option in dict.fromkeys([None, wanted.option]):
+        for layout in (adapter.layout, {}):  # the adapter's layout, else the one the placement fixes
+            try:
+                with strategy.scope():
+                    table = adapter.make(strategy, uid(kind.name), option, **layout)
+            except (ValueError, UnsupportedStrategyError) as e:
+                reasons.append(f"placement={option!r} {layout}: {e}")
+                continue
+            if table.placement_type is wanted:
+                return option, layout
+            reasons.append(f"placement={option!r} made a table placed {table.placement_type.name}")
+            break
+    return f"{spec.name} makes no {kind.name} table placed {wanted.name}: " + "; ".join(reasons)
+
+
+def split(keys: np.ndarray, replicas: int) -> list:
+    return np.array_split(keys, replicas)
+
+
+# ------------------------------------------------------------------------------------------------- the matrix --
+
+
+def test_every_registered_kind_has_an_adapter_and_the_minimal_kind_is_in_the_matrix():
+    assert set(KINDS) <= set(ADAPTERS), f"kinds without a conformance adapter: {set(KINDS) - set(ADAPTERS)}"
+    assert minimal_kind.CONSTANT.name in KINDS
+    assert {"fixed", "dynamic"} <= set(KINDS)
+    assert {"local", "device", "host", "replicas"} <= set(PLACEMENTS)
+
+
+@pytest.mark.parametrize("spec", [pytest.param(s, marks=SPECS[s].marks) for s in SPECS])
+def test_each_strategy_runs_the_combinations_it_is_expected_to(spec):
+    spec = SPECS[spec]
+    for kind in ADAPTERS:
+        for placement in PLACEMENTS:
+            key = (spec.name, kind, placement)
+            if key not in _MADE:
+                _MADE[key] = _probe(spec, ADAPTERS[kind], registry.kind(kind), registry.placement(placement))
+    runs = {(k, p) for (s, k, p), found in _MADE.items() if s == spec.name and not isinstance(found, str)}
+    assert runs == spec.expected, {k: v for k, v in _MADE.items() if k[0] == spec.name}
+
+
+OPTIMIZERS = {
+    "sgd": (lambda: tfs.optimizers.SGD(0.2), lambda: keras.optimizers.SGD(0.2)),
+    "adagrad": (lambda: tfs.optimizers.Adagrad(0.3), lambda: keras.optimizers.Adagrad(0.3)),
+}
+
+
+class Reference:
+    """The rows of `keys` (a table's live keys, then those the batches add, in first-seen order) in one plain
+    variable on one device, trained by a Keras optimizer (if any) on the loss the tables are trained on."""
+
+    def __init__(self, adapter, table, batches, optimizer=None):
+        self.keys = list(dict.fromkeys(adapter.live_keys(table) + [k for b in batches for k in b.tolist()]))
+        self.row = {k: i for i, k in enumerate(self.keys)}
+        self.var = tf.Variable(adapter.initial(table, self.keys))
+        self.optimizer = optimizer
+
+    def rows(self, keys) -> np.ndarray:
+        return self.var.numpy()[np.array([self.row[k] for k in keys.tolist()], np.int64)]
+
+    def step(self, keys) -> float:
+        ids = tf.constant([self.row[k] for k in keys.tolist()], tf.int64)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(tf.gather(self.var, ids) - 1.0))
+        if self.optimizer is not None:
+            # Dense: a row's gradient summed over its repeats before the optimizer sees it, as the tables sum it.
+            self.optimizer.apply_gradients([(tf.convert_to_tensor(tape.gradient(loss, self.var)), self.var)])
+        return float(loss)
+
+
+def run_steps(spec, adapter, tables, optimizers, batches, references=()):
+    """Steps looking up each batch's keys in each of `tables`, split over the replicas (the last of several meets
+    none), and training the table with its optimizer (if any) on `sum((row - 1) ** 2)`, all tables in one step.
+    With `references` (a `Reference` per table), checks each replica's rows and each step's loss (summed over
+    the replicas) against its reference's, the reference stepped after."""
+    variables = [adapter.variables(t) if o is not None else [] for t, o in zip(tables, optimizers)]
+    with spec.strategy().scope():
+        for optimizer, held in zip(optimizers, variables):
+            if optimizer is not None:
+                optimizer.build(held)
+
+    def fn(ids):
+        out = []
+        for table, optimizer, held in zip(tables, optimizers, variables):
+            with tf.GradientTape() as tape:
+                rows = tfs.embedding_lookup(table, ids)
+                loss = tf.reduce_sum(tf.square(rows - 1.0))
+            if optimizer is not None:
+                optimizer.apply_gradients(zip(tape.gradient(loss, held), held))
+            out.append((rows, loss))
+        return out
+
+    run = spec.runner(fn)
+    for keys in batches:
+        # Every step gives each replica as many keys (one trace per test); several replicas leave one without.
+        parts = split(keys, spec.replicas) if spec.replicas == 1 else split(keys, spec.replicas - 1) + [keys[:0]]
+        got = run(parts)
+        assert len(got) == len(parts)
+        for i, reference in enumerate(references):
+            for ids, replica in zip(parts, got):
+                np.testing.assert_allclose(np.asarray(replica[i][0]), reference.rows(ids), atol=1e-6)
+            loss = sum(float(replica[i][1]) for replica in got)
+            np.testing.assert_allclose(loss, reference.step(keys), rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec,kind,placement", MATRIX)
+def test_lookups_training_and_checkpoints_match_reference(spec, kind, placement):
+    """Lookups, SGD and Adagrad steps (a table each, trained in the same steps) and a checkpoint of the Adagrad
+    table read into other layouts and back; a kind whose tables do not train is looked up only."""
+    spec, adapter = SPECS[spec], ADAPTERS[kind]
+    names = sorted(OPTIMIZERS) if adapter.trains else [None]
+    tables = [make(spec, kind, placement) for _ in names]
+    with spec.strategy().scope():
+        optimizers = [OPTIMIZERS[name][0]() if name else None for name in names]
+    rng = np.random.default_rng(1)
+    # Keys repeated within a batch, across replicas and across steps.
+    batches = [adapter.keys(rng, 12) for _ in range(3)]
+    references = [Reference(adapter, t, batches, OPTIMIZERS[n][1]() if n else None) for t, n in zip(tables, names)]
+    run_steps(spec, adapter, tables, optimizers, batches, references)
+    if not adapter.trains:
+        return
+    for name, table, reference in zip(names, tables, references):
+        copies_agree(spec, table)
+        live = adapter.live_keys(table)
+        assert len(live) == len(set(live)) and set(live) == set(reference.keys), (name, live, reference.keys)
+        np.testing.assert_allclose(adapter.read(table, reference.keys), reference.var.numpy(), atol=1e-6, err_msg=name)
+    if adapter.layouts:
+        trained = names.index("adagrad")
+        check_checkpoint_round_trip(spec, kind, placement, tables[trained], references[trained].keys)
+
+
+def copies_agree(spec, table):
+    """Where the placement keeps a copy of the table per replica, every copy of every variable is the same."""
+    if table.placement_type.per_replica != "copy":
+        return
+    for variable in table.variables:
+        copies = [c.numpy() for c in variable.values]
+        assert len(copies) == spec.replicas, variable.name
+        for copy in copies[1:]:
+            np.testing.assert_array_equal(copy, copies[0], err_msg=variable.name)
+
+
+def entries(path) -> tuple:
+    """A checkpoint's entries (`(name, shape, dtype)`) and its object graph."""
+    reader = tf.train.load_checkpoint(path)
+    dtypes = reader.get_variable_to_dtype_map()
+    listed = sorted((k, tuple(v), dtypes[k].name) for k, v in reader.get_variable_to_shape_map().items())
+    return listed, reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH")
+
+
+def check_checkpoint_round_trip(spec, kind, placement, table, keys):
+    """`table` (`keys`: its live keys) checkpointed, read into tables of other layouts made under the default
+    strategy (and a plain variable, where the kind's checkpoints go into one); the last of them written and read
+    by a table of `spec`'s strategy, `kind` and `placement` in another layout. Every read gives the same rows."""
+    adapter = ADAPTERS[kind]
+    want = adapter.read(table, keys)
+    directory = tempfile.mkdtemp()
+    path = tf.train.Checkpoint(t=table).write(os.path.join(directory, "from"))
+    for layout in adapter.layouts:
+        with spec.local():
+            other = adapter.make(DefaultSpec().strategy(), uid(kind), None, **layout)
+        tf.train.Checkpoint(t=other).read(path).assert_existing_objects_matched()
+        assert sorted(adapter.live_keys(other)) == sorted(keys), layout
+        np.testing.assert_array_equal(adapter.read(other, keys), want, err_msg=str(layout))
+    with spec.local():
+        plain = adapter.plain()
+    if plain is not None:
+        tf.train.Checkpoint(t=plain).read(path).assert_existing_objects_matched()
+        np.testing.assert_array_equal(plain.numpy()[np.asarray(keys)], want)
+    path = tf.train.Checkpoint(t=other).write(os.path.join(directory, "back"))
+    back = make(spec, kind, placement, layout=adapter.layouts[0])
+    tf.train.Checkpoint(t=back).read(path).assert_existing_objects_matched()
+    assert sorted(adapter.live_keys(back)) == sorted(keys)
+    copies_agree(spec, back)
+    # Written again, the same entries and object graph as the default strategy's table wrote: what reads one reads
+    # the other, whatever strategy and placement wrote it.
+    assert entries(tf.train.Checkpoint(t=back).write(os.path.join(directory, "again"))) == entries(path)
+    np.testing.assert_array_equal(adapter.read(back, keys), want)
