@@ -9,9 +9,6 @@ single-device `tf.Variable` reference computed in the same test.
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import numpy as np
 import tensorflow as tf
 
@@ -259,22 +256,3 @@ class StrategyBodies:
             self.call(lambda i: tfs.embedding_lookup(table, i), tf.zeros([1, 1, 1, 1], tf.int32))
         with self.assertRaisesRegex(TypeError, "must hold integers"):
             tfs.embedding_lookup(table, [0.5])
-
-    # ------------------------------------------------------------ checkpoints --
-
-    def test_checkpoint_round_trip_into_other_layouts(self):
-        values = table_values(self.rows, self.dim)
-        table = self.make(values, scheme="balanced", partitions=3)
-        path = tf.train.Checkpoint(table=table).save(os.path.join(tempfile.mkdtemp(), "ckpt"))
-        for partitions, scheme in ((1, "div"), (2, "mod"), (5, "div"), (4, "balanced")):
-            restored = tfs.create_sharded_variable(
-                uid("r"), [self.rows, self.dim], initializer="zeros", partitions=partitions, scheme=scheme
-            )
-            tf.train.Checkpoint(table=restored).restore(path).assert_existing_objects_matched()
-            self.assertAllEqual(restored.numpy(), values, msg=f"{partitions} {scheme}")
-        plain = tf.Variable(tf.zeros([self.rows, self.dim]))
-        tf.train.Checkpoint(table=plain).restore(path).assert_existing_objects_matched()
-        self.assertAllEqual(plain.numpy(), values)
-        back = self.make(np.zeros_like(values), partitions=2, scheme="mod")
-        tf.train.Checkpoint(table=back).restore(path).assert_existing_objects_matched()
-        self.assertAllEqual(back.numpy(), values)

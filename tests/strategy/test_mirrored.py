@@ -12,24 +12,10 @@ from tests.harness.bodies import StrategyBodies
 from tests.harness.references import table_values
 from tests.harness.steps import squared_norm_collection_step
 from tests.harness.strategies import PLACEMENTS, mirrored, per_replica, transport, uid
-from tests.harness.subprocs import run_python
 from tf_sharded.table import builder
 
 pytestmark = pytest.mark.mirrored
 
-# Restores a mirrored checkpoint on a PS cluster, checks it, saves 3x the values back.
-PS_ROUND_TRIP = """
-import sys, numpy as np, tensorflow as tf, tf_sharded as tfs
-strategy = tfs.cluster.local_cluster(num_workers=1, num_ps=2).strategy()
-with strategy.scope():
-    t = strategy.create_sharded_variable("t", [17, 3], initializer="zeros", partitions=3, scheme="mod")
-tf.train.Checkpoint(t=t).restore(sys.argv[1]).assert_existing_objects_matched()
-want = np.random.RandomState(0).uniform(-1, 1, size=(17, 3)).astype(np.float32)
-assert np.array_equal(t.numpy(), want), t.numpy()
-t.assign(want * 3)
-tf.train.CheckpointManager(tf.train.Checkpoint(t=t), sys.argv[2], 1).save()
-print("PS restored OK")
-"""
 MODES = ("allgather", "dense", "auto")
 
 
@@ -145,36 +131,6 @@ class MirroredGraphTest(tf.test.TestCase):
 
 
 class MirroredCheckpointAndArgumentTest(tf.test.TestCase):
-    @pytest.mark.slow  # over 5 s here
-    def test_checkpoints_cross_strategies(self):
-        strategy = mirrored()
-        values = table_values(17, 3)
-        for placement in PLACEMENTS + ("sharded",):
-            # A sharded table has a shard per replica; the others 2 shards.
-            parts = None if placement == "sharded" else 2
-            with strategy.scope():
-                table = strategy.create_sharded_variable(
-                    uid("ck"), [17, 3], initializer=values, partitions=parts, scheme="balanced", placement=placement
-                )
-            path = tf.train.Checkpoint(t=table).save(self.get_temp_dir() + f"/{uid('m')}")
-            local = tfs.create_sharded_variable(uid("l"), [17, 3], initializer="zeros", partitions=3, scheme="mod")
-            tf.train.Checkpoint(t=local).restore(path)
-            self.assertAllEqual(local.numpy(), values)
-            # The parameter-server side runs in its own process (see conftest.py).
-            back_path = self.get_temp_dir() + f"/{uid('ps')}"
-            proc = run_python(["-c", PS_ROUND_TRIP, path, back_path], timeout=240)
-            self.assertEqual(proc.returncode, 0, msg=proc.stderr[-3000:])
-            self.assertIn("PS restored OK", proc.stdout)
-            with strategy.scope():
-                back = strategy.create_sharded_variable(
-                    uid("b"), [17, 3], initializer="zeros", partitions=None if parts is None else 1, placement=placement
-                )
-            tf.train.Checkpoint(t=back).restore(tf.train.latest_checkpoint(back_path))
-            self.assertAllEqual(back.numpy(), values * 3)
-            if placement == "device":
-                for component in back.variables[0].values:
-                    self.assertAllEqual(component.numpy(), values * 3)
-
     def test_same_seed_same_table_as_default_strategy(self):
         strategy = mirrored()
         with strategy.scope():

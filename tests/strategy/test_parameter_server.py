@@ -48,19 +48,6 @@ class ParameterServerCoordinatorTest(StrategyBodies, tf.test.TestCase):
         self.assertIsInstance(dense, tf.__internal__.distribute.ShardedVariable)
         self.assertTrue(all(v.shape[0] in (2,) for v in table.variables))
 
-    def test_checkpoint_from_ps_restores_on_default_and_back(self):
-        values = table_values(self.rows, self.dim)
-        table = self.make(values, partitions=2, scheme="mod")
-        path = tf.train.Checkpoint(t=table).save(self.get_temp_dir() + "/ps")
-        local = tfs.create_sharded_variable(uid("l"), [self.rows, self.dim], initializer="zeros", partitions=3)
-        tf.train.Checkpoint(t=local).restore(path)
-        self.assertAllEqual(local.numpy(), values)
-        local.assign(values * 2)
-        path2 = tf.train.Checkpoint(t=local).save(self.get_temp_dir() + "/local")
-        back = self.make(np.zeros_like(values), partitions=3, scheme="balanced")
-        tf.train.Checkpoint(t=back).restore(path2)
-        self.assertAllEqual(back.numpy(), values * 2)
-
     def test_bad_creation_and_restore_arguments_on_the_cluster(self):
         with self.strategy.scope():
             with self.assertRaisesRegex(ValueError, "Argument `scheme` must be one of"):

@@ -99,21 +99,6 @@ def adagrad_rows_match_reference(check, strategy, table, per_replica, replicas: 
 
 
 class DynamicTableTest(tf.test.TestCase):
-    def test_adagrad_training_matches_dense_reference(self):
-        rng = np.random.default_rng(0)
-        batches = [power_law_keys(rng, 64) for _ in range(6)]
-        table = tfs.create_dynamic_table(uid("dyn"), dim=DIM, partitions=3, seed=7)
-        step = train_step(table, tfs.optimizers.Adagrad(0.3))
-        ref = Reference(table, batches, tfs.optimizers.Adagrad(0.3))
-        for keys in batches:
-            self.assertAllClose(float(step(tf.constant(keys))), ref.step(keys), rtol=1e-5)
-        rows = by_key(table)
-        self.assertEqual(int(table.size()), len(ref.row))
-        self.assertEqual(set(rows), set(ref.row))
-        expected = ref.var.numpy()
-        for key, value in rows.items():
-            self.assertAllClose(value, expected[ref.row[key]], atol=1e-6)
-
     def test_initial_rows_depend_on_seed_and_key_only(self):
         keys = tf.constant([5, -(2**63), 2**63 - 1, 5, 12], tf.int64)
         values = []

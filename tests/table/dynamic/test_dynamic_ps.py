@@ -17,7 +17,7 @@ from tests.harness.models import (
 )
 from tests.harness.steps import squared_norm_collection_step
 from tests.harness.strategies import ps_strategy, uid
-from tests.table.dynamic.test_dynamic import DIM, Reference, by_key, power_law_keys, train_step
+from tests.table.dynamic.test_dynamic import DIM, by_key, train_step
 
 pytestmark = pytest.mark.ps_cluster
 
@@ -95,21 +95,6 @@ class DynamicParameterServerTest(tf.test.TestCase):
         for shard in table.shards:
             _, used = shard.index.export()
             self.assertEqual(len(set(used.numpy().tolist())), int(shard.size()))
-
-    def test_scheduled_adagrad_steps_match_dense_reference(self):
-        rng = np.random.default_rng(5)
-        batches = [power_law_keys(rng, 64) for _ in range(5)]
-        table = self.make(seed=2)
-        step = train_step(table, tfs.optimizers.Adagrad(0.3))
-        ref = Reference(table, batches, tfs.optimizers.Adagrad(0.3))
-        for keys in batches:
-            loss = self.coordinator.schedule(step, args=(tf.constant(keys),))
-            self.coordinator.join()
-            self.assertAllClose(float(loss.fetch()), ref.step(keys), rtol=1e-5)
-        rows = by_key(table)
-        self.assertEqual(set(rows), set(ref.row))
-        for key, value in rows.items():
-            self.assertAllClose(value, ref.var.numpy()[ref.row[key]], atol=1e-6)
 
     def test_checkpoint_from_ps_restores_locally_with_slots_and_back(self):
         table = self.make(seed=6, key_dtype=tf.string)
