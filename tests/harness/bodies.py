@@ -4,7 +4,9 @@ A concrete test class mixes `StrategyBodies` into `tf.test.TestCase` and
 provides `strategy` (the strategy under test) and `execute(fn, *args)` (how a
 `tf.function` is executed: eagerly, as a function, or scheduled on a worker
 through `ClusterCoordinator`). Every body compares against a plain
-single-device `tf.Variable` reference computed in the same test.
+single-device `tf.Variable` reference computed in the same test. What every kind and
+placement share (lookups, optimizer steps, checkpoints into other layouts) is
+checked by the conformance matrix, `tests/conformance`.
 """
 
 from __future__ import annotations
