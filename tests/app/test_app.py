@@ -20,7 +20,7 @@ from tests.harness.subprocs import ROOT, network, run_cli_here, run_python, run_
 from tf_sharded.app import parquet
 
 # The application's commands on process clusters, killed and rerun.
-pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=820)]
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=750)]
 
 TINY = [
     "--steps",

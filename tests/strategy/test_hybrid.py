@@ -14,7 +14,7 @@ import tf_sharded as tfs
 from tests.harness.strategies import TableServers, run_multi_worker
 from tests.harness.subprocs import ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=61)]  # table servers and worker processes
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=65)]  # table servers and worker processes
 
 
 @pytest.fixture(scope="module")
