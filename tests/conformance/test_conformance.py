@@ -138,9 +138,7 @@ def make(spec, kind: str, placement: str, layout=None):
     adapter, wanted = ADAPTERS[kind], registry.placement(placement)
     strategy = spec.strategy()
     key = (spec.name, kind, placement)
-    if key not in _MADE:
-        _MADE[key] = _probe(spec, adapter, registry.kind(kind), wanted)
-    found = _MADE[key]
+    found = _made(spec, kind, placement)
     if isinstance(found, str):
         pytest.skip(found)
     option, default_layout = found
@@ -153,6 +151,14 @@ def make(spec, kind: str, placement: str, layout=None):
         assert table.placement_type is wanted
         return table
     raise AssertionError(f"{key}: no layout of {layout} and {default_layout} made a table")
+
+
+def _made(spec, kind: str, placement: str):
+    """`_probe`'s answer for the combination, asked once per process."""
+    key = (spec.name, kind, placement)
+    if key not in _MADE:
+        _MADE[key] = _probe(spec, ADAPTERS[kind], registry.kind(kind), registry.placement(placement))
+    return _MADE[key]
 
 
 def _probe(spec, adapter, kind, wanted):
@@ -177,10 +183,6 @@ def _probe(spec, adapter, kind, wanted):
     return f"{spec.name} makes no {kind.name} table placed {wanted.name}: " + "; ".join(reasons)
 
 
-def split(keys: np.ndarray, replicas: int) -> list:
-    return np.array_split(keys, replicas)
-
-
 # ------------------------------------------------------------------------------------------------- the matrix --
 
 
@@ -194,12 +196,7 @@ def test_every_registered_kind_has_an_adapter_and_the_minimal_kind_is_in_the_mat
 @pytest.mark.parametrize("spec", [pytest.param(s, marks=SPECS[s].marks) for s in SPECS])
 def test_each_strategy_runs_the_combinations_it_is_expected_to(spec):
     spec = SPECS[spec]
-    for kind in ADAPTERS:
-        for placement in PLACEMENTS:
-            key = (spec.name, kind, placement)
-            if key not in _MADE:
-                _MADE[key] = _probe(spec, ADAPTERS[kind], registry.kind(kind), registry.placement(placement))
-    runs = {(k, p) for (s, k, p), found in _MADE.items() if s == spec.name and not isinstance(found, str)}
+    runs = {(k, p) for k in ADAPTERS for p in PLACEMENTS if not isinstance(_made(spec, k, p), str)}
     assert runs == spec.expected, {k: v for k, v in _MADE.items() if k[0] == spec.name}
 
 
@@ -257,7 +254,7 @@ def run_steps(spec, adapter, tables, optimizers, batches, references=()):
     run = spec.runner(fn)
     for keys in batches:
         # Every step gives each replica as many keys (one trace per test); several replicas leave one without.
-        parts = split(keys, spec.replicas) if spec.replicas == 1 else split(keys, spec.replicas - 1) + [keys[:0]]
+        parts = [keys] if spec.replicas == 1 else np.array_split(keys, spec.replicas - 1) + [keys[:0]]
         got = run(parts)
         assert len(got) == len(parts)
         for i, reference in enumerate(references):
