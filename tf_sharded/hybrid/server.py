@@ -348,7 +348,7 @@ class TableServer:
         def served(fn, specs, out):
             outs = out if isinstance(out, tuple) else (out,)
 
-            @tf.function(input_signature=specs)
+            @tf.function(input_signature=specs, autograph=False)
             def call(*args):
                 found = tf.py_function(fn, list(args), [o.dtype for o in outs])
                 for value, o in zip(found, outs):
@@ -419,14 +419,14 @@ def _compile_dynamic(shards: List[_DynamicShard], training: bool) -> tuple:
     n, key_spec = len(shards), KEYS["keys" if shards[0].table.key_dtype == tf.int64 else "strings"]
     dims = tf.constant([s.dim for s in shards], tf.int64)
 
-    @tf.function(input_signature=[COUNTS, key_spec, COUNTS])
+    @tf.function(input_signature=[COUNTS, key_spec, COUNTS], autograph=False)
     def lookup(counts, keys, occurrences):
         parts, occurred = tf.split(keys, counts, num=n), tf.split(occurrences, counts, num=n)
         found = lookup_many([(s.table, tf.repeat(k, o)) for s, k, o in zip(shards, parts, occurred)], training)
         first = [tf.cumsum(o, exclusive=True) for o in occurred]  # each key's first occurrence
         return tf.concat([tf.reshape(tf.gather(rows, f), [-1]) for rows, f in zip(found, first)], 0)
 
-    @tf.function(input_signature=[COUNTS, key_spec, FLAT, SCALAR_FLOAT, SCALAR_INT])
+    @tf.function(input_signature=[COUNTS, key_spec, FLAT, SCALAR_FLOAT, SCALAR_INT], autograph=False)
     def apply(counts, keys, gradients, learning_rate, iterations):
         parts, flat = tf.split(keys, counts, num=n), tf.split(gradients, counts * dims, num=n)
         for shard, part, values in zip(shards, parts, flat):
@@ -463,7 +463,7 @@ def _compile(shards: List[_Shard]) -> tuple:
             out.append((arena, members, tf.concat([parts[i] + shards[i].offset for i in members], 0)))
         return out
 
-    @tf.function(input_signature=[COUNTS, ROWS])
+    @tf.function(input_signature=[COUNTS, ROWS], autograph=False)
     def lookup(counts, rows):
         parts = tf.split(rows, counts, num=n)
         values = [None] * n
@@ -473,7 +473,7 @@ def _compile(shards: List[_Shard]) -> tuple:
                 values[i] = tf.reshape(part, [-1])
         return tf.concat(values, 0)
 
-    @tf.function(input_signature=[COUNTS, ROWS, FLAT, SCALAR_FLOAT, SCALAR_INT])
+    @tf.function(input_signature=[COUNTS, ROWS, FLAT, SCALAR_FLOAT, SCALAR_INT], autograph=False)
     def apply(counts, rows, gradients, learning_rate, iterations):
         parts = tf.split(rows, counts, num=n)
         flat = tf.split(gradients, counts * dims, num=n)
