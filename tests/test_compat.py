@@ -430,6 +430,30 @@ class KerasInternalsTest(tf.test.TestCase):
         self.assertLen(layer.weights, 2)
 
 
+@exercises("leave_unconverted", "converts")
+def test_autograph_leaves_the_librarys_code_as_written_and_converts_the_users():
+    from tf_sharded.table.lookup import lookup_many
+
+    def users(x):
+        if x > 0:  # a tensor's condition: autograph makes it a tf.cond
+            return x
+        return -x
+
+    assert not _compat.converts(lookup_many)
+    assert not _compat.converts(tfs.layers.Embedding(4, 2).call)
+    assert _compat.converts(users)
+    _compat.leave_unconverted("tf_sharded")  # again: no change
+    assert not _compat.converts(lookup_many) and _compat.converts(users)
+
+    embedding = tfs.layers.Embedding(4, 1, embeddings_initializer="ones")
+
+    @tf.function
+    def step(ids, x):
+        return users(tf.reduce_sum(embedding(ids)) - x)
+
+    assert np.allclose(step(tf.constant([2]), tf.constant(3.0)), 2.0)  # |1 - 3|: the user's `if`, a tf.cond
+
+
 def test_every_compat_name_is_exercised():
     tree = ast.parse(pathlib.Path(_compat.__file__).read_text())
     defined = set()

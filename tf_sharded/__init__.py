@@ -34,6 +34,10 @@ with _console.quiet_import():
 
 versions.check(_tf.__version__, _keras.__version__)
 
+from tf_sharded import _compat  # noqa: E402
+
+_compat.leave_unconverted(__name__)
+
 from tf_sharded import cluster, policies
 from tf_sharded import exchange as exchange
 from tf_sharded import hybrid as hybrid
