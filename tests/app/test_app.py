@@ -425,9 +425,9 @@ class KillAndResumeTest(tf.test.TestCase):
         # The table server killed mid-run: the job stops its cluster and runs its command again, which starts a
         # new server and restores the tables and their slots into it. Dynamic tables: their keys, counters and
         # optimizer columns too. One worker: every run is deterministic.
-        flags = ["--strategy", "hybrid", "--num_workers", "1", "--num_ps", "1", "--steps", "45",
+        flags = ["--strategy", "hybrid", "--num_workers", "1", "--num_ps", "1", "--steps", "30",
                  "--vocabulary", "dynamic"]  # fmt: skip
-        self._kill_and_resume(flags, 45, 15, kill=lambda procs: os.kill(self._started_by(procs[0], "tf_sharded.hybrid"),
+        self._kill_and_resume(flags, 30, 15, kill=lambda procs: os.kill(self._started_by(procs[0], "tf_sharded.hybrid"),
                                                                          signal.SIGKILL), restarts=True)  # fmt: skip
         restarted = (r"(?m)^restarting: the local hybrid cluster's table server localhost:\d+ ended \(exit code -9\); "
                      r"the job restarts from --checkpoint_dir \(restart 1 of 3\)$")  # fmt: skip
