@@ -48,7 +48,7 @@ def run(quick: bool = False, mode: str = "inprocess") -> Dict:
     from tf_sharded.benchmarks.dynamic import _train_step
     from tf_sharded.benchmarks.ps_lookup import scheduled_seconds
 
-    capacity = 2_048 if quick else 32_768
+    capacity = 1_024 if quick else 32_768  # --quick: 100 steps, the fewest whole blocks in each tenth
     steps = 50 * capacity // BATCH // (BLOCK * TENTHS) * BLOCK * TENTHS  # whole blocks in each tenth
     cluster = tfs.cluster.LocalCluster(num_workers=1, num_ps=2, mode=mode).start()
     try:
