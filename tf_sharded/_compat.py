@@ -87,9 +87,10 @@ def leave_unconverted(package: str) -> None:
 
     The library writes its control flow with `tf.cond` and `tf.while_loop`
     where it depends on tensors, so converting its code only costs tracing
-    time: about a tenth of a traced step's, more on table servers. Functions
-    that the library's code calls run as written too, as when Keras's code
-    calls them (Keras 3 converts no layer's `call`).
+    time. Functions that the library's code calls run as written too, as
+    when Keras's code calls them (Keras 3 converts no layer's `call`). A
+    `tf.function`'s own body is converted whatever its module, unless it
+    says `autograph=False` (as the table servers' functions do).
     """
     from tensorflow.python.autograph.core import config, config_lib
 
