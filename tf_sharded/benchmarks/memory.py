@@ -21,7 +21,7 @@ capped at 1,000,000 rows (340 MiB; 50,000 with `--quick`), the same optimizer
 and steps; once tables and slots exist, `placement="host"` should hold one
 copy x (1 + slots) and `placement="device"` one per replica (target within
 15%); the steps' own growth (the traced, replicated step) is reported apart.
-Each placement runs in its own process.
+Each placement runs in its own process (with `--quick`, both in one).
 
     python -m tf_sharded bench memory [--quick]
 """
@@ -176,38 +176,49 @@ def run(quick: bool = False) -> Dict:
         }
     finally:
         cluster.stop()
-    report["mirrored"] = [_run_mirrored(placement, quick) for placement in ("host", "device")]
+    # Full size: each placement in a process of its own, so that nothing one leaves behind is measured with the
+    # other. --quick checks the report only: both in one process, each measured from its own baseline.
+    placements = ("host", "device")
+    groups = [placements] if quick else [(placement,) for placement in placements]
+    report["mirrored"] = [row for group in groups for row in _run_mirrored(group, quick)]
     return report
 
 
-def _run_mirrored(placement: str, quick: bool) -> Dict:
-    """The mirrored measurement for one placement, in a new process (so that nothing is measured twice)."""
-    out = tempfile.mktemp(suffix=f"_memory_{placement}.json")
-    cmd = [sys.executable, "-m", "tf_sharded.benchmarks.memory", "--mirrored", placement, "--out", out]
+def _run_mirrored(placements, quick: bool) -> List[Dict]:
+    """The mirrored measurement of each of `placements`, in one new process."""
+    out = tempfile.mktemp(suffix="_memory_mirrored.json")
+    cmd = [sys.executable, "-m", "tf_sharded.benchmarks.memory", "--mirrored", *placements, "--out", out]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
     proc = subprocess.run(cmd + (["--quick"] if quick else []), env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"B3 mirrored ({placement}) failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"B3 mirrored ({', '.join(placements)}) failed:\n{proc.stderr[-3000:]}")
     with open(out) as f:
-        row = json.load(f)
+        rows = json.load(f)
     os.remove(out)
-    return row
+    return rows
 
 
-def _mirrored_child(placement: str, quick: bool) -> Dict:
+def _mirrored_rows(placements, quick: bool) -> List[Dict]:
+    """In this process: a `MirroredStrategy` over 2 logical CPUs, and each placement's row in turn."""
     import tensorflow as tf
 
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        warm = tf.Variable(tf.zeros([4, DIM]))
+    strategy.run(tf.function(lambda: tf.reduce_sum(warm)))
+    return [_mirrored_row(strategy, placement, quick) for placement in placements]
+
+
+def _mirrored_row(strategy, placement: str, quick: bool) -> Dict:
+    import tensorflow as tf
+
     from tf_sharded.app import data
     from tf_sharded.benchmarks.ps_lookup import _ids
 
     vocab = data.vocab_sizes(50_000 if quick else 1_000_000)
     keys = data.CATEGORICAL_KEYS
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    with strategy.scope():
-        warm = tf.Variable(tf.zeros([4, DIM]))
-    strategy.run(tf.function(lambda: tf.reduce_sum(warm)))
     pid = os.getpid()
     before = _rss(pid)
     tables = {
@@ -270,14 +281,14 @@ def format_rows(report: Dict) -> List[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="B3 child: the mirrored measurement for one placement")
-    parser.add_argument("--mirrored", choices=["host", "device"], required=True)
+    parser = argparse.ArgumentParser(description="B3 child: the mirrored measurement of each placement given")
+    parser.add_argument("--mirrored", choices=["host", "device"], nargs="+", required=True)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    row = _mirrored_child(args.mirrored, args.quick)
+    rows = _mirrored_rows(args.mirrored, args.quick)
     with open(args.out, "w") as f:
-        json.dump(row, f)
+        json.dump(rows, f)
     return 0
 
 
