@@ -2,9 +2,11 @@
 
 An adapter says how to make a table of its kind under a strategy (with a `placement=` option or the
 strategy's default), which keys to look up, what a fresh table holds for them (the single-device
-reference), how to read the rows a table holds now, and which other layouts a checkpoint restores into. The
-checks themselves (`test_conformance.py`) are the same for every kind; a kind whose tables hold no trainable
-rows or write no checkpoint says so (`trains`, `layouts`) and those checks are skipped for it.
+reference), how to read the rows a table holds now (and the per-key columns it keeps beside them), and which
+other layouts a checkpoint restores into. The checks themselves (`test_conformance.py`) are the same for
+every kind; a kind whose tables hold no trainable rows or write no checkpoint says so (`trains`, `layouts`)
+and those checks are skipped for it. A kind may have several adapters (a variant each, e.g. the key dtype of
+dynamic tables): the matrix runs each, named by its key in `ADAPTERS`, and `kind` names its kind.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from tests.harness.references import table_values
 class KindAdapter:
     """The default adapter: tables with rows, trained through their `held_variables`, checkpointed whole."""
 
+    # The registered kind the adapter's tables are of.
+    kind = None
     # Whether its tables hold rows an optimizer trains.
     trains = True
     # Layouts (the keyword arguments of `make`) a checkpoint restores into; empty: no checkpoint.
@@ -47,6 +51,11 @@ class KindAdapter:
         """The rows `table` holds for `keys` (read without changing it)."""
         raise NotImplementedError
 
+    def columns(self, table, keys: list) -> dict:
+        """`{name: values for keys}` of the per-key columns the table holds beside its rows and checkpoints with
+        them (optimizer slots, counters); empty for a kind that keeps none."""
+        return {}
+
     def variables(self, table) -> list:
         """The variables an optimizer trains."""
         return list(table.held_variables)
@@ -60,6 +69,7 @@ class KindAdapter:
 class FixedAdapter(KindAdapter):
     """Rows `[0, n)` made from given values: every row is live from the start."""
 
+    kind = "fixed"
     rows, dim = 29, 3
     layout = {"partitions": 3, "scheme": "balanced"}
     layouts = tuple({"partitions": p, "scheme": s} for p, s in ((1, "div"), (2, "mod"), (5, "div"), (4, "balanced")))
@@ -90,14 +100,19 @@ class FixedAdapter(KindAdapter):
 
 class DynamicAdapter(KindAdapter):
     """Raw int64 keys (negative ones and ones beyond 2**53 included): a key gets its row when a training lookup
-    first meets it, initialised from (seed, key)."""
+    first meets it, initialised from (seed, key). Its optimizer's slots are columns of the table, beside the
+    keys' last-seen step and hit count."""
 
+    kind = "dynamic"
     dim, seed = 3, 11
     layout = {"partitions": 2}
     layouts = ({"partitions": 1}, {"partitions": 3})
+    key_dtype = tf.int64
 
     def make(self, strategy, name, option, **layout):
-        return strategy.create_dynamic_table(name, self.dim, seed=self.seed, placement=option, **layout)
+        return strategy.create_dynamic_table(
+            name, self.dim, key_dtype=self.key_dtype, seed=self.seed, placement=option, **layout
+        )
 
     def keys(self, rng, n):
         pool = rng.integers(-(2**62), 2**62, size=24, dtype=np.int64)
@@ -105,7 +120,7 @@ class DynamicAdapter(KindAdapter):
         return pool[np.minimum(rng.zipf(1.5, size=n) - 1, len(pool) - 1)]
 
     def initial(self, table, keys):
-        return table.initial_rows(tf.constant(keys, tf.int64)).numpy()
+        return table.initial_rows(tf.constant(keys, self.key_dtype)).numpy()
 
     def live_keys(self, table):
         keys = table.export()[0].numpy().tolist()
@@ -117,10 +132,28 @@ class DynamicAdapter(KindAdapter):
         rows = dict(zip(*[t.numpy().tolist() for t in table.export()]))
         return np.array([rows[k] for k in keys], np.float32)
 
+    def columns(self, table, keys):
+        names = (*table.slot_columns, "seen", "hits")
+        exported, _, columns = table.export_columns(names)
+        where = {k: i for i, k in enumerate(exported.numpy().tolist())}
+        at = np.array([where[k] for k in keys], np.int64)
+        return {name: columns[name].numpy()[at] for name in names}
+
+
+class StringDynamicAdapter(DynamicAdapter):
+    """Dynamic tables keyed by strings (empty, non-ASCII and long ones included)."""
+
+    key_dtype = tf.string
+
+    def keys(self, rng, n):
+        pool = np.array([b"", "\u00e9t\u00e9".encode(), b"x" * 300] + [f"user-{i}".encode() for i in range(21)])
+        return pool[np.minimum(rng.zipf(1.5, size=n) - 1, len(pool) - 1)]
+
 
 class ConstantAdapter(KindAdapter):
     """`tests/conformance/minimal_kind.py`: rows `[id, -id]` computed by its lookup, nothing stored."""
 
+    kind = minimal_kind.CONSTANT.name
     trains = False
 
     def live_keys(self, table):
@@ -140,5 +173,6 @@ class ConstantAdapter(KindAdapter):
 ADAPTERS = {
     "fixed": FixedAdapter(),
     "dynamic": DynamicAdapter(),
+    "dynamic_string": StringDynamicAdapter(),
     minimal_kind.CONSTANT.name: ConstantAdapter(),
 }

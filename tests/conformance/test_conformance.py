@@ -18,6 +18,8 @@ Checks, each against a plain `tf.Variable` on one device computed in the same te
   plain variable where the kind's checkpoints go into one), then one of those written and read back into a
   table of this strategy, kind and placement, which then writes the same entries and object graph as the
   default strategy's table did, so a checkpoint written under any strategy and placement reads under any other;
+  every read gives the same rows and the same per-key columns the kind keeps beside them (a dynamic table's
+  optimizer slots, whether its optimizer is built before the read or after, and its counters);
 * where the placement keeps a copy per replica, the copies agree after training and after a restore.
 """
 
@@ -46,7 +48,12 @@ class DefaultSpec:
     """The default strategy: one replica, steps in a `tf.function`."""
 
     name, replicas, marks = "default", 1, ()
-    expected = {("fixed", "local"), ("dynamic", "local"), (minimal_kind.CONSTANT.name, "local")}
+    expected = {
+        ("fixed", "local"),
+        ("dynamic", "local"),
+        ("dynamic_string", "local"),
+        (minimal_kind.CONSTANT.name, "local"),
+    }
 
     def strategy(self):
         return tf.distribute.get_strategy()
@@ -71,6 +78,7 @@ class MirroredSpec(DefaultSpec):
         ("fixed", "host"),
         ("fixed", "replicas"),
         ("dynamic", "host"),
+        ("dynamic_string", "host"),
         (minimal_kind.CONSTANT.name, "local"),
     }
 
@@ -127,14 +135,14 @@ SPECS = {spec.name: spec for spec in (DefaultSpec(), OneDeviceSpec(), MirroredSp
 KINDS = [k.name for k in registry.kinds()]
 PLACEMENTS = [p.name for p in registry.placements()]
 MATRIX = [
-    pytest.param(s, k, p, marks=SPECS[s].marks, id=f"{s}-{k}-{p}") for s in SPECS for k in KINDS for p in PLACEMENTS
+    pytest.param(s, a, p, marks=SPECS[s].marks, id=f"{s}-{a}-{p}") for s in SPECS for a in ADAPTERS for p in PLACEMENTS
 ]
 _MADE = {}  # (strategy, kind, placement) -> (option, layout) that made it, or the reason it is skipped
 
 
 def make(spec, kind: str, placement: str, layout=None):
-    """A table of `kind` with `placement` under `spec`'s strategy, with `layout` (the adapter's by default) where
-    the placement takes it; skips the test, saying why, where the strategy makes no such table."""
+    """A table of adapter `kind`'s with `placement` under `spec`'s strategy, with `layout` (the adapter's by
+    default) where the placement takes it; skips the test, saying why, where the strategy makes no such table."""
     adapter, wanted = ADAPTERS[kind], registry.placement(placement)
     strategy = spec.strategy()
     key = (spec.name, kind, placement)
@@ -145,7 +153,7 @@ def make(spec, kind: str, placement: str, layout=None):
     for attempt in ([layout] if layout is not None else []) + [default_layout]:
         try:
             with strategy.scope():
-                table = adapter.make(strategy, uid(kind), option, **attempt)
+                table = adapter.make(strategy, uid(adapter.kind), option, **attempt)
         except ValueError:
             continue  # the placement fixes its own layout
         assert table.placement_type is wanted
@@ -157,7 +165,8 @@ def _made(spec, kind: str, placement: str):
     """`_probe`'s answer for the combination, asked once per process."""
     key = (spec.name, kind, placement)
     if key not in _MADE:
-        _MADE[key] = _probe(spec, ADAPTERS[kind], registry.kind(kind), registry.placement(placement))
+        adapter = ADAPTERS[kind]
+        _MADE[key] = _probe(spec, adapter, registry.kind(adapter.kind), registry.placement(placement))
     return _MADE[key]
 
 
@@ -187,7 +196,8 @@ def _probe(spec, adapter, kind, wanted):
 
 
 def test_every_registered_kind_has_an_adapter_and_the_minimal_kind_is_in_the_matrix():
-    assert set(KINDS) <= set(ADAPTERS), f"kinds without a conformance adapter: {set(KINDS) - set(ADAPTERS)}"
+    adapted = {adapter.kind for adapter in ADAPTERS.values()}
+    assert set(KINDS) <= adapted, f"kinds without a conformance adapter: {set(KINDS) - adapted}"
     assert minimal_kind.CONSTANT.name in KINDS
     assert {"fixed", "dynamic"} <= set(KINDS)
     assert {"local", "device", "host", "replicas"} <= set(PLACEMENTS)
@@ -309,20 +319,30 @@ def entries(path) -> tuple:
     return listed, reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH")
 
 
+def with_optimizer(adapter, table):
+    """`table` with its Adagrad optimizer's slots built (in the scope of the strategy that made it)."""
+    if adapter.trains:
+        OPTIMIZERS["adagrad"][0]().build(adapter.variables(table))
+    return table
+
+
 def check_checkpoint_round_trip(spec, kind, placement, table, keys):
     """`table` (`keys`: its live keys) checkpointed, read into tables of other layouts made under the default
     strategy (and a plain variable, where the kind's checkpoints go into one); the last of them written and read
-    by a table of `spec`'s strategy, `kind` and `placement` in another layout. Every read gives the same rows."""
+    by a table of `spec`'s strategy, `kind` and `placement` in another layout. Every read gives the same rows,
+    and the same columns: into the other layouts before their optimizer is built, into the last after."""
     adapter = ADAPTERS[kind]
-    want = adapter.read(table, keys)
+    want, want_columns = adapter.read(table, keys), adapter.columns(table, keys)
     directory = tempfile.mkdtemp()
     path = tf.train.Checkpoint(t=table).write(os.path.join(directory, "from"))
     for layout in adapter.layouts:
         with spec.local():
-            other = adapter.make(DefaultSpec().strategy(), uid(kind), None, **layout)
+            other = adapter.make(DefaultSpec().strategy(), uid(adapter.kind), None, **layout)
         tf.train.Checkpoint(t=other).read(path).assert_existing_objects_matched()
         assert sorted(adapter.live_keys(other)) == sorted(keys), layout
         np.testing.assert_array_equal(adapter.read(other, keys), want, err_msg=str(layout))
+        with spec.local():
+            check_columns(adapter.columns(with_optimizer(adapter, other), keys), want_columns, layout)
     with spec.local():
         plain = adapter.plain()
     if plain is not None:
@@ -330,6 +350,8 @@ def check_checkpoint_round_trip(spec, kind, placement, table, keys):
         np.testing.assert_array_equal(plain.numpy()[np.asarray(keys)], want)
     path = tf.train.Checkpoint(t=other).write(os.path.join(directory, "back"))
     back = make(spec, kind, placement, layout=adapter.layouts[0])
+    with spec.strategy().scope():
+        with_optimizer(adapter, back)
     tf.train.Checkpoint(t=back).read(path).assert_existing_objects_matched()
     assert sorted(adapter.live_keys(back)) == sorted(keys)
     copies_agree(spec, back)
@@ -337,3 +359,11 @@ def check_checkpoint_round_trip(spec, kind, placement, table, keys):
     # the other, whatever strategy and placement wrote it.
     assert entries(tf.train.Checkpoint(t=back).write(os.path.join(directory, "again"))) == entries(path)
     np.testing.assert_array_equal(adapter.read(back, keys), want)
+    check_columns(adapter.columns(back, keys), want_columns, (spec.name, placement))
+
+
+def check_columns(got: dict, want: dict, where) -> None:
+    """The same per-key columns, of the same values."""
+    assert sorted(got) == sorted(want), (where, sorted(got), sorted(want))
+    for name, values in want.items():
+        np.testing.assert_array_equal(got[name], values, err_msg=f"{where} {name}")
