@@ -3,9 +3,14 @@
 Lookups write here; the exchange and the optimizers read it, so neither
 depends on the lookup module, and the backward path reads facts the forward
 path recorded instead of calling back into it. Records are kept per graph
-being traced (weakly: a finished trace's record goes with its graph) and per
-thread (MirroredStrategy traces its replicas in threads). Nothing is recorded
-eagerly.
+being traced and per thread (MirroredStrategy traces each replica of each
+`strategy.run` in a thread of its own), both weakly: a finished trace's
+record goes with its graph, a replica's with its thread. A thread object,
+not its id: the operating system hands a finished thread's id to the next
+one, so steps unrolled in one function (one `strategy.run` each) would add
+up their ids whenever the ids repeat, which they do in some processes and
+not others; workers tracing the same step then chose different exchanges
+and their collectives met mismatched. Nothing is recorded eagerly.
 """
 
 from __future__ import annotations
@@ -16,23 +21,22 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
-# graph -> {(id(table), thread id): (lookups, static number of ids or None)}
+# graph -> thread -> {id(table): (lookups, static number of ids or None)}
 _TRACED = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
 def _record() -> dict:
-    graph = tf.compat.v1.get_default_graph()
-    if graph not in _TRACED:
-        _TRACED[graph] = {}
-    return _TRACED[graph]
+    """This graph's and this thread's record (call with `_LOCK` held)."""
+    threads = _TRACED.setdefault(tf.compat.v1.get_default_graph(), weakref.WeakKeyDictionary())
+    return threads.setdefault(threading.current_thread(), {})
 
 
 def note_lookup(table: Any, num_ids: Optional[int] = None) -> None:
     """Counts one lookup of `table` with `num_ids` ids (None: not known when traced) in the traced step."""
     if tf.executing_eagerly():
         return
-    key = (id(table), threading.get_ident())
+    key = id(table)
     with _LOCK:
         record = _record()
         if key not in record:
@@ -44,7 +48,7 @@ def note_lookup(table: Any, num_ids: Optional[int] = None) -> None:
 
 def _entry(table: Any) -> tuple:
     with _LOCK:
-        return _record().get((id(table), threading.get_ident()), (0, None))
+        return _record().get(id(table), (0, None))
 
 
 def traced_ids(table: Any) -> Optional[int]:

@@ -140,3 +140,47 @@ class TraceTest(tf.test.TestCase):
 
         step()
         self.assertEqual(other, {"single": False, "here": True})
+
+    def test_each_thread_in_one_trace_starts_its_own_record(self):
+        # As steps unrolled in one function, each a `strategy.run` whose replicas trace in threads of their own:
+        # a thread that looks up after an earlier one ended (whose id the system often hands on) starts afresh.
+        table, _ = make(10, 2)
+        seen, idents = [], []
+
+        def replica(graph, ids):
+            with graph.as_default():  # a thread's default graph is its own: given, as replicas get theirs
+                tfs.embedding_lookup(table, ids)
+                seen.append((trace.single_lookup(table), trace.traced_ids(table)))
+            idents.append(threading.get_ident())
+
+        @tf.function
+        def unrolled(ids):
+            for _ in range(3):
+                thread = threading.Thread(target=replica, args=(tf.compat.v1.get_default_graph(), ids))
+                thread.start()
+                thread.join()
+            return tf.constant(0)
+
+        unrolled.get_concrete_function(tf.TensorSpec([4], tf.int64))
+        self.assertEqual(seen, [(True, 4)] * 3, f"thread ids {idents}")
+
+    def test_unrolled_mirrored_steps_each_see_their_own_lookups(self):
+        # Two `strategy.run` calls in one function, as `tfs.fit` unrolls `steps_per_execution` where replicas
+        # meet: the exchange of each step sees the lookup of that step only.
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+        with strategy.scope():
+            table, _ = make(10, 2)
+        seen = []
+
+        def step(ids):
+            tfs.embedding_lookup(table, ids)
+            seen.append((trace.single_lookup(table), trace.traced_ids(table)))
+            return tf.constant(0)
+
+        @tf.function
+        def two_steps(ids):
+            strategy.run(step, (ids,))
+            return strategy.run(step, (ids,))
+
+        two_steps.get_concrete_function(tf.TensorSpec([4], tf.int64))
+        self.assertEqual(seen, [(True, 4), (True, 4)])
