@@ -95,6 +95,15 @@ def _epoch_timer():
     return EpochTimer()
 
 
+def _cause(error: Exception) -> str:
+    """What stopped a variant, in one line: the message, or for TensorFlow's "Graph execution error" (whose first
+    line says nothing) the op's own message, which ends it."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith("Graph execution error"):
+        return " ".join(lines[-2:])[:600]
+    return (lines[0] if lines else "")[:300]
+
+
 def _measure_variant(strategy, embeddings: str, sizes: Dict, steps_per_execution: int = 1) -> Dict:
     """Builds and trains one variant under `strategy`; samples/s per timed epoch, or the error that stopped it."""
     import keras
@@ -129,7 +138,7 @@ def _measure_variant(strategy, embeddings: str, sizes: Dict, steps_per_execution
             verbose=0,
         )
     except Exception as e:  # noqa: BLE001  (the baseline may not run under every strategy: reported, not fatal)
-        return {"samples_per_s": None, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        return {"samples_per_s": None, "error": f"{type(e).__name__}: {_cause(e)}"}
     rates = [sizes["steps"] * BATCH / s for s in timer.seconds[1:]]
     return {
         "samples_per_s": statistics.median(rates),
