@@ -83,17 +83,19 @@ E2E_KEYS = {
 
 
 class BenchmarkSuiteTest(tf.test.TestCase):
-    @pytest.mark.timeout(1200)
+    @pytest.mark.timeout(1800)
     def test_quick_suite_writes_json_and_plots(self):
         out = tempfile.mkdtemp()
-        # B4 (end to end, one process per strategy) beside the others: two runs of the command at once.
+        # B4 (end to end, one process per strategy) beside the others: two runs of the command at once. About 270
+        # CPU-s; the wall-clock limit leaves room for a slower machine whose cores the suite's other (higher
+        # priority) processes keep busy: on one such CI machine, 900 s were not enough.
         bench = ["-m", "tf_sharded", "bench", "--quick", "--out", out]
         runs = run_python_together(
             [
                 bench + ["e2e", "quantize", "mwprofile", "dynamic_churn"],
                 bench + ["ps", "exchange", "fused", "memory", "dynamic", "plan", "sharded"],
             ],
-            900,
+            1700,
         )
         for proc in runs:
             self.assertEqual(proc.returncode, 0, msg=proc.stdout + proc.stderr[-3000:])
