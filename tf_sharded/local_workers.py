@@ -160,10 +160,24 @@ class LocalWorkers:
             for what, proc in self._watched():
                 code = proc.poll()
                 if code is not None and not (what.startswith("worker") and code == 0):
-                    return f"the local {self.kind} cluster's {what} ended (exit code {code})"
+                    said = self._last_line(what) if code > 0 else ""  # a process killed by a signal says nothing
+                    said = f": {said}" if said else ""
+                    return f"the local {self.kind} cluster's {what} ended (exit code {code}{said})"
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.1)
+
+    def _last_line(self, what: str) -> str:
+        """The last line that worker `what` ("worker 2") wrote (its error, when it failed by itself), or ""."""
+        if not what.startswith("worker "):
+            return ""
+        _, log = self._workers[int(what.split()[1]) - 1]
+        try:
+            log.seek(0)
+            lines = [line.strip() for line in log.read().splitlines() if line.strip()]
+        except (OSError, ValueError):  # closed by `stop` meanwhile
+            return ""
+        return lines[-1][:300] if lines else ""
 
     def _watched(self) -> list:
         return self._other_processes() + [(f"worker {i}", p) for i, (p, _) in enumerate(self._workers, start=1)]
