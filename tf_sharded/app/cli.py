@@ -131,6 +131,19 @@ def define_flags(values: flags.FlagValues) -> None:
         "values as the keys of dynamic tables (no cap, no collisions).",
         flag_values=values,
     )
+    for name, meaning in (
+        ("min_count", "a key gets a row once it has occurred this many times (fewer: it reads its initial row)"),
+        ("evict_after_steps", "the rows of keys unseen for this many steps are freed"),
+        ("max_keys", "each table holds at most this many live keys, the least recently seen going first"),
+    ):
+        flags.DEFINE_integer(
+            name,
+            None,
+            f"Dynamic tables (--vocabulary dynamic, or a schema column's): {meaning}. A column's own "
+            f'"{name}" in the schema wins. Default: no bound.',
+            lower_bound=1,
+            flag_values=values,
+        )
     flags.DEFINE_integer("embedding_dim", 16, "Embedding width.", lower_bound=1, flag_values=values)
     flags.DEFINE_integer(
         "cpu_replicas",
@@ -487,11 +500,35 @@ def inspect_checkpoint(path: str) -> int:
             saved = f"  table '{layout['table']}' saved as {layout['partition']} on {where} under {layout['strategy']}"
         print(f"{name:70s} {str(shape):18s} {dtype:8s} {size / 2**20:10.2f} MiB{saved}")
     dynamic = _dynamic_tables(shapes, dtypes)
+    bounds = _saved_bounds(directory)
     for name, (keys, dim, key_dtype, size) in sorted(dynamic.items()):
         total += size
-        print(f"{name:70s} {keys:>10,} live keys x {dim:<4d} {key_dtype:8s} {size / 2**20:10.2f} MiB  dynamic table")
+        table = name.rsplit("/", 1)[-1].removeprefix("tables_")
+        print(f"{name:70s} {keys:>10,} live keys x {dim:<4d} {key_dtype:8s} {size / 2**20:10.2f} MiB  dynamic table"
+              f"; {_describe_bounds(bounds.get(table, {}))}")  # fmt: skip
     print(f"{len(rows)} variables, {len(dynamic)} dynamic tables, {total / 2**20:.1f} MiB")
     return 0
+
+
+def _saved_bounds(directory: str) -> dict:
+    """`{table: bounds}` of the dynamic tables, from the schema `train` keeps beside its checkpoints ({} without
+    one)."""
+    from tf_sharded.app import inputs
+
+    saved = inputs.saved_schema(directory)
+    return saved.table_policies() if saved is not None else {}
+
+
+def _describe_bounds(bounds: dict) -> str:
+    """A dynamic table's policies in words ("no bounds" without any)."""
+    said = []
+    if "min_count" in bounds:
+        said.append(f"admits a key after {bounds['min_count']} occurrences")
+    if "evict_after_steps" in bounds:
+        said.append(f"evicts keys unseen for {bounds['evict_after_steps']} steps")
+    if "max_keys" in bounds:
+        said.append(f"holds at most {bounds['max_keys']:,} keys (least recently seen evicted)")
+    return ", ".join(said) if said else "no bounds (admits every key, evicts none)"
 
 
 def _saved_layouts(directory: str) -> dict:

@@ -89,13 +89,23 @@ def requested_schema(args) -> Tuple[schemas.Schema, str]:
         schema, given = schemas.criteo(data.vocab_sizes(args.max_vocab)), f"Criteo's layout ({where}, --max_vocab)"
     if getattr(args, "vocabulary", "hashed") == "dynamic":
         schema, given = schema.with_vocabulary("dynamic"), f"{given} with --vocabulary dynamic"
+    bounds = {k: getattr(args, k, None) for k in schemas.POLICY_KEYS}
+    named = [f"--{k}" for k, v in bounds.items() if v is not None]
+    if named and not any(f.vocabulary == "dynamic" for f in schema.embedded):
+        raise schemas.SchemaError(
+            f"{', '.join(named)} bound(s) dynamic tables, and {given} has none: add --vocabulary dynamic, or "
+            '"vocabulary": "dynamic" to a column of the schema'
+        )
+    if named:
+        schema, given = schema.with_policies(**bounds), f"{given} with {', '.join(named)}"
+    schema.table_policies()  # features sharing a table agree on its bounds
     return schema, given
 
 
 def check_resumes(schema: schemas.Schema, given: str, checkpoint_dir: Optional[str]) -> None:
     """Refuses, before any data is read, to train on from checkpoints written with another schema (kept beside
     them, `SCHEMA_FILE`): its model would be another model."""
-    saved = _saved_schema(checkpoint_dir) if steps_in_checkpoint(checkpoint_dir) else None
+    saved = saved_schema(checkpoint_dir) if steps_in_checkpoint(checkpoint_dir) else None
     found = schemas.differences(saved, schema) if saved is not None else []
     if found:
         raise schemas.SchemaError(
@@ -136,13 +146,14 @@ def plan(args, workers: int, strategy=None) -> InputPlan:
     return _files_plan(args, schema, shares, skip)
 
 
-def _saved_schema(checkpoint_dir: Optional[str]) -> Optional[schemas.Schema]:
+def saved_schema(checkpoint_dir: Optional[str]) -> Optional[schemas.Schema]:
+    """The schema kept beside the checkpoints in `checkpoint_dir` (`save_schema`), or None."""
     path = os.path.join(checkpoint_dir, SCHEMA_FILE) if checkpoint_dir else None
     return schemas.load(path) if path and os.path.exists(path) else None
 
 
 def _files_plan(args, schema: schemas.Schema, shares: Shares, skip: int) -> InputPlan:
-    saved = _saved_schema(args.checkpoint_dir)
+    saved = saved_schema(args.checkpoint_dir)
     if saved is not None and saved.columns == schema.columns:
         # A resumed run standardizes with the statistics it started with.
         schema = schema.with_statistics({f.name: (f.mean, f.std) for f in saved.numeric if f.mean is not None})
@@ -225,7 +236,7 @@ def save_schema(schema: schemas.Schema, checkpoint_dir: Optional[str]) -> None:
     run's schema is the one kept (`check_resumes`), which stays as it is."""
     if not checkpoint_dir:
         return
-    saved = _saved_schema(checkpoint_dir)
+    saved = saved_schema(checkpoint_dir)
     if saved is not None and saved.to_json() == schema.to_json():
         return
     os.makedirs(checkpoint_dir, exist_ok=True)

@@ -55,8 +55,10 @@ def _embed(ids: dict, schema: Schema, dim: int, name: str, table_options: Option
         if plan is not None:
             raise ValueError("Argument `plan` applies to tf_sharded tables only, not with embeddings='keras'")
         return {f.name: keras.layers.Embedding(f.buckets, dim, name=f"{name}_{f.name}")(ids[f.name]) for f in features}
+    bounds = schema.table_policies()
     tables = {
-        table: _table_config(rows, dim, i, table_options) for i, (table, rows) in enumerate(schema.tables().items())
+        table: _table_config(rows, dim, i, table_options, bounds.get(table))
+        for i, (table, rows) in enumerate(schema.tables().items())
     }
     specs = {
         f.name: {"table": f.table_name, "combiner": f.combiner.value if f.type == FeatureType.MULTI_HOT else None}
@@ -66,13 +68,33 @@ def _embed(ids: dict, schema: Schema, dim: int, name: str, table_options: Option
     return collection({f.name: ids[f.name] for f in features})
 
 
-def _table_config(rows: Optional[int], dim: int, seed: int, options: Optional[dict]) -> dict:
-    """An `EmbeddingCollection` table: `rows` hashed ids, or (rows None) a dynamic table of string keys."""
+def _table_config(
+    rows: Optional[int], dim: int, seed: int, options: Optional[dict], bounds: Optional[dict] = None
+) -> dict:
+    """An `EmbeddingCollection` table: `rows` hashed ids, or (rows None) a dynamic table of string keys, with the
+    policies of its schema `bounds` (`Feature.policies`)."""
     if rows is None:
         # Of the sharded-table options, a dynamic table takes its shard count, and a shard per worker.
         extra = {k: v for k, v in (options or {}).items() if k == "partitions" or (k, v) == ("placement", "sharded")}
-        return {"vocabulary": "dynamic", "output_dim": dim, "key_dtype": "string", "seed": seed, **extra}
+        return {"vocabulary": "dynamic", "output_dim": dim, "key_dtype": "string", "seed": seed, **extra,
+                **policies(bounds or {})}  # fmt: skip
     return {"input_dim": int(rows), "output_dim": dim, "seed": seed, **(options or {})}
+
+
+def policies(bounds: dict) -> dict:
+    """A dynamic table's `admission` and `eviction` for a schema's bounds (`schema.POLICY_KEYS`), as
+    `tfs.layers` table options ({} without bounds)."""
+    from tf_sharded import policies as p
+
+    evictions = []
+    if "evict_after_steps" in bounds:
+        evictions.append(p.StepsSinceSeenEviction(bounds["evict_after_steps"]))
+    if "max_keys" in bounds:
+        evictions.append(p.CapacityEviction(bounds["max_keys"]))
+    out = {"eviction": evictions} if evictions else {}
+    if "min_count" in bounds:
+        out["admission"] = p.MinCountAdmission(bounds["min_count"])
+    return out
 
 
 def _check_embeddings(embeddings: str) -> None:

@@ -23,7 +23,14 @@ strings) are hashed into `buckets` rows: row 0 is "missing", values go to
 hashes the same whether a file stores it as a number or as a string. With
 `"vocabulary": "dynamic"` (or `train --vocabulary dynamic`) a column's values
 are instead the keys of a dynamic table, as text ("" when missing): no
-`buckets`, no collisions.
+`buckets`, no collisions. Such a column may bound its table, so that a job
+over days of logs does not grow without end: `"min_count": n` gives a key a
+row once it has occurred n times (`tfs.policies.MinCountAdmission`),
+`"evict_after_steps": n` frees the rows of keys unseen for n steps
+(`StepsSinceSeenEviction`), `"max_keys": n` holds at most n live keys, the
+least recently seen going first (`CapacityEviction`). `train --min_count`,
+`--evict_after_steps` and `--max_keys` set them for dynamic columns that do
+not.
 Multi-hot columns are lists (Parquet, TFRecord) or `delimiter`-separated
 text (TSV, CSV), looked up with `combiner` (`sum`, `mean`, `sqrtn`).
 Features with the same `table` share one embedding table (their `buckets`
@@ -84,6 +91,10 @@ class Feature:
     combiner: Combiner = Combiner.MEAN
     # "hashed" (ids = 1 + hash mod (buckets - 1)) or "dynamic" (raw values as string keys of a dynamic table).
     vocabulary: str = "hashed"
+    # A dynamic table's bounds (None: none): admission by count, eviction by steps unseen, most live keys.
+    min_count: Optional[int] = None
+    evict_after_steps: Optional[int] = None
+    max_keys: Optional[int] = None
     # standardize: mean and standard deviation from the statistics pass (None until it ran).
     mean: Optional[float] = None
     std: Optional[float] = None
@@ -91,6 +102,14 @@ class Feature:
     @property
     def table_name(self) -> str:
         return self.table or self.name
+
+    def policies(self) -> Dict[str, int]:
+        """The bounds this feature sets on its dynamic table, `{key: value}` of those given."""
+        return {k: getattr(self, k) for k in POLICY_KEYS if getattr(self, k) is not None}
+
+
+# A dynamic column's bounds on its table, as the schema file and `train`'s flags name them.
+POLICY_KEYS = ("min_count", "evict_after_steps", "max_keys")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +145,33 @@ class Schema:
         )
         return dataclasses.replace(self, features=features)
 
+    def with_policies(self, **given: Optional[int]) -> Schema:
+        """A copy whose dynamic features take the bounds in `given` (`POLICY_KEYS`, None: not given) where they
+        set none of their own."""
+        features = tuple(
+            dataclasses.replace(f, **{k: v for k, v in given.items() if v is not None and getattr(f, k) is None})
+            if f.vocabulary == "dynamic"
+            else f
+            for f in self.features
+        )
+        return dataclasses.replace(self, features=features)
+
+    def table_policies(self) -> Dict[str, Dict[str, int]]:
+        """`{table name: {bound: value}}` of the dynamic tables that have bounds; features sharing a table must
+        agree (a schema file's are checked when it is read; flags fill in those a feature leaves out)."""
+        found: Dict[str, Tuple[Dict[str, int], str]] = {}
+        for f in self.embedded:
+            if f.vocabulary != "dynamic":
+                continue
+            if f.table_name in found and found[f.table_name][0] != f.policies():
+                bounds, other = found[f.table_name]
+                raise SchemaError(
+                    f"features '{other}' and '{f.name}' share table '{f.table_name}' but have bounds {bounds} and "
+                    f"{f.policies()} (the flags fill in a feature's own bounds only where it sets none)"
+                )
+            found.setdefault(f.table_name, (f.policies(), f.name))
+        return {table: bounds for table, (bounds, _) in found.items() if bounds}
+
     def needs_statistics(self) -> bool:
         return any(f.transform == Transform.STANDARDIZE and f.mean is None for f in self.numeric)
 
@@ -149,6 +195,7 @@ class Schema:
             else:
                 if f.vocabulary == "dynamic":
                     out["vocabulary"] = "dynamic"
+                    out.update(f.policies())
                 if f.buckets is not None:
                     out["buckets"] = f.buckets
                 if f.table:
@@ -173,8 +220,8 @@ def _enum(kind, value, where: str, key: str):
 
 _FEATURE_KEYS = {
     FeatureType.NUMERIC: {"name", "type", "transform", "mean", "std"},
-    FeatureType.CATEGORICAL: {"name", "type", "buckets", "table", "vocabulary"},
-    FeatureType.MULTI_HOT: {"name", "type", "buckets", "table", "delimiter", "combiner", "vocabulary"},
+    FeatureType.CATEGORICAL: {"name", "type", "buckets", "table", "vocabulary", *POLICY_KEYS},
+    FeatureType.MULTI_HOT: {"name", "type", "buckets", "table", "delimiter", "combiner", "vocabulary", *POLICY_KEYS},
 }
 
 
@@ -203,15 +250,22 @@ def _feature(entry, where: str) -> Feature:
     table = entry.get("table")
     if table is not None and (not isinstance(table, str) or not table):
         raise SchemaError(f"{where}: `table` must be a non-empty string. Received: {table!r}")
+    bounds = {k: entry[k] for k in POLICY_KEYS if k in entry}
+    for key, value in bounds.items():
+        if vocabulary != "dynamic":
+            raise SchemaError(f'{where}: `{key}` bounds a dynamic table: it needs "vocabulary": "dynamic"')
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise SchemaError(f"{where}: `{key}` must be a positive integer. Received: {value!r}")
     if kind == FeatureType.CATEGORICAL:
-        return Feature(entry["name"], kind, buckets=buckets, table=table, vocabulary=vocabulary)
+        return Feature(entry["name"], kind, buckets=buckets, table=table, vocabulary=vocabulary, **bounds)
     delimiter = entry.get("delimiter", "|")
     if not isinstance(delimiter, str) or len(delimiter) != 1:
         raise SchemaError(f"{where}: `delimiter` must be one character. Received: {delimiter!r}")
     combiner = _enum(Combiner, entry.get("combiner", "mean"), where, "combiner")
     return Feature(
-        entry["name"], kind, buckets=buckets, table=table, delimiter=delimiter, combiner=combiner, vocabulary=vocabulary
-    )
+        entry["name"], kind, buckets=buckets, table=table, delimiter=delimiter, combiner=combiner,
+        vocabulary=vocabulary, **bounds,
+    )  # fmt: skip
 
 
 def parse(config: dict, source: str = "schema") -> Schema:
@@ -241,14 +295,16 @@ def parse(config: dict, source: str = "schema") -> Schema:
     for f in features:
         if f.type == FeatureType.NUMERIC:
             continue
-        if f.table_name in rows and rows[f.table_name][0] != (f.buckets, f.vocabulary):
-            (buckets, vocabulary), other = rows[f.table_name]
+        if f.table_name in rows and rows[f.table_name][0] != (f.buckets, f.vocabulary, f.policies()):
+            (buckets, vocabulary, bounds), other = rows[f.table_name]
             differ = f"vocabulary {vocabulary} and {f.vocabulary}" if vocabulary != f.vocabulary else ""
+            if not differ and bounds != f.policies():
+                differ = f"bounds {bounds} and {f.policies()}"
             raise SchemaError(
                 f"{source}: features '{other}' and '{f.name}' share table '{f.table_name}' but have "
                 + (differ or f"buckets {buckets} and {f.buckets}")
             )
-        rows.setdefault(f.table_name, ((f.buckets, f.vocabulary), f.name))
+        rows.setdefault(f.table_name, ((f.buckets, f.vocabulary, f.policies()), f.name))
     return Schema(label, features)
 
 
