@@ -176,6 +176,7 @@ class DynamicVocabularyAppTest(tf.test.TestCase):
 class BoundedVocabularyAppTest(tf.test.TestCase):
     CAPACITY = 3000
 
+    @pytest.mark.timeout(1500)  # about 110 CPU-s; room for a slow machine whose cores the rest of the suite holds
     def test_a_stream_far_past_the_capacity_stays_within_it_and_learns_as_an_uncapped_run(self):
         # Criteo-shaped synthetic data at the default --max_vocab, 300 steps of 256: its 8 largest tables meet
         # about 16,000 distinct values each, over 5 times the capacity. One device, one shard per table.
@@ -190,7 +191,7 @@ class BoundedVocabularyAppTest(tf.test.TestCase):
             [train + ["--checkpoint_dir", free], train + ["--max_keys", str(self.CAPACITY), "--checkpoint_dir", capped],
              ["-m", "tf_sharded", "train", *TINY, "--vocabulary", "dynamic", "--min_count", "2",
               "--evict_after_steps", "3", "--checkpoint_dir", tiny]],
-            600,
+            1200,
         )  # fmt: skip
         for proc in runs:
             self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
