@@ -157,30 +157,20 @@ class LocalWorkers:
         (a reset connection) just before its process has ended."""
         deadline = time.monotonic() + wait
         while True:
-            for what, proc in self._watched():
+            for what, proc, log in self._watched():
                 code = proc.poll()
                 if code is not None and not (what.startswith("worker") and code == 0):
-                    said = self._last_line(what) if code > 0 else ""  # a process killed by a signal says nothing
+                    said = _last_line(log) if code > 0 else ""  # a process killed by a signal says nothing
                     said = f": {said}" if said else ""
                     return f"the local {self.kind} cluster's {what} ended (exit code {code}{said})"
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.1)
 
-    def _last_line(self, what: str) -> str:
-        """The last line that worker `what` ("worker 2") wrote (its error, when it failed by itself), or ""."""
-        if not what.startswith("worker "):
-            return ""
-        _, log = self._workers[int(what.split()[1]) - 1]
-        try:
-            log.seek(0)
-            lines = [line.strip() for line in log.read().splitlines() if line.strip()]
-        except (OSError, ValueError):  # closed by `stop` meanwhile
-            return ""
-        return lines[-1][:300] if lines else ""
-
     def _watched(self) -> list:
-        return self._other_processes() + [(f"worker {i}", p) for i, (p, _) in enumerate(self._workers, start=1)]
+        """(what, process, its log file or None) of every other process of the cluster."""
+        others = [(what, proc, None) for what, proc in self._other_processes()]
+        return others + [(f"worker {i}", p, log) for i, (p, log) in enumerate(self._workers, start=1)]
 
     def _launch_worker(self, index: int) -> tuple:
         config = {"cluster": self.cluster_dict, "task": {"type": "worker", "index": index}}
@@ -249,3 +239,15 @@ class LocalWorkers:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _last_line(log) -> str:
+    """The last line a process that has ended wrote to `log` (its error, when it failed by itself), or ""."""
+    if log is None:
+        return ""
+    try:
+        log.seek(0)  # the process has ended: moving the offset it shared is safe
+        lines = [line.strip() for line in log.read().splitlines() if line.strip()]
+    except (OSError, ValueError):  # closed by `stop` meanwhile
+        return ""
+    return lines[-1][:300] if lines else ""
