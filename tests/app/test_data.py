@@ -370,6 +370,40 @@ class ResumedInputTest(tf.test.TestCase):
                 self.assertEqual(resumed, everything[skip : skip + 2], msg=(path, skip))
 
 
+class KeptSchemaTest(tf.test.TestCase):
+    def test_a_worker_reading_the_kept_schema_while_another_writes_it_sees_none_or_all_of_it(self):
+        # Every worker of a multi-worker job keeps the schema beside the same checkpoints as it starts, within
+        # moments of the others; a worker that read a half-written file failed at its start.
+        import threading
+
+        from tf_sharded.app import inputs
+
+        out = self.get_temp_dir()
+        kept = schema.criteo(data.vocab_sizes(100))
+        halfway, finish = threading.Event(), threading.Event()
+        real_dump = json.dump
+
+        def slow_dump(value, f, **kwargs):
+            text = json.dumps(value, **kwargs)
+            f.write(text[: len(text) // 2])
+            f.flush()
+            halfway.set()
+            finish.wait(10)
+            f.write(text[len(text) // 2 :])
+
+        with mock.patch.object(json, "dump", slow_dump):
+            writer = threading.Thread(target=inputs.save_schema, args=(kept, out))
+            writer.start()
+            self.assertTrue(halfway.wait(10))
+            during = inputs.saved_schema(out)  # a half-written file would raise SchemaError ("is not JSON")
+            finish.set()
+            writer.join()
+        self.assertIsNone(during)
+        self.assertEqual(inputs.saved_schema(out), kept)
+        self.assertEqual(os.listdir(out), [inputs.SCHEMA_FILE])  # nothing else left behind
+        self.assertIs(json.dump, real_dump)
+
+
 class ParquetListTest(tf.test.TestCase):
     def test_a_parquet_list_column_is_refused_with_what_to_do(self):
         import pyarrow as pa

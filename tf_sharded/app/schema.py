@@ -45,6 +45,7 @@ import dataclasses
 import enum
 import json
 import math
+import os
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -355,9 +356,18 @@ def load(path: str) -> Schema:
 
 
 def save(schema: Schema, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(schema.to_json(), f, indent=2)
-        f.write("\n")
+    """Writes `schema` to JSON file `path` whole or not at all: a reader sees the file as it was or as it is
+    now, never a part (every worker of a job keeps its schema beside the same checkpoints, and another may be
+    reading it meanwhile)."""
+    partial = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(partial, "w") as f:
+            json.dump(schema.to_json(), f, indent=2)
+            f.write("\n")
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
 
 
 def criteo(vocab: Sequence[int]) -> Schema:
