@@ -9,8 +9,9 @@ record goes with its graph, a replica's with its thread. A thread object,
 not its id: the operating system hands a finished thread's id to the next
 one, so steps unrolled in one function (one `strategy.run` each) would add
 up their ids whenever the ids repeat, which they do in some processes and
-not others; workers tracing the same step then chose different exchanges
-and their collectives met mismatched. Nothing is recorded eagerly.
+not others; workers tracing the same step would then choose different
+exchanges, and their collectives would not match. Nothing is recorded
+eagerly.
 """
 
 from __future__ import annotations

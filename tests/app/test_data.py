@@ -373,7 +373,7 @@ class ResumedInputTest(tf.test.TestCase):
 class KeptSchemaTest(tf.test.TestCase):
     def test_a_worker_reading_the_kept_schema_while_another_writes_it_sees_none_or_all_of_it(self):
         # Every worker of a multi-worker job keeps the schema beside the same checkpoints as it starts, within
-        # moments of the others; a worker that read a half-written file failed at its start.
+        # moments of the others: none may see another's file half-written.
         import threading
 
         from tf_sharded.app import inputs

@@ -87,8 +87,8 @@ class BenchmarkSuiteTest(tf.test.TestCase):
     def test_quick_suite_writes_json_and_plots(self):
         out = tempfile.mkdtemp()
         # B4 (end to end, one process per strategy) beside the others: two runs of the command at once. About 270
-        # CPU-s; the wall-clock limit leaves room for a slower machine whose cores the suite's other (higher
-        # priority) processes keep busy: on one such CI machine, 900 s were not enough.
+        # CPU-s; the wall-clock limit leaves room for a machine twice as slow whose cores the suite's other (higher
+        # priority) processes keep busy.
         bench = ["-m", "tf_sharded", "bench", "--quick", "--out", out]
         runs = run_python_together(
             [
