@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
+from tf_sharded import policies
 from tf_sharded.config import ExchangePolicy, TableConfig
 from tf_sharded.errors import UnsupportedStrategyError, positive_int
 from tf_sharded.strategy import family_of, registered_families
@@ -247,7 +248,8 @@ def create_dynamic_group(strategy, name: str, tables, dtype, trainable: bool):
 
     `tables`: per table, `create_dynamic_table`'s arguments (`name`, `dim`,
     `key_dtype`, `initializer`, `partitions`, `seed`, `admission`,
-    `eviction`); all of one `dim` and `partitions`, none bounded.
+    `eviction`); all of one `dim` and `partitions`, none with `max_rows`. Where every table has a
+    capacity eviction, a pool grows no further than their shares of it together.
     """
     family = family_of(strategy)
     # Tables sharded over workers keep a pool each (their shards hold different keys on each worker).
@@ -255,8 +257,13 @@ def create_dynamic_group(strategy, name: str, tables, dtype, trainable: bool):
         return None
     partitions = tables[0]["partitions"]
     devices = family.dynamic_devices(strategy, None if partitions is None else positive_int("partitions", partitions))
+    shares = [_capacity_share(t, len(devices)) for t in tables]
+    bound = None if None in shares else sum(shares)
     with strategy.scope():
-        pools = [RowPool(name, i, d, tables[0]["dim"], tf.as_dtype(dtype), trainable) for i, d in enumerate(devices)]
+        pools = [
+            RowPool(name, i, d, tables[0]["dim"], tf.as_dtype(dtype), trainable, bound=bound)
+            for i, d in enumerate(devices)
+        ]
     members = [
         create_dynamic_in(strategy, t["name"], t["dim"], t["key_dtype"], t["initializer"], t["partitions"],
                           t["seed"], t["admission"], t["eviction"], dtype=dtype, trainable=trainable, pools=pools)
@@ -264,6 +271,13 @@ def create_dynamic_group(strategy, name: str, tables, dtype, trainable: bool):
     ]  # fmt: skip
     PooledTables(name, members, pools)
     return members
+
+
+def _capacity_share(table: dict, shards: int) -> Optional[int]:
+    """A shard's share of the table's capacity eviction, or None (no capacity bound)."""
+    _, evictions = policies.parse(table["name"], table["admission"], table["eviction"])
+    bounded = [e for e in evictions if isinstance(e, policies.CapacityEviction)]
+    return bounded[0].per_shard(shards) if bounded else None
 
 
 def dynamic_strategies() -> list:

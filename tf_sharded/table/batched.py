@@ -26,7 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from tf_sharded import initializers, policies
+from tf_sharded import initializers
 from tf_sharded.config import DynamicTableConfig, TableConfig
 from tf_sharded.layout import PartitionSpec
 from tf_sharded.table.builder import ShardPlacement, build_sharded_variable, draw_seed
@@ -60,9 +60,9 @@ def storage_of(table) -> Optional[ShardedVariable]:
 def pool_key(config) -> Optional[tuple]:
     """What dynamic table configs must share to be pooled (row width, shard count and key dtype: a step
     sends each device one tensor of keys per pool), or None for a config that keeps its own pools (a
-    `max_rows` bound or a capacity eviction)."""
-    _, evictions = policies.parse(config.name, config.admission, config.eviction)
-    if config.max_rows is not None or any(isinstance(e, policies.CapacityEviction) for e in evictions):
+    `max_rows` bound, which counts a pool's rows). A capacity eviction counts each member's live keys in its
+    own index, so bounded tables share pools too."""
+    if config.max_rows is not None:
         return None
     return ("dynamic", config.dim, config.partitions, config.key_dtype)
 

@@ -244,8 +244,16 @@ class PooledDynamicTablesTest(tf.test.TestCase):
         return pooled, alone, batches
 
     @pytest.mark.slow  # over 5 s here
-    def test_each_table_marks_its_rows_with_its_own_step(self):
-        self.trained_pooled_and_alone(6)
+    def test_each_table_marks_its_rows_with_its_own_step_and_holds_to_its_own_capacity(self):
+        # No table turns keys away by admission: a pool inserts its tables' keys as one tensor, making room for
+        # the bounded ones' in the same step. "a" (bounded) shares its pools with "b" (not): the helper checks it.
+        policies = {name: {"eviction": tfs.policies.CapacityEviction(bound)} for name, bound in (("a", 60), ("c", 12))}
+        pooled, alone, batches = self.trained_pooled_and_alone(6, **policies)
+        for name, bound in (("a", 60), ("c", 12)):
+            fed = len({k for b in batches for k in b[name].tolist()})
+            self.assertGreater(fed, bound + 10, name)  # the bound was reached and keys were evicted
+            for layer in (pooled, alone):
+                self.assertEqual(int(layer.tables[name].size()), bound, name)
 
     @pytest.mark.slow  # over 5 s here
     def test_policies_apply_per_table_in_a_shared_pool(self):

@@ -15,9 +15,10 @@ rows are the layer's weights and the variables the optimizer trains (their
 owner, `owner_of`), and its slots are built once per pool while each member
 keeps its own view of them for checkpoints and weight files.
 
-Only tables whose pools grow freely are pooled: a `max_rows` bound or a
-capacity eviction counts a shard's rows, which a shared pool does not keep
-apart (`table.batched.pool_key`).
+Tables with a `max_rows` bound keep their own pools: it counts a shard's
+rows, which a shared pool does not keep apart (`table.batched.pool_key`). A
+capacity eviction counts each member's live keys in its own index, and a
+pool of bounded members grows no further than their shares together.
 """
 
 from __future__ import annotations

@@ -114,9 +114,9 @@ class Insert:
 
     @property
     def plain(self) -> bool:
-        """Whether every absent key gets a row (no admission, no capacity bound) from a `RowInitializer`."""
-        member = self.member
-        return member.admission is None and member.capacity_eviction is None and self.initializer is not None
+        """Whether every absent key is given a row (no admission; a capacity bound makes room or limits them)
+        from a `RowInitializer`."""
+        return self.member.admission is None and self.initializer is not None
 
 
 class RowPool:
@@ -339,10 +339,12 @@ class RowPool:
         keys = tf.concat([p.keys for p in parts], 0)
         indexes = [p.member.index for p in parts]
         found = find_many(indexes, keys, sizes)
-        positions = tf.where(found < 0)
+        missing, room = self._make_room(parts, found, sizes)
+        positions = tf.where(missing)
         new_keys = tf.gather_nd(keys, positions)
         part_of = tf.gather_nd(tf.repeat(tf.range(m), sizes), positions)
-        new_rows, ready = self.allocate_caught_up(tf.size(new_keys, out_type=tf.int64))
+        with tf.control_dependencies(room):
+            new_rows, ready = self.allocate_caught_up(tf.size(new_keys, out_type=tf.int64))
         with tf.control_dependencies(ready):
             # From a uint64 array: in a graph, TF on NumPy 2 converts a list of ints beyond int64 through float64.
             seeds = tf.constant(np.array([p.initializer.stream_key() for p in parts], np.uint64))
@@ -353,10 +355,49 @@ class RowPool:
             writes.append(insert_many(indexes, new_keys, new_rows, added))
         with tf.control_dependencies(writes):
             rows = tf.tensor_scatter_nd_update(found, positions, new_rows)
-            steps = tf.repeat(Insert.steps(parts), sizes)
-            done = self._mark_and_expire(parts, rows, steps, tf.concat([p.counts for p in parts], 0))
+            marked = [rows, tf.repeat(Insert.steps(parts), sizes), tf.concat([p.counts for p in parts], 0)]
+            if room:  # a capacity bound left some keys without a row (-1): only the held are marked
+                held = tf.where(rows >= 0)[:, 0]
+                marked = [tf.gather(t, held) for t in marked]
+            done = self._mark_and_expire(parts, *marked)
         with tf.control_dependencies(done):
             return tf.split(rows, sizes, num=m)
+
+    @staticmethod
+    def _make_room(parts: Sequence[Insert], found, sizes) -> Tuple[tf.Tensor, list]:
+        """`(which keys get a row, what the allocation waits for)` for `_insert_plain`: the absent keys, where
+        a part's capacity bound takes only the first that fit, after evicting what they need. The bounds are
+        reckoned for all parts at once, under one `tf.cond`: a step that needs no room runs no eviction op and
+        no control flow per part."""
+        missing = found < 0
+        bounded = [j for j, p in enumerate(parts) if p.member.capacity_eviction is not None]
+        if not bounded:
+            return missing, []
+        m = len(parts)
+        part_of = tf.repeat(tf.range(m), sizes)
+        wanted = tf.math.unsorted_segment_sum(tf.cast(missing, tf.int64), part_of, m)
+        present = tf.cast(sizes, tf.int64) - wanted
+        evicted, fits = capacity_room(
+            [parts[j].member for j in bounded], *(tf.gather(t, bounded) for t in (wanted, present))
+        )
+        no_bound = tf.fill([m], tf.constant(np.iinfo(np.int64).max, tf.int64))
+        fits = tf.tensor_scatter_nd_update(no_bound, [[j] for j in bounded], fits)
+
+        def evict():
+            found_parts = tf.split(found, sizes, num=m) if m > 1 else [found]
+            done = []
+            for k, j in enumerate(bounded):
+                run = functools.partial(parts[j].member.evict_lowest, evicted[k], found_parts[j])
+                none = lambda: tf.constant(0, tf.int64)  # noqa: E731
+                done.append(run() if len(bounded) == 1 else tf.cond(evicted[k] > 0, run, none))
+            return settled(done)
+
+        room = tf.cond(tf.reduce_any(evicted > 0), evict, lambda: tf.constant(0, tf.int64))
+        # A missing key's rank among its part's missing keys: the first `fits` of a part's get a row.
+        rank = tf.cumsum(tf.cast(missing, tf.int64), exclusive=True) - tf.gather(
+            tf.cumsum(wanted, exclusive=True), part_of
+        )
+        return tf.logical_and(missing, rank < tf.gather(fits, part_of)), [room]
 
     def _mark_and_expire(self, parts: Sequence[Insert], held, steps, counts) -> list:
         """Marks rows `held` seen at `steps` and adds `counts` to their hits (one scatter each for all parts),
@@ -494,3 +535,15 @@ class RowPool:
             for variable, value in lost:
                 variable.assign(value, read_value=False)
         return len(lost)
+
+
+def capacity_room(shards, wanted, present) -> Tuple[tf.Tensor, tf.Tensor]:
+    """`(evicted, fits)`, int64 vectors over `shards` (members with a capacity eviction): how many live keys each
+    evicts for its `wanted` new keys (with the headroom, never one of its `present` batch keys), and how many of
+    them then fit."""
+    live = tf.stack([s.index.size() for s in shards])
+    limit = tf.constant([s.max_keys for s in shards], tf.int64)
+    extra = tf.constant([int(s.capacity_eviction.headroom * s.max_keys) for s in shards], tf.int64)
+    over = live + wanted - limit
+    evicted = tf.where(over > 0, tf.minimum(tf.maximum(over + extra, 0), live - present), 0)
+    return evicted, tf.maximum(tf.minimum(wanted, limit - (live - evicted)), 0)

@@ -33,7 +33,7 @@ import tensorflow as tf
 from tf_sharded import _compat
 from tf_sharded.table.dynamic.index import KeyIndex
 from tf_sharded.table.dynamic.lock import settled
-from tf_sharded.table.dynamic.pool import GROWTH, Insert, RowPool
+from tf_sharded.table.dynamic.pool import GROWTH, Insert, RowPool, capacity_room
 
 
 class DynamicShard:
@@ -172,29 +172,23 @@ class DynamicShard:
 
     def _make_room(self, positions, rows) -> tf.Tensor:
         """Evicts what the new keys at `positions` need (and the headroom); returns the positions that fit."""
-        policy, limit = self.capacity_eviction, self.max_keys
-        wanted = tf.size(positions, out_type=tf.int64)
-        live = self.index.size()
-        batch_rows = tf.boolean_mask(rows, rows >= 0)
-        evictable = live - tf.size(batch_rows, out_type=tf.int64)
-        over = live + wanted - limit
-        extra = int(policy.headroom * limit)
-        evicted = tf.clip_by_value(over + extra, 0, evictable)
-        evicted = tf.where(over > 0, evicted, 0)
-
-        def run():
-            candidates = self._live_rows()
-            capacity = self.pool.capacity_shape()
-            protected = tf.scatter_nd(batch_rows[:, None], tf.ones_like(batch_rows, tf.bool), capacity)
-            candidates = tf.boolean_mask(candidates, tf.logical_not(tf.gather(protected, candidates)))
-            scores = policy.scores(tf.gather(self.seen.read(), candidates), tf.gather(self.hits.read(), candidates))
-            _, lowest = tf.math.top_k(-scores, k=tf.cast(evicted, tf.int32))
-            return self.evict(tf.gather(candidates, lowest))
-
-        done = tf.cond(evicted > 0, run, lambda: tf.constant(0, tf.int64))
-        fits = tf.maximum(tf.minimum(wanted, limit - (live - evicted)), 0)
+        wanted, present = tf.size(positions, out_type=tf.int64), tf.math.count_nonzero(rows >= 0)
+        evicted, fits = (t[0] for t in capacity_room([self], wanted[None], present[None]))
+        done = tf.cond(evicted > 0, lambda: self.evict_lowest(evicted, rows), lambda: tf.constant(0, tf.int64))
         with tf.control_dependencies([done]):
             return positions[: tf.cast(fits, tf.int32)]
+
+    def evict_lowest(self, count, rows) -> tf.Tensor:
+        """Evicts the `count` live keys the capacity policy scores lowest, never those at the batch's `rows`."""
+        batch_rows = tf.boolean_mask(rows, rows >= 0)
+        candidates = self._live_rows()
+        protected = tf.scatter_nd(batch_rows[:, None], tf.ones_like(batch_rows, tf.bool), self.pool.capacity_shape())
+        candidates = tf.boolean_mask(candidates, tf.logical_not(tf.gather(protected, candidates)))
+        scores = self.capacity_eviction.scores(
+            tf.gather(self.seen.read(), candidates), tf.gather(self.hits.read(), candidates)
+        )
+        _, lowest = tf.math.top_k(-scores, k=tf.cast(count, tf.int32))
+        return self.evict(tf.gather(candidates, lowest))
 
     def update_exclusively(self, fn: Callable[[], object]) -> Optional[tf.Tensor]:
         """Runs `fn` (writes to this shard's pool) under the lock (`RowPool.update_exclusively`)."""
