@@ -406,9 +406,22 @@ class RowPool:
             self.seen.variable.scatter_update(tf.IndexedSlices(steps, held)),
             self.hits.variable.scatter_add(tf.IndexedSlices(counts, held)),
         ]
+        # A capacity eviction ran before the allocation (`_make_room`); an age eviction scans its shard at the
+        # steps its `every` divides: one `tf.cond` for all parts, so the other steps run no control flow per part.
+        aged = [(p, e) for p in parts for e in p.evictions if not hasattr(e, "per_shard")]
+        if not aged:
+            return marks
+        due = [tf.equal(tf.math.floormod(p.step, e.every), 0) for p, e in aged]
+        none = lambda: tf.constant(0, tf.int64)  # noqa: E731
+
+        def expire():
+            if len(aged) == 1:
+                return aged[0][0].member.expire(aged[0][0].step, aged[0][1])
+            runs = [functools.partial(p.member.expire, p.step, e) for p, e in aged]
+            return settled([tf.cond(d, run, none) for d, run in zip(due, runs)])
+
         with tf.control_dependencies(marks):
-            # A capacity eviction ran before the allocation (`DynamicShard.absent`).
-            return [p.member.expire(p.step, e) for p in parts for e in p.evictions if not hasattr(e, "per_shard")]
+            return [tf.cond(tf.reduce_any(tf.stack(due)), expire, none)]
 
     def _allocate(self, added) -> Tuple[tf.Tensor, tf.Tensor]:
         """`added` rows for new keys (freed rows first, then fresh ones, growing the pools); call under the lock."""

@@ -161,14 +161,10 @@ class DynamicShard:
         return self._live()[1]
 
     def expire(self, step, policy) -> tf.Tensor:
-        """Evicts the keys last seen at a step `<= step - max_steps`, if `step` is a multiple of `every`."""
-
-        def run():
-            rows = self._live_rows()
-            old = tf.gather(self.seen.read(), rows) <= step - policy.max_steps
-            return self.evict(tf.boolean_mask(rows, old))
-
-        return tf.cond(tf.equal(tf.math.floormod(step, policy.every), 0), run, lambda: tf.constant(0, tf.int64))
+        """Evicts the keys last seen at a step `<= step - max_steps` (the caller asks `policy.every`)."""
+        rows = self._live_rows()
+        old = tf.gather(self.seen.read(), rows) <= step - policy.max_steps
+        return self.evict(tf.boolean_mask(rows, old))
 
     def _make_room(self, positions, rows) -> tf.Tensor:
         """Evicts what the new keys at `positions` need (and the headroom); returns the positions that fit."""
