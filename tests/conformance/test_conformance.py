@@ -1,7 +1,9 @@
-"""Every registered table kind x placement x in-process strategy, against a single-device reference.
+"""Every registered table kind x placement x strategy, against a single-device reference.
 
 The strategies: the default strategy, OneDeviceStrategy, MirroredStrategy on the 4 virtual CPUs and the
-in-process parameter-server cluster (its tests run in the cluster's child process, see conftest.py).
+in-process parameter-server cluster (its tests run in the cluster's child process, see conftest.py), and, in
+processes of their own, MultiWorkerMirroredStrategy over 2 workers and HybridStrategy with 2 table servers
+(`PROCESS_SPECS`: their workers call `run_matrix`, which checks the same combinations one after another).
 
 The matrix is generated from the registry (`registry.kinds()`, `registry.placements()`) when this module is
 collected; `tests/conformance/minimal_kind.py` registers a kind of its own first, which the matrix picks up
@@ -14,6 +16,8 @@ expected to run (`expected`), so that none turns into a skip unnoticed.
 Checks, each against a plain `tf.Variable` on one device computed in the same test:
 * lookups of keys with repeats, in replica context, one batch per replica (one replica meets none);
 * SGD and Adagrad steps: each step's loss, then the live keys and every live row;
+* a trained table's rows looked up in the other forms: ids of rank 3 through `tf.nn.embedding_lookup`, and
+  weighted ragged rows (an empty one among them) through `tfs.embedding_lookup_sparse`;
 * the Adagrad table's checkpoint read into tables of other layouts under the default strategy (and into a
   plain variable where the kind's checkpoints go into one), then one of those written and read back into a
   table of this strategy, kind and placement, which then writes the same entries and object graph as the
@@ -26,6 +30,7 @@ Checks, each against a plain `tf.Variable` on one device computed in the same te
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
 
@@ -48,6 +53,7 @@ class DefaultSpec:
     """The default strategy: one replica, steps in a `tf.function`."""
 
     name, replicas, marks = "default", 1, ()
+    local_replicas = 1  # the replicas of this process (all of them, but under a multi-process strategy)
     expected = {
         ("fixed", "local"),
         ("dynamic", "local"),
@@ -73,6 +79,7 @@ class MirroredSpec(DefaultSpec):
     """MirroredStrategy on the 4 virtual CPUs (the process's one instance)."""
 
     name, replicas, marks = "mirrored", 4, (pytest.mark.mirrored,)
+    local_replicas = 4
     expected = {
         ("fixed", "device"),
         ("fixed", "host"),
@@ -131,7 +138,78 @@ class ParameterServerSpec(DefaultSpec):
         return run
 
 
+class MultiWorkerSpec(DefaultSpec):
+    """MultiWorkerMirroredStrategy of 2 worker processes, a CPU replica each. Its combinations run inside the
+    workers (`run_matrix`, called by tests/strategy/test_multi_worker.py), each worker checking every replica's
+    results, gathered over the collectives, against its own single-device reference."""
+
+    name, replicas, local_replicas, marks = "multi_worker", 2, 1, ()
+    expected = {
+        ("fixed", "device"),
+        ("fixed", "host"),
+        ("fixed", "workers"),
+        ("dynamic", "host"),
+        ("dynamic", "workers"),
+        ("dynamic_string", "host"),
+        ("dynamic_string", "workers"),
+        (minimal_kind.CONSTANT.name, "local"),
+    }
+
+    def __init__(self, strategy=None):
+        self._strategy = strategy
+
+    def strategy(self):
+        return self._strategy
+
+    def runner(self, fn):
+        strategy = self.strategy()
+        task, steps, traced = strategy.cluster_resolver.task_id, {}, {}
+
+        def step(ids):
+            # Every result of every replica, gathered over the workers with each replica's leading size.
+            out = strategy.run(fn, args=(ids,))
+            traced[ids.dtype] = out  # the results' structure and ranks
+            results = [tf.reshape(t, [-1]) if t.shape.rank == 0 else t for t in tf.nest.flatten(out)]
+            return [(strategy.gather(t, 0), strategy.gather(tf.shape(t)[:1], 0)) for t in results]
+
+        def run(arrays):
+            # This worker's replica's keys, of a shape every worker traces alike (the last one meets none).
+            mine = tf.constant(arrays[task])
+            if mine.dtype not in steps:
+                steps[mine.dtype] = tf.function(step, input_signature=[tf.TensorSpec([None], mine.dtype)])
+            got = steps[mine.dtype](mine)
+            scalar = [t.shape.rank == 0 for t in tf.nest.flatten(traced[mine.dtype])]
+            flat = [np.split(t.numpy(), np.cumsum(sizes.numpy())[:-1]) for t, sizes in got]
+            per_replica = [[t[r][0] if s else t[r] for t, s in zip(flat, scalar)] for r in range(len(arrays))]
+            return [tf.nest.pack_sequence_as(traced[mine.dtype], values) for values in per_replica]
+
+        return run
+
+
+class HybridSpec(DefaultSpec):
+    """HybridStrategy with one worker (one replica) and two table servers. Its combinations run in the worker's
+    process (`run_matrix`, called by tests/strategy/test_hybrid.py)."""
+
+    name = "hybrid"
+    expected = {
+        ("fixed", "servers"),
+        ("dynamic", "servers"),
+        ("dynamic_string", "servers"),
+        (minimal_kind.CONSTANT.name, "local"),
+    }
+
+    def __init__(self, strategy=None):
+        self._strategy = strategy
+
+    def strategy(self):
+        return self._strategy
+
+
 SPECS = {spec.name: spec for spec in (DefaultSpec(), OneDeviceSpec(), MirroredSpec(), ParameterServerSpec())}
+# Run inside their own processes: `run_matrix(MultiWorkerSpec(strategy))` by the workers of
+# tests/table/dynamic/test_dynamic_multi_worker.py, `run_matrix(HybridSpec(strategy))` by the worker of
+# tests/strategy/test_hybrid.py.
+PROCESS_SPECS = (MultiWorkerSpec, HybridSpec)
 KINDS = [k.name for k in registry.kinds()]
 PLACEMENTS = [p.name for p in registry.placements()]
 MATRIX = [
@@ -201,6 +279,9 @@ def test_every_registered_kind_has_an_adapter_and_the_minimal_kind_is_in_the_mat
     assert minimal_kind.CONSTANT.name in KINDS
     assert {"fixed", "dynamic"} <= set(KINDS)
     assert {"local", "device", "host", "replicas"} <= set(PLACEMENTS)
+    # Every placement is some strategy's, in this process or in the processes of another.
+    expected = {placement for spec in list(SPECS.values()) + list(PROCESS_SPECS) for _, placement in spec.expected}
+    assert expected == set(PLACEMENTS), set(PLACEMENTS) - expected
 
 
 @pytest.mark.parametrize("spec", [pytest.param(s, marks=SPECS[s].marks) for s in SPECS])
@@ -263,8 +344,7 @@ def run_steps(spec, adapter, tables, optimizers, batches, references=()):
 
     run = spec.runner(fn)
     for keys in batches:
-        # Every step gives each replica as many keys (one trace per test); several replicas leave one without.
-        parts = [keys] if spec.replicas == 1 else np.array_split(keys, spec.replicas - 1) + [keys[:0]]
+        parts = split_keys(spec, keys)
         got = run(parts)
         assert len(got) == len(parts)
         for i, reference in enumerate(references):
@@ -274,11 +354,80 @@ def run_steps(spec, adapter, tables, optimizers, batches, references=()):
             np.testing.assert_allclose(loss, reference.step(keys), rtol=1e-5)
 
 
+def split_keys(spec, keys) -> list:
+    """`keys` split over the replicas: as many to each (one trace per test), where several leave one without."""
+    return [keys] if spec.replicas == 1 else np.array_split(keys, spec.replicas - 1) + [keys[:0]]
+
+
+def lookup_forms(lookup, lookup_sparse, ids) -> list:
+    """The rows of rank-1 `ids` (4k of them) looked up in other forms: as 2 x 2 blocks (`lookup`), and as ragged
+    rows of 1 or 2 ids with an empty last row, weighted and combined by "sqrtn" (`lookup_sparse`; the combiners'
+    arithmetic is the same for every kind, and each is checked on fixed tables by tests/harness/bodies.py)."""
+    n = tf.size(ids)
+    rows, nrows = tf.range(n) * 2 // 3, n * 2 // 3 + 1
+    ragged = tf.RaggedTensor.from_value_rowids(ids, rows, nrows)
+    weights = tf.RaggedTensor.from_value_rowids(tf.cast(tf.range(n) % 3 + 1, tf.float32) * 0.5, rows, nrows)
+    return [lookup(tf.reshape(ids, [-1, 2, 2])), lookup_sparse(ragged, weights, "sqrtn")]
+
+
+def check_lookup_forms(spec, tables, references, keys) -> None:
+    """`lookup_forms` of `keys` (split over the replicas) in each of `tables`, through TensorFlow's own
+    `tf.nn.embedding_lookup` (dispatched to the table) and `tfs.embedding_lookup_sparse`, against the same forms
+    of TensorFlow's lookups in each table's `Reference` variable."""
+
+    def fn(ids):
+        return [
+            lookup_forms(
+                functools.partial(tf.nn.embedding_lookup, table),
+                lambda i, w, c, t=table: tfs.embedding_lookup_sparse(t, i, w, combiner=c),
+                ids,
+            )
+            for table in tables
+        ]
+
+    parts = split_keys(spec, keys)
+    got = spec.runner(fn)(parts)
+    for i, reference in enumerate(references):
+        for ids, replica in zip(parts, got):
+            want = lookup_forms(
+                functools.partial(tf.nn.embedding_lookup, reference.var),
+                functools.partial(sparse_reference, reference.var),
+                tf.constant([reference.row[k] for k in ids.tolist()], tf.int64),
+            )
+            for form, (g, w) in enumerate(zip(replica[i], want)):
+                np.testing.assert_allclose(np.asarray(g), w.numpy(), atol=1e-6, err_msg=f"form {form}")
+
+
+def sparse_reference(variable, ragged, weights, combiner) -> tf.Tensor:
+    """`tf.nn.embedding_lookup_sparse` of `ragged` in `variable`, a zero row for each empty row at the end too
+    (TensorFlow's stops at the last row with an id)."""
+    out = tf.nn.embedding_lookup_sparse(variable, ragged.to_sparse(), weights.to_sparse(), combiner=combiner)
+    missing = tf.cast(ragged.nrows(), tf.int32) - tf.shape(out)[0]
+    return tf.concat([out, tf.zeros(tf.stack([missing, tf.shape(out)[1]]), out.dtype)], 0)
+
+
 @pytest.mark.parametrize("spec,kind,placement", MATRIX)
 def test_lookups_training_and_checkpoints_match_reference(spec, kind, placement):
-    """Lookups, SGD and Adagrad steps (a table each, trained in the same steps) and a checkpoint of the Adagrad
-    table read into other layouts and back; a kind whose tables do not train is looked up only."""
-    spec, adapter = SPECS[spec], ADAPTERS[kind]
+    check(SPECS[spec], kind, placement)
+
+
+def run_matrix(spec) -> list:
+    """Every combination `spec`'s strategy runs, checked (`check`) one after another: `[(kind, placement)]`.
+    Each process of a multi-process strategy calls it, in the same order."""
+    ran = []
+    for kind in ADAPTERS:
+        for placement in PLACEMENTS:
+            if not isinstance(_made(spec, kind, placement), str):
+                check(spec, kind, placement)
+                ran.append((kind, placement))
+    return ran
+
+
+def check(spec, kind: str, placement: str) -> None:
+    """Lookups, SGD and Adagrad steps (a table each, trained in the same steps), the first table's rows looked up
+    in the other forms (rank 3, weighted ragged rows) and a checkpoint of the Adagrad table read into
+    other layouts and back; a kind whose tables do not train is looked up only."""
+    adapter = ADAPTERS[kind]
     names = sorted(OPTIMIZERS) if adapter.trains else [None]
     tables = [make(spec, kind, placement) for _ in names]
     with spec.strategy().scope():
@@ -288,6 +437,7 @@ def test_lookups_training_and_checkpoints_match_reference(spec, kind, placement)
     batches = [adapter.keys(rng, 12) for _ in range(3)]
     references = [Reference(adapter, t, batches, OPTIMIZERS[n][1]() if n else None) for t, n in zip(tables, names)]
     run_steps(spec, adapter, tables, optimizers, batches, references)
+    check_lookup_forms(spec, tables[:1], references[:1], batches[-1])
     if not adapter.trains:
         return
     for name, table, reference in zip(names, tables, references):
@@ -306,7 +456,7 @@ def copies_agree(spec, table):
         return
     for variable in table.variables:
         copies = [c.numpy() for c in variable.values]
-        assert len(copies) == spec.replicas, variable.name
+        assert len(copies) == spec.local_replicas, variable.name
         for copy in copies[1:]:
             np.testing.assert_array_equal(copy, copies[0], err_msg=variable.name)
 

@@ -1,12 +1,14 @@
-"""Test bodies shared by every strategy.
+"""Test bodies shared by every strategy, of the fixed-row kind's own variable API (`ShardedVariable`).
 
 A concrete test class mixes `StrategyBodies` into `tf.test.TestCase` and
 provides `strategy` (the strategy under test) and `execute(fn, *args)` (how a
 `tf.function` is executed: eagerly, as a function, or scheduled on a worker
 through `ClusterCoordinator`). Every body compares against a plain
 single-device `tf.Variable` reference computed in the same test. What every kind and
-placement share (lookups, optimizer steps, checkpoints into other layouts) is
-checked by the conformance matrix, `tests/conformance`.
+placement share (lookups of every form, optimizer steps, checkpoints into other layouts)
+is checked by the conformance matrix, `tests/conformance`; these bodies are what a
+fixed-row table adds as a variable: scatter and assign methods, `sparse_read`, `max_norm`,
+every combiner, bad ids refused with nothing applied.
 """
 
 from __future__ import annotations

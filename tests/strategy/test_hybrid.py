@@ -169,6 +169,13 @@ served = tf.saved_model.load(tfs.export(model, os.path.join(directory, "export")
 out = list(served.signatures["serving_default"](tf.constant(x[:8], tf.int64)).values())[0]
 assert np.allclose(out, single.predict(x[:8], verbose=0), atol=1e-5)
 print("tfs.fit: table, slot, evaluate, predict and export equal Keras on one device", flush=True)
+
+# The conformance matrix's combinations under this strategy: every kind with each placement it takes here.
+from tests.conformance.test_conformance import HybridSpec, run_matrix
+
+ran = run_matrix(HybridSpec(strategy))
+assert set(ran) == HybridSpec.expected, ran
+print(f"conformance ran {len(ran)} combinations", flush=True)
 print("ONE WORKER OK", flush=True)
 """
 
@@ -178,7 +185,7 @@ def test_one_worker_equals_training_on_one_device(servers):
 
     proc = run_python(["-c", ONE_WORKER], timeout=300, env={"SERVERS": json.dumps(servers)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "ONE WORKER OK" in proc.stdout, proc.stdout
+    assert "ONE WORKER OK" in proc.stdout and "conformance ran 4 combinations" in proc.stdout, proc.stdout
 
 
 ONE_WORKER_DYNAMIC = """

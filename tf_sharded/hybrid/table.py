@@ -290,6 +290,9 @@ class ServedTable(Served, registry.TableClass, _RowsOnServers):
 
     # ------------------------------------------------------- protocol --
 
+    # The variables this process holds (the anchor alone), as for every table.
+    held_variables = property(lambda self: self.variables)
+
     def check_ids(self, ids, arg: str = "ids", max_rank: Optional[int] = MAX_IDS_RANK):
         return check_ids(ids, int(self.shape[0]), self.name, arg, max_rank)
 

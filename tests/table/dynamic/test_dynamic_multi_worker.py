@@ -19,7 +19,7 @@ from tests.harness.strategies import run_multi_worker, uid
 pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=240)]  # clusters of worker processes
 
 WORKER = """
-import functools, os, sys
+import functools, os
 import numpy as np, tensorflow as tf
 import tf_sharded as tfs
 from tests.harness.models import fit_dynamic_like_keras
@@ -33,15 +33,17 @@ assert strategy.num_replicas_in_sync == 2
 check = tf.test.TestCase()
 per_replica = functools.partial(per_replica, strategy)
 
-# 1. Custom loop, int64 keys over 2 shards, Adagrad: the copies agree and match one dense variable.
+# 1. The conformance matrix's combinations under this strategy: every kind with each placement it takes here (a
+#    copy per worker, sharded over the workers, ...), trained against one dense variable, checkpointed into other
+#    layouts under the default strategy and back. A dynamic table's copy on the host gathers its keys.
+from tests.conformance.test_conformance import MultiWorkerSpec, run_matrix
+
 with strategy.scope():
     table = strategy.create_dynamic_table("users", dim=4, partitions=2, seed=3)
 assert (table.placement, table.exchange.mode) == ("host", "allgather")
-rows = adagrad_rows_match_reference(check, strategy, table, per_replica)
-keys, values = table.export()
-tf.train.Checkpoint(table=table).write(os.path.join(sys.argv[1], f"worker{task}", "ckpt"))
-np.savez(os.path.join(sys.argv[1], f"worker{task}", "rows.npz"), keys=keys.numpy(), values=values.numpy())
-print(f"worker {task} custom digest {digest(table)} keys {len(rows)}", flush=True)
+ran = run_matrix(MultiWorkerSpec(strategy))
+assert set(ran) == MultiWorkerSpec.expected, ran
+print(f"worker {task} conformance ran {len(ran)} combinations", flush=True)
 
 # 2. String keys with admission by count: a key met once on each worker has met its count of 2.
 words = check_string_admission(check, strategy, per_replica, train_step)
@@ -356,21 +358,14 @@ class DynamicMultiWorkerTest(tf.test.TestCase):
         self.assertEqual({sum(held)}, total)  # each key on one worker only
 
     def test_two_workers_agree_and_match_references(self):
-        workdir = tempfile.mkdtemp()
-        outputs = run_multi_worker(WORKER.replace("sys.argv[1]", repr(workdir)), num_workers=2, timeout=360)
+        outputs = run_multi_worker(WORKER, num_workers=2, timeout=360)
         for rc, out, err in outputs:
             self.assertEqual(rc, 0, msg=out + err[-4000:])
             self.assertIn("MWMS DYNAMIC OK", out)
-        for part in ("custom", "strings", "fit", "pooled", "policies"):
+            self.assertIn("conformance ran 8 combinations", out)
+        for part in ("strings", "fit", "pooled", "policies"):
             digests = {re.search(rf"{part} digest (\w+)", out).group(1) for _, out, _ in outputs}
             self.assertEqual(len(digests), 1, msg=f"{part}: the workers' copies differ: {digests}")
-        # Worker 0's checkpoint restores into 3 local shards under the default strategy.
-        saved = np.load(os.path.join(workdir, "worker0", "rows.npz"))
-        table = tfs.create_dynamic_table(uid("users"), dim=4, partitions=3, seed=3)
-        tf.train.Checkpoint(table=table).read(os.path.join(workdir, "worker0", "ckpt")).assert_consumed()
-        self.assertEqual(int(table.size()), len(saved["keys"]))
-        restored = tf.gather(table.lookup(tf.constant(saved["keys"]), training=False), tf.range(len(saved["keys"])))
-        self.assertAllClose(restored, saved["values"], atol=0)
 
 
 if __name__ == "__main__":
