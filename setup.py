@@ -22,7 +22,9 @@ setup(
         # pyarrow writes Parquet (`data synthesize`) and reads it where tensorflow-io's ops do not load.
         # pyarrow 26 needs NumPy 2 at import without declaring it, so on TF 2.16-2.17 (NumPy 1.26) it would
         # install and then fail: below 26 a pyarrow works with either NumPy.
-        "app": ["pyarrow>=16.1.0,<26"],
+        # TensorBoard reads the summaries `train --logdir` and `tfs.callbacks.TableMetrics` write (a dependency of
+        # TensorFlow up to 2.16, not of later releases).
+        "app": ["pyarrow>=16.1.0,<26", "tensorboard>=2.16"],
         # tensorflow-io's Parquet reader, used where its compiled ops load (TF 2.16 only, as of 0.37.1).
         "io": ["tensorflow-io>=0.37.1"],
         # the benchmark suite (python -m tf_sharded bench)
@@ -42,6 +44,7 @@ setup(
             "hypothesis",
             "ruff",
             "pyyaml",  # tests/test_deploy.py parses the Kubernetes manifests
+            "tensorboard>=2.16",  # the table metrics' event files, read with TensorBoard's own reader
             # the notebooks in colab/ are executed by the tests
             "nbclient",
             "nbformat",

@@ -544,7 +544,7 @@ print("ALL TO ALL OK")
 
 @exercises("collective_all_to_all")
 @pytest.mark.slow
-@pytest.mark.processes(cost=15)
+@pytest.mark.processes(cost=12)
 def test_collective_all_to_all_exchanges_rows_among_the_strategys_replicas():
     """Row `i` of each replica's tensor reaches replica `i`, between two all-reduces of the strategy's own
     group and between assertions on each replica's tensors (which a replica traced after another must not

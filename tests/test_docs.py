@@ -23,7 +23,8 @@ MODULES = sorted(
 def public_homes() -> set:
     """Modules defining a public name of `tfs` or of its public namespaces (`tfs.layers`, `tfs.exchange`, ...)."""
     homes = set()
-    for namespace in (tfs, tfs.layers, tfs.optimizers, tfs.exchange, tfs.partitioners, tfs.cluster, tfs.policies):
+    namespaces = (tfs, tfs.layers, tfs.optimizers, tfs.callbacks, tfs.exchange, tfs.partitioners, tfs.cluster)
+    for namespace in namespaces + (tfs.policies,):
         names = getattr(namespace, "__all__", None)
         if names is None:  # a plain module: what it defines itself
             names = [n for n, o in vars(namespace).items() if getattr(o, "__module__", None) == namespace.__name__]

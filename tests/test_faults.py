@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from tests.harness.subprocs import ROOT, _env, run_python, run_python_together
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.slow, pytest.mark.processes(cost=260)]
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow, pytest.mark.processes(cost=225)]
 
 TOTAL = 300  # fault_job: 2 epochs of 150 steps
 

@@ -19,7 +19,7 @@ import tensorflow as tf
 from tests.harness.subprocs import ROOT, _env, network
 from tf_sharded import lifetime
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=35), pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=40), pytest.mark.timeout(600)]
 
 
 class KilledJobTest(tf.test.TestCase):

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from tests.harness.subprocs import ROOT, run_python
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=150)]  # every notebook, executed
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=125)]  # every notebook, executed
 
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "colab", "*.ipynb")))
 

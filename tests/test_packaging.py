@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from tests.harness.subprocs import ROOT, network
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=30), pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=20), pytest.mark.timeout(900)]
 
 
 def _clean_copy(target: str) -> None:

@@ -11,8 +11,8 @@ ranges (`tf_sharded.versions`).
 `__all__` is the concepts a user holds in their head: tables, configs,
 layers, optimizers, fit / evaluate / predict / export, the plan, the
 cluster, the policies and the errors. The exchange, the strategy registry,
-the partitioners and the training loop stay reachable as namespaces
-(`tfs.exchange`, `tfs.strategy`, `tfs.partitioners`, `tfs.training`) for
+the partitioners, the training loop and its callbacks stay reachable as namespaces
+(`tfs.exchange`, `tfs.strategy`, `tfs.partitioners`, `tfs.training`, `tfs.callbacks`) for
 the users who need them. The training application is the `[app]` extra,
 imported as `tf_sharded.app.data` / `tf_sharded.app.models`.
 """
@@ -47,6 +47,7 @@ from tf_sharded.config import Combiner, DynamicTableConfig, Exchange, FeatureCon
 from tf_sharded.creation import create_dynamic_table, create_sharded_variable
 from tf_sharded.creation import install as _install
 from tf_sharded.errors import LayoutMismatchError, ShardedError, UnsupportedStrategyError
+from tf_sharded.keras import callbacks as callbacks
 from tf_sharded.keras import layers, optimizers
 from tf_sharded.keras import training as training
 from tf_sharded.keras.serving import export, export_delta

@@ -15,12 +15,13 @@ import numpy as np
 import portpicker
 import pytest
 import tensorflow as tf
+from tensorboard.backend.event_processing import event_accumulator
 
 from tests.harness.subprocs import ROOT, network, run_cli_here, run_python, run_python_together
 from tf_sharded.app import parquet
 
 # The application's commands on process clusters, killed and rerun.
-pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=750)]
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=560)]
 
 TINY = [
     "--steps",
@@ -131,7 +132,7 @@ class ApplicationTest(tf.test.TestCase):
             f.writelines(lines[:149] + ["not\ta\tcriteo\tline\n"] + lines[149:])
         ckpt = os.path.join(out, "ckpt")
         # The default strategy (parameter servers, a local cluster): each worker opens the file itself.
-        first = train("--data", tsv, "--checkpoint_dir", ckpt, "--steps", "5")
+        first = train("--data", tsv, "--checkpoint_dir", ckpt, "--steps", "5", "--metrics_every", "2")
         strict = run_cli_here(train_args("--strategy", "default", "--data", tsv, "--strict"))
         self.assertEqual(first.returncode, 0, first.stderr[-3000:])
         self.assertIn("under parameter_server", first.stdout)
@@ -148,7 +149,8 @@ class ApplicationTest(tf.test.TestCase):
 
         # Parquet under parameter servers with a process per task: each worker process reads its own share.
         again, from_parquet = run_python_together(
-            [train_args("--strategy", "mirrored", "--data", tsv, "--checkpoint_dir", ckpt, "--steps", "7"),
+            [train_args("--strategy", "mirrored", "--data", tsv, "--checkpoint_dir", ckpt, "--steps", "7",
+                        "--metrics_every", "2"),
              train_args("--local_cluster", "process", "--data", pq)]
         )  # fmt: skip
         self.assertEqual(again.returncode, 0, again.stderr[-3000:])
@@ -172,6 +174,18 @@ class ApplicationTest(tf.test.TestCase):
             r"tables_C3\s+\[500, 16\]\s+float32\s+0\.03 MiB\s+table 'embeddings/C3' saved as "
             r"PartitionSpec\(num_shards=1, scheme='div'\) on 1 device\(s\) under MirroredStrategy",
         )
+        # TensorBoard's curves in <checkpoint_dir>/logs (the default --logdir), one file per run (the chief's, or
+        # the coordinator's), continued by the resumed run: the tables' every 2 steps and the loss beside them.
+        logs = os.path.join(ckpt, "logs")
+        self.assertLen([f for f in os.listdir(logs) if "tfevents" in f], 2)
+        found = event_accumulator.EventAccumulator(logs, size_guidance={event_accumulator.TENSORS: 0})
+        found.Reload()  # TF 2's summaries are tensors
+        series = {tag: [(e.step, float(tf.make_ndarray(e.tensor_proto))) for e in found.Tensors(tag)]
+                  for tag in found.Tags()["tensors"] if not tag.endswith("shard_rows")}  # fmt: skip
+        for name, want in (("rows", 500), ("bytes", 500 * 16 * 4 * 3), ("shard_load", 1.0)):  # Adam: 2 slots a row
+            self.assertEqual(series[f"tables/embeddings/C3/{name}"], [(2, want), (4, want), (6, want)], name)
+        self.assertEqual([step for step, _ in series["train/loss"]], [2, 4, 6])
+        self.assertIn(5, [step for step, _ in series["epoch/samples_per_second"]])  # the first run's last epoch
 
     def test_plan_auto_prints_the_plan_it_trains_with(self):
         """`--plan auto` under the default strategy (parameter servers): the printed plan is the layout saved."""
@@ -195,7 +209,7 @@ class ApplicationTest(tf.test.TestCase):
         # A bad flag through a process of its own (its exit code and its stderr's one line), the rest called here.
         bad = run_python(train_args("--model", "xgboost"), timeout=120)
         self.assertNotIn("Traceback", bad.stderr)
-        (*shown, missing, made_small, made_ratings, unwritable, unknown, stray) = map(run_cli_here, [
+        (*shown, missing, made_small, made_ratings, unwritable, no_logs, unknown, stray) = map(run_cli_here, [
             ["-m", "tf_sharded", "train", "--help"],
             ["-m", "tf_sharded", "train", "--helpfull"],
             train_args("--strategy", "default", "--data", "/nonexistent/day_0.tsv"),
@@ -203,6 +217,7 @@ class ApplicationTest(tf.test.TestCase):
             ["-m", "tf_sharded", "data", "synthesize", "--dataset", "ratings", "--format", "parquet", "--rows", "300",
              "--out", ratings],
             train_args("--strategy", "default", "--checkpoint_dir", "/proc/no_such_dir/ckpt"),
+            train_args("--strategy", "default", "--logdir", "/proc/no_such_dir/logs"),
             ["-m", "tf_sharded", "inspect", "/nonexistent"],
             train_args("--strategy", "mirrored", "--local_cluster", "process", "--num_ps", "3"),
         ])  # fmt: skip
@@ -233,6 +248,10 @@ class ApplicationTest(tf.test.TestCase):
         self.assertEqual((made_small.returncode, made_ratings.returncode), (0, 0))
         self.assertEqual(unwritable.returncode, 1)
         self.assertIn("error: --checkpoint_dir /proc/no_such_dir/ckpt: cannot write there", unwritable.stderr)
+        self.assertEqual(no_logs.returncode, 1)
+        self.assertRegex(no_logs.stderr.strip().splitlines()[-1], r"^error: --logdir /proc/no_such_dir/logs: cannot "
+                         r"write there \(.+\)$")  # fmt: skip
+        self.assertNotIn("training dlrm", no_logs.stdout)
         self.assertEqual(unknown.returncode, 1)
         self.assertNotIn("Traceback", unknown.stderr)
         self.assertEqual(

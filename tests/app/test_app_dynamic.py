@@ -14,7 +14,7 @@ import tensorflow as tf
 from tests.app.test_app import RATINGS_SCHEMA, TINY, summary, write_ratings
 from tests.harness.subprocs import run_cli_here, run_python, run_python_together
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=180)]  # the application's commands on process clusters
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=130)]  # the application's commands on process clusters
 
 
 def live_keys(inspected: str) -> dict:

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from tests.harness.subprocs import run_python
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=50)]  # the demo and the main job, end to end
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=30)]  # the demo and the main job, end to end
 
 
 class DemoTest(tf.test.TestCase):

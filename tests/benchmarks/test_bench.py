@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from tests.harness.subprocs import run_python, run_python_together
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=275)]  # the benchmark suite's quick runs
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=250)]  # the benchmark suite's quick runs
 
 ROW_KEYS = {
     "distribution",

@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from tests.harness.subprocs import ROOT, _env
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.slow, pytest.mark.processes(cost=75)]
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow, pytest.mark.processes(cost=45)]
 
 KERAS_SRC = os.path.join(os.path.dirname(keras.__file__), "src")
 KERAS_TESTS = os.path.join(KERAS_SRC, "layers", "core", "embedding_test.py")

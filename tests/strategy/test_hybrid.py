@@ -14,7 +14,7 @@ import tf_sharded as tfs
 from tests.harness.strategies import TableServers, run_multi_worker
 from tests.harness.subprocs import ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=65)]  # table servers and worker processes
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=70)]  # table servers and worker processes
 
 
 @pytest.fixture(scope="module")
@@ -319,11 +319,20 @@ def fit_model(name):
 with strategy.scope():
     model, emb = fit_model("served")
 data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
-history = tfs.fit(model, data, epochs=2, verbose=0, validation_data=data)
+metrics = tfs.callbacks.TableMetrics(every=4)
+history = tfs.fit(model, data, epochs=2, verbose=0, validation_data=data, callbacks=[metrics])
 assert isinstance(emb.table, tfs.hybrid.ServedDynamicTable), emb.table
 single, single_emb = fit_model("single")
 single.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
 same(emb.table, single_emb.table, ("accumulator", "hits"), "fit")
+# The table metrics, read from the servers: the live keys of the one-device table, per shard by the keys' shard.
+from tf_sharded.table.dynamic.keys import shard_of_keys
+
+live = single_emb.table.export()[0]
+per_shard = np.bincount(shard_of_keys(live, emb.table.num_shards).numpy(), minlength=emb.table.num_shards)
+reported = {k.split("/")[-1]: v[-1] for k, v in history.history.items() if k.startswith(f"tables/{emb.table.name}/")}
+assert reported == {"rows": len(live), "bytes": len(live) * 4 * 4 * 2,
+                    "shard_load": per_shard.max() / per_shard.mean()}, reported
 want = single.evaluate(x, y, batch_size=8, verbose=0)
 assert abs(tfs.evaluate(model, data) - want) < 1e-5 and abs(history.history["val_loss"][-1] - want) < 1e-5
 assert np.allclose(tfs.predict(model, data), single.predict(x, batch_size=8, verbose=0), atol=1e-5)

@@ -113,6 +113,16 @@ def define_flags(values: flags.FlagValues) -> None:
     flags.DEFINE_string(
         "checkpoint_dir", None, "Periodic checkpoints; a rerun resumes from the latest.", flag_values=values
     )
+    flags.DEFINE_string(
+        "logdir",
+        None,
+        "TensorBoard summaries: the loss, the metric, samples/s and every table's rows, bytes and shard load "
+        "(default: <checkpoint_dir>/logs with --checkpoint_dir; none without).",
+        flag_values=values,
+    )
+    flags.DEFINE_integer(
+        "metrics_every", 100, "Steps between two reports of the tables' metrics.", lower_bound=1, flag_values=values
+    )
     flags.DEFINE_integer(
         "eval_steps", 20, "Held-out batches for the reported metrics.", lower_bound=1, flag_values=values
     )
@@ -332,6 +342,7 @@ def train(args) -> int:
     from tf_sharded.app import inputs, restart
 
     inputs.check_writable(args.checkpoint_dir)
+    inputs.check_writable(args.logdir, "--logdir")
     # `workers`: input pipelines (each parameter-server worker reads its own; else one stream).
     strategy, description, workers, cluster = _strategy(args)
     if strategy is None and description == "tables":
@@ -419,6 +430,7 @@ def _train(args, strategy, description, workers) -> int:
         verbose=args.verbose,
         log_every=10,
         max_steps=args.steps,
+        callbacks=[tfs.callbacks.TableMetrics(args.metrics_every, inputs.log_dir(args), write_logs=True)],
     )
     elapsed = time.perf_counter() - start
     trained = tfs.training.steps_done(model) - history.initial_step

@@ -243,15 +243,22 @@ def save_schema(schema: schemas.Schema, checkpoint_dir: Optional[str]) -> None:
     schemas.save(schema, os.path.join(checkpoint_dir, SCHEMA_FILE))
 
 
-def check_writable(checkpoint_dir: Optional[str]) -> None:
-    """Fails before training when `--checkpoint_dir` cannot be written."""
-    if not checkpoint_dir:
+def check_writable(directory: Optional[str], flag: str = "--checkpoint_dir") -> None:
+    """Fails before training when `directory` (given as `flag`) cannot be written."""
+    if not directory:
         return
     try:
-        os.makedirs(checkpoint_dir, exist_ok=True)
-        probe = os.path.join(checkpoint_dir, ".tf_sharded_write_test")
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, ".tf_sharded_write_test")
         with open(probe, "w") as f:
             json.dump({}, f)
         os.remove(probe)
     except OSError as e:
-        raise InputError(f"--checkpoint_dir {checkpoint_dir}: cannot write there ({e.strerror})") from None
+        raise InputError(f"{flag} {directory}: cannot write there ({e.strerror})") from None
+
+
+def log_dir(args) -> Optional[str]:
+    """Where `train` writes its TensorBoard summaries: `--logdir`, else `<--checkpoint_dir>/logs`, else none."""
+    if args.logdir:
+        return args.logdir
+    return os.path.join(args.checkpoint_dir, "logs") if args.checkpoint_dir else None

@@ -149,6 +149,10 @@ class ServedDynamicTable(Served, DynamicTable):
     def size(self) -> tf.Tensor:
         return tf.constant(sum(int(e[6]) for e in self._exports((), _COUNTERS_ONLY)), tf.int64)
 
+    def shard_sizes(self) -> tf.Tensor:
+        """Live keys of each shard (int64 vector), from its server."""
+        return tf.constant([int(e[6]) for e in self._exports((), _COUNTERS_ONLY)], tf.int64)
+
     def index_buckets(self) -> tf.Tensor:
         return tf.constant(sum(int(e[8]) for e in self._exports((), _COUNTERS_ONLY)), tf.int64)
 

@@ -98,6 +98,11 @@ class Kind:
         restore refills it); returns how many variables it set. Variables alone a restore renews: none."""
         return 0
 
+    def shard_rows(self, table) -> List[int]:
+        """The rows each shard of `table` holds now, read from where they live: a fixed table's are its layout's."""
+        layout = getattr(table, "layout", None)
+        return [int(n) for n in layout.shard_sizes] if layout is not None else [int(table.shape[0])]
+
 
 class PlacementType:
     """Where a table's rows live and how ids, rows and gradients travel to them.

@@ -11,7 +11,7 @@ import tensorflow as tf
 from tests.harness.strategies import TableServers, run_multi_worker
 from tests.harness.subprocs import run_python
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=95)]  # worker processes and table servers
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=55)]  # worker processes and table servers
 
 CHURN = """
 import functools, os

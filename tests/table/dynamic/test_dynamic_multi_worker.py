@@ -16,7 +16,7 @@ import tensorflow as tf
 import tf_sharded as tfs
 from tests.harness.strategies import run_multi_worker, uid
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=240)]  # clusters of worker processes
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=200)]  # clusters of worker processes
 
 WORKER = """
 import functools, os

@@ -19,7 +19,7 @@ the live keys, their rows and their optimizer columns, never the capacity.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -78,6 +78,9 @@ class _DynamicKind(registry.Kind):
 
     def reset_lost(self, table) -> int:
         return table.reset_lost()
+
+    def shard_rows(self, table) -> List[int]:
+        return [int(n) for n in np.asarray(table.shard_sizes())]
 
 
 DYNAMIC = registry.register_kind(
@@ -391,6 +394,13 @@ class DynamicTable(registry.TableClass, _compat.Trackable):
     def size(self) -> tf.Tensor:
         """Live keys (int64 scalar)."""
         here = tf.add_n([tf.cast(s.size(), tf.int64) for s in self._held])
+        return sum_over_workers(self._strategy, here) if self.sharded_over_workers else here
+
+    def shard_sizes(self) -> tf.Tensor:
+        """Live keys of each shard (int64 vector). Sharded over workers, every worker must call it (each
+        worker's shards are summed over the collectives)."""
+        sizes = [tf.constant(0, tf.int64) if is_remote(s) else tf.cast(s.size(), tf.int64) for s in self._shards]
+        here = tf.stack(sizes)
         return sum_over_workers(self._strategy, here) if self.sharded_over_workers else here
 
     def index_buckets(self) -> tf.Tensor:

@@ -1,0 +1,148 @@
+"""`tfs.callbacks.TableMetrics`: each table's rows, bytes and shard load in the Keras logs and in TensorBoard's
+event files (read with TensorBoard's own reader), each checked against counts computed here from the same input
+and the tables' layouts."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorboard.backend.event_processing import event_accumulator
+
+import tf_sharded as tfs
+from tests.harness.strategies import mirrored, ps_strategy
+
+pytestmark = pytest.mark.timeout(300)
+
+DIM, ROWS, STEPS, BATCH = 4, 100, 8, 4
+ROW_BYTES = DIM * 4  # float32
+SLOTS = 1  # Adagrad's accumulator
+
+
+def batches(seed: int = 0) -> list:
+    """`STEPS` batches: 3 fixed-table ids and 2 raw keys per example (keys repeat within and across batches)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(STEPS):
+        ids = rng.integers(0, ROWS, (BATCH, 3))
+        keys = (rng.zipf(1.5, (BATCH, 2)) % 40) * 1_000_003 - 7
+        out.append(({"ids": ids, "keys": keys}, rng.random((BATCH, 1)).astype(np.float32)))
+    return out
+
+
+def dataset(data) -> tf.data.Dataset:
+    return tf.data.Dataset.from_tensor_slices(
+        ({k: np.stack([x[k] for x, _ in data]) for k in ("ids", "keys")}, np.stack([y for _, y in data]))
+    )
+
+
+def make_model(strategy, placement=None):
+    """A model with a fixed table (3 shards, or `placement`'s) and a dynamic table of 2 shards."""
+    extra = {} if placement is None else {"placement": placement}
+    with strategy.scope():
+        ids, keys = keras.Input((3,), dtype="int64", name="ids"), keras.Input((2,), dtype="int64", name="keys")
+        fixed = tfs.layers.Embedding(ROWS, DIM, combiner="mean", seed=1, name="fixed", **extra)
+        dynamic = tfs.layers.DynamicEmbedding(DIM, combiner="mean", partitions=2, seed=2, name="dynamic")
+        out = keras.layers.Dense(1)(keras.layers.Concatenate()([fixed(ids), dynamic(keys)]))
+        model = keras.Model({"ids": ids, "keys": keys}, out)
+        model.compile(optimizer=tfs.optimizers.Adagrad(0.1), loss="mse")
+    return model, fixed.embeddings, dynamic.table
+
+
+def expected(fixed, dynamic, data, steps: int) -> dict:
+    """The metrics after `steps` steps of `data`, counted here: the fixed table's rows and layout, the distinct
+    keys met so far and the shard each belongs to."""
+    keys = np.unique(np.concatenate([x["keys"].ravel() for x, _ in data[:steps]]))
+    per_shard = np.bincount(dynamic.shard_of(keys).numpy(), minlength=dynamic.num_shards)
+    sizes = np.asarray(fixed.layout.shard_sizes)
+    return {
+        f"tables/{fixed.name}/rows": ROWS,
+        f"tables/{fixed.name}/bytes": ROWS * ROW_BYTES * (1 + SLOTS),
+        f"tables/{fixed.name}/shard_load": sizes.max() / sizes.mean(),
+        f"tables/{dynamic.name}/rows": len(keys),
+        f"tables/{dynamic.name}/bytes": len(keys) * ROW_BYTES * (1 + SLOTS),
+        f"tables/{dynamic.name}/shard_load": per_shard.max() / per_shard.mean(),
+    }
+
+
+def events(log_dir) -> dict:
+    """`{tag: [(step, value)]}` of the event files in `log_dir`, read with TensorBoard's own reader (TF 2's
+    summaries are tensors: a scalar's is a number, a histogram's its `[left, right, count]` buckets)."""
+    found = event_accumulator.EventAccumulator(log_dir, size_guidance={event_accumulator.TENSORS: 0})
+    found.Reload()
+    return {
+        tag: [(e.step, tf.make_ndarray(e.tensor_proto)) for e in found.Tensors(tag)] for tag in found.Tags()["tensors"]
+    }
+
+
+class TableMetricsTest(tf.test.TestCase):
+    def test_default_strategy_reports_counts_to_logs_and_tensorboard_and_a_resumed_run_continues_its_curves(self):
+        data = batches()
+        strategy = tf.distribute.get_strategy()
+        log_dir, checkpoints = (os.path.join(self.get_temp_dir(), d) for d in ("logs", "ckpt"))
+        model, fixed, dynamic = make_model(strategy)
+        history = tfs.fit(model, dataset(data[:4]), steps_per_epoch=4, verbose=0,
+                          checkpoint_dir=checkpoints, callbacks=[tfs.callbacks.TableMetrics(2, log_dir)])  # fmt: skip
+        # The epoch's logs (History) carry the last report: the counts after 4 steps.
+        want = expected(fixed, dynamic, data, 4)
+        for name, value in want.items():
+            self.assertAllClose(history.history[name], [value], msg=name)
+        # Resumed from the checkpoint at step 4 by a new model, on the batches that follow: the curves go on at 6.
+        model, fixed, dynamic = make_model(strategy)
+        tfs.fit(model, dataset(data[4:]), epochs=2, steps_per_epoch=4, verbose=0,
+                checkpoint_dir=checkpoints, callbacks=[tfs.callbacks.TableMetrics(2, log_dir)])  # fmt: skip
+        found = events(log_dir)
+        for name in want:
+            self.assertEqual([step for step, _ in found[name]], [2, 4, 6, 8], msg=name)  # no gap, no repeat
+            for step, value in found[name]:
+                self.assertAllClose(value, expected(fixed, dynamic, data, step)[name], msg=name)
+        shard_rows = found[f"tables/{dynamic.name}/shard_rows"]
+        self.assertEqual([step for step, _ in shard_rows], [2, 4, 6, 8])
+        for step, buckets in shard_rows:  # one value per shard, within the shards' smallest and largest
+            keys = np.unique(np.concatenate([x["keys"].ravel() for x, _ in data[:step]]))
+            per_shard = np.bincount(dynamic.shard_of(keys).numpy(), minlength=dynamic.num_shards)
+            self.assertEqual(buckets[:, 2].sum(), dynamic.num_shards)
+            self.assertLessEqual(buckets[0, 0], per_shard.min())
+            self.assertGreaterEqual(buckets[-1, 1], per_shard.max())
+
+    def test_keras_model_fit_reports_under_mirrored_with_the_fixed_table_sharded_over_the_replicas(self):
+        data = batches(1)
+        strategy = mirrored()
+        model, fixed, dynamic = make_model(strategy, placement="sharded")
+        self.assertEqual(fixed.num_shards, strategy.num_replicas_in_sync)
+        callback = tfs.callbacks.TableMetrics(every=4)
+        history = model.fit(dataset(data), epochs=1, verbose=0, shuffle=False, callbacks=[callback])
+        want = expected(fixed, dynamic, data, STEPS)
+        for name, value in want.items():
+            self.assertAllClose(history.history[name], [value], msg=name)
+
+    def test_bad_arguments_are_refused_in_one_line_naming_them(self):
+        for every in (0, -3, 2.5, "10", True):
+            with self.assertRaisesRegex(ValueError, r"^Argument `every` must be a positive integer. Received: every="):
+                tfs.callbacks.TableMetrics(every)
+        blocker = os.path.join(self.get_temp_dir(), "a_file")
+        with open(blocker, "w") as f:
+            f.write("")
+        for log_dir in (blocker, os.path.join(blocker, "logs")):
+            with self.assertRaisesRegex(ValueError, r"^Argument `log_dir` must be a directory that can be written"):
+                tfs.callbacks.TableMetrics(5, log_dir)
+            self.assertEqual(os.path.getsize(blocker), 0)
+
+
+@pytest.mark.ps_cluster
+class ParameterServerTableMetricsTest(tf.test.TestCase):
+    def test_the_coordinator_reads_the_tables_on_the_parameter_servers(self):
+        # Every step meets the same batch (the two workers take steps in any order): the counts after any step.
+        data = batches(2)[:1] * STEPS
+        strategy = ps_strategy()
+        model, fixed, dynamic = make_model(strategy)
+        log_dir = os.path.join(self.get_temp_dir(), "logs")
+        history = tfs.fit(model, lambda context=None: dataset(data).repeat(), steps_per_epoch=STEPS,
+                          verbose=0, log_every=2, callbacks=[tfs.callbacks.TableMetrics(4, log_dir)])  # fmt: skip
+        self.assertTrue(all("/job:ps" in v.device for v in dynamic.held_variables))
+        want = expected(fixed, dynamic, data, 1)
+        for name, value in want.items():
+            self.assertAllClose(history.history[name], [value], msg=name)
+        found = events(log_dir)
+        self.assertEqual([step for step, _ in found[f"tables/{dynamic.name}/rows"]], [4, 8])

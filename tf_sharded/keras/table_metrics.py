@@ -1,0 +1,212 @@
+"""`TableMetrics`: what each table of a model holds, in Keras logs and TensorBoard, as training runs.
+
+Every `every` training steps, for each tf_sharded table of the model (each
+member of a batched storage or of shared row pools on its own), the callback
+adds to the logs:
+
+* `tables/<name>/rows`: rows held (a fixed table's row count, a dynamic
+  table's live keys);
+* `tables/<name>/bytes`: the bytes of those rows and of the optimizer's
+  slots beside them (a tf_sharded optimizer's per-row slots);
+* `tables/<name>/shard_load`: the largest shard's rows over the mean
+  shard's (1.0: even).
+
+They are read from where the tables live (a dynamic table's shards count
+their keys on their devices, parameter servers or table servers): a few
+scalars per table and report, never an op on the step's path. The epoch's
+logs carry the last report too, so `History` holds them.
+
+With `log_dir`, each report is also written with `tf.summary` at the
+optimizer's step (a resumed run continues its curves where it stopped), with
+each table's rows per shard as a histogram; with `write_logs`, the Keras
+logs' numbers too (`train/<name>` at each report: the loss and metrics;
+`epoch/<name>` at each epoch's end: samples per second among them). Only
+the process that saves summaries for its strategy writes them
+(`should_save_summary`: the chief; under parameter servers, the
+coordinator).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_sharded.errors import positive_int
+from tf_sharded.table.batched import logical_tables
+from tf_sharded.table.protocol import owner_of
+
+PREFIX = "tables"
+
+
+def model_tables(model) -> list:
+    """The tf_sharded tables of `model` a user sees (a storage's or a pool group's members), in model order."""
+    found = {}
+    for variable in model.variables:
+        tag = owner_of(variable)
+        if tag is not None:
+            for table in logical_tables(tag[0]):
+                found.setdefault(id(table), table)
+    return list(found.values())
+
+
+def _slot_bytes_per_row(optimizer, table) -> int:
+    """Bytes of the optimizer's per-row slots of one row of `table` (0 where the optimizer keeps none)."""
+    total = 0
+    for name in optimizer.slot_names() if hasattr(optimizer, "slot_names") else ():
+        try:
+            slot = optimizer.table_slot(table, name)
+        except ValueError:  # a table the optimizer does not train, or not built yet
+            continue
+        # A slot is row-shaped: the table's width (a dynamic table's slot is a column of its row pools).
+        shape = getattr(slot, "shape", None)
+        width = tf.TensorShape(shape)[1:].num_elements() if shape is not None else None
+        total += int(width or table.shape[-1]) * tf.as_dtype(getattr(slot, "dtype", table.dtype)).size
+    return total
+
+
+def table_report(table, optimizer=None) -> Dict[str, object]:
+    """`{"rows", "bytes", "shard_load", "shard_rows"}` of `table` now, read from where its shards live."""
+    shard_rows = table.kind.shard_rows(table)
+    rows = int(sum(shard_rows))
+    row_bytes = int(table.shape[-1]) * tf.as_dtype(table.dtype).size
+    slot_bytes = _slot_bytes_per_row(optimizer, table) if optimizer is not None else 0
+    mean = rows / len(shard_rows)
+    return {
+        "rows": rows,
+        "bytes": rows * (row_bytes + slot_bytes),
+        "shard_load": max(shard_rows) / mean if mean else 1.0,
+        "shard_rows": shard_rows,
+    }
+
+
+def _writable(log_dir: str) -> str:
+    """`log_dir`, made if missing; refused in one line where it cannot be written."""
+    if not isinstance(log_dir, (str, os.PathLike)) or not str(log_dir):
+        raise ValueError(f"Argument `log_dir` must be a directory path. Received: log_dir={log_dir!r}")
+    path = os.fspath(log_dir)
+    try:
+        tf.io.gfile.makedirs(path)
+        probe = os.path.join(path, ".tf_sharded_write_check")
+        with tf.io.gfile.GFile(probe, "w") as f:
+            f.write("")
+        tf.io.gfile.remove(probe)
+    except (OSError, tf.errors.OpError) as e:
+        reason = getattr(e, "strerror", None) or getattr(e, "message", None) or str(e)
+        raise ValueError(
+            f"Argument `log_dir` must be a directory that can be written. Received: {path!r} ({reason})"
+        ) from None
+    return path
+
+
+class TableMetrics(keras.callbacks.Callback):
+    """Reports each tf_sharded table's rows, bytes and shard balance every `every` steps (see the module doc).
+
+    Works with `tfs.fit` and Keras's `model.fit` under every strategy that
+    trains tf_sharded tables.
+
+    Args:
+      every: report every this many training steps (a positive integer).
+      log_dir: None, or a directory to write the reports to as TensorBoard
+        summaries (made if missing; it must be writable).
+      write_logs: with `log_dir`, also write the numbers of the Keras logs
+        (the loss and metrics at each report, the epoch's at its end).
+
+    Example:
+
+    >>> import keras, tensorflow as tf, tf_sharded as tfs
+    >>> ids = keras.Input((2,), dtype="int64")
+    >>> emb = tfs.layers.Embedding(100, 4, combiner="mean", partitions=2, name="emb")
+    >>> model = keras.Model(ids, keras.layers.Dense(1)(emb(ids)))
+    >>> model.compile(optimizer=tfs.optimizers.Adagrad(0.1), loss="mse")
+    >>> data = tf.data.Dataset.from_tensors(([[1, 2]], [[1.0]])).repeat(4)
+    >>> history = tfs.fit(model, data, steps_per_epoch=4, verbose=0, callbacks=[tfs.callbacks.TableMetrics(2)])
+    >>> history.history["tables/emb/rows"], history.history["tables/emb/bytes"]  # rows and Adagrad's slot
+    ([100.0], [3200.0])
+    """
+
+    def __init__(self, every: int = 100, log_dir: Optional[str] = None, write_logs: bool = False):
+        super().__init__()
+        self.every = positive_int("every", every)
+        self.log_dir = None if log_dir is None else _writable(log_dir)
+        self.write_logs = bool(write_logs)
+        self._writer = None
+        self._step = self._reported = 0
+        self._last_batch = -1
+        self._latest: Dict[str, float] = {}
+
+    # ---------------------------------------------------------------- reading --
+
+    def read(self) -> Dict[str, Dict[str, object]]:
+        """`{table name: table_report(...)}` for every table of the model, read now."""
+        optimizer = getattr(self.model, "optimizer", None)
+        return {table.name: table_report(table, optimizer) for table in model_tables(self.model)}
+
+    @staticmethod
+    def scalars(reports: Dict[str, Dict[str, object]]) -> Dict[str, float]:
+        """The reports as log entries: `tables/<name>/<metric>` -> float."""
+        return {
+            f"{PREFIX}/{name}/{metric}": float(report[metric])
+            for name, report in reports.items()
+            for metric in ("rows", "bytes", "shard_load")
+        }
+
+    # -------------------------------------------------------------- callbacks --
+
+    def on_train_begin(self, logs=None):
+        self._step = int(self.model.optimizer.iterations.numpy())
+        self._reported = self._step // self.every
+        if self.log_dir is not None and self.model.distribute_strategy.extended.should_save_summary:
+            self._writer = tf.summary.create_file_writer(self.log_dir)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._last_batch = -1
+
+    def on_train_batch_end(self, batch, logs=None):
+        # `batch`: the index of the last step that ran (several under steps_per_execution): counted here, so
+        # that no step variable is read per batch.
+        self._step += batch - self._last_batch
+        self._last_batch = batch
+        if self._step // self.every > self._reported:
+            self._reported = self._step // self.every
+            self._report(logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:
+            return
+        if self._writer is not None and self.write_logs:
+            self._write_logs("epoch", logs)
+        logs.update(self._latest)
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _report(self, logs) -> None:
+        reports = self.read()
+        self._latest = self.scalars(reports)
+        if logs is not None:
+            logs.update(self._latest)
+        if self._writer is None:
+            return
+        with self._writer.as_default(step=self._step):
+            for name, value in self._latest.items():
+                tf.summary.scalar(name, value)
+            for name, report in reports.items():
+                shard_rows: List[int] = report["shard_rows"]
+                tf.summary.histogram(f"{PREFIX}/{name}/shard_rows", np.asarray(shard_rows, np.float64))
+        if self.write_logs and logs:
+            self._write_logs("train", logs)
+        self._writer.flush()
+
+    def _write_logs(self, group: str, logs) -> None:
+        """The numbers of Keras `logs` (not the tables' own entries) as `group/<name>` at the current step."""
+        with self._writer.as_default(step=self._step):
+            for name, value in logs.items():
+                if not name.startswith(PREFIX + "/") and isinstance(value, (int, float, np.number, tf.Tensor)):
+                    tf.summary.scalar(f"{group}/{name}", float(value))
+        self._writer.flush()
