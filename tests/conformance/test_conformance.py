@@ -138,10 +138,20 @@ class ParameterServerSpec(DefaultSpec):
         return run
 
 
-class MultiWorkerSpec(DefaultSpec):
+class ProcessSpec(DefaultSpec):
+    """A strategy of processes of their own, made there: the spec of the strategy a process was given."""
+
+    def __init__(self, strategy=None):
+        self._strategy = strategy
+
+    def strategy(self):
+        return self._strategy
+
+
+class MultiWorkerSpec(ProcessSpec):
     """MultiWorkerMirroredStrategy of 2 worker processes, a CPU replica each. Its combinations run inside the
-    workers (`run_matrix`, called by tests/strategy/test_multi_worker.py), each worker checking every replica's
-    results, gathered over the collectives, against its own single-device reference."""
+    workers (`run_matrix`, called by tests/table/dynamic/test_dynamic_multi_worker.py), each worker checking
+    every replica's results, gathered over the collectives, against its own single-device reference."""
 
     name, replicas, local_replicas, marks = "multi_worker", 2, 1, ()
     expected = {
@@ -154,12 +164,6 @@ class MultiWorkerSpec(DefaultSpec):
         ("dynamic_string", "workers"),
         (minimal_kind.CONSTANT.name, "local"),
     }
-
-    def __init__(self, strategy=None):
-        self._strategy = strategy
-
-    def strategy(self):
-        return self._strategy
 
     def runner(self, fn):
         strategy = self.strategy()
@@ -186,7 +190,7 @@ class MultiWorkerSpec(DefaultSpec):
         return run
 
 
-class HybridSpec(DefaultSpec):
+class HybridSpec(ProcessSpec):
     """HybridStrategy with one worker (one replica) and two table servers. Its combinations run in the worker's
     process (`run_matrix`, called by tests/strategy/test_hybrid.py)."""
 
@@ -197,12 +201,6 @@ class HybridSpec(DefaultSpec):
         ("dynamic_string", "servers"),
         (minimal_kind.CONSTANT.name, "local"),
     }
-
-    def __init__(self, strategy=None):
-        self._strategy = strategy
-
-    def strategy(self):
-        return self._strategy
 
 
 SPECS = {spec.name: spec for spec in (DefaultSpec(), OneDeviceSpec(), MirroredSpec(), ParameterServerSpec())}
