@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import uuid
 from typing import Callable, Optional, Tuple
 
 import tensorflow as tf
@@ -249,7 +250,8 @@ def check_writable(directory: Optional[str], flag: str = "--checkpoint_dir") -> 
         return
     try:
         os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, ".tf_sharded_write_test")
+        # Named for this process: every worker of a job checks the same directory at once.
+        probe = os.path.join(directory, f".tf_sharded_write_test_{os.getpid()}_{uuid.uuid4().hex}")
         with open(probe, "w") as f:
             json.dump({}, f)
         os.remove(probe)

@@ -29,6 +29,7 @@ coordinator).
 from __future__ import annotations
 
 import os
+import uuid
 from typing import Dict, List, Optional
 
 import keras
@@ -36,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sharded.errors import positive_int
+from tf_sharded.keras.training.trainer import steps_done
 from tf_sharded.table.batched import logical_tables
 from tf_sharded.table.protocol import owner_of
 
@@ -90,7 +92,8 @@ def _writable(log_dir: str) -> str:
     path = os.fspath(log_dir)
     try:
         tf.io.gfile.makedirs(path)
-        probe = os.path.join(path, ".tf_sharded_write_check")
+        # Named for this process: every worker of a job checks the same directory at once.
+        probe = os.path.join(path, f".tf_sharded_write_check_{os.getpid()}_{uuid.uuid4().hex}")
         with tf.io.gfile.GFile(probe, "w") as f:
             f.write("")
         tf.io.gfile.remove(probe)
@@ -135,7 +138,6 @@ class TableMetrics(keras.callbacks.Callback):
         self.write_logs = bool(write_logs)
         self._writer = None
         self._step = self._reported = 0
-        self._last_batch = -1
         self._latest: Dict[str, float] = {}
 
     # ---------------------------------------------------------------- reading --
@@ -157,19 +159,15 @@ class TableMetrics(keras.callbacks.Callback):
     # -------------------------------------------------------------- callbacks --
 
     def on_train_begin(self, logs=None):
-        self._step = int(self.model.optimizer.iterations.numpy())
+        self._step = steps_done(self.model)
         self._reported = self._step // self.every
         if self.log_dir is not None and self.model.distribute_strategy.extended.should_save_summary:
             self._writer = tf.summary.create_file_writer(self.log_dir)
 
-    def on_epoch_begin(self, epoch, logs=None):
-        self._last_batch = -1
-
     def on_train_batch_end(self, batch, logs=None):
-        # `batch`: the index of the last step that ran (several under steps_per_execution): counted here, so
-        # that no step variable is read per batch.
-        self._step += batch - self._last_batch
-        self._last_batch = batch
+        # The model's step count, exact under every loop: an epoch resumed part way, steps run several at a
+        # time, or steps rolled back to a checkpoint after a lost parameter server.
+        self._step = steps_done(self.model)
         if self._step // self.every > self._reported:
             self._reported = self._step // self.every
             self._report(logs)
@@ -177,6 +175,7 @@ class TableMetrics(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if logs is None:
             return
+        self._step = steps_done(self.model)
         if self._writer is not None and self.write_logs:
             self._write_logs("epoch", logs)
         logs.update(self._latest)
@@ -207,6 +206,7 @@ class TableMetrics(keras.callbacks.Callback):
         """The numbers of Keras `logs` (not the tables' own entries) as `group/<name>` at the current step."""
         with self._writer.as_default(step=self._step):
             for name, value in logs.items():
-                if not name.startswith(PREFIX + "/") and isinstance(value, (int, float, np.number, tf.Tensor)):
-                    tf.summary.scalar(f"{group}/{name}", float(value))
+                number = np.asarray(value)
+                if not name.startswith(PREFIX + "/") and number.ndim == 0 and np.issubdtype(number.dtype, np.number):
+                    tf.summary.scalar(f"{group}/{name}", float(number))
         self._writer.flush()

@@ -136,13 +136,16 @@ class ParameterServerTableMetricsTest(tf.test.TestCase):
         # Every step meets the same batch (the two workers take steps in any order): the counts after any step.
         data = batches(2)[:1] * STEPS
         strategy = ps_strategy()
-        model, fixed, dynamic = make_model(strategy)
-        log_dir = os.path.join(self.get_temp_dir(), "logs")
-        history = tfs.fit(model, lambda context=None: dataset(data).repeat(), steps_per_epoch=STEPS,
-                          verbose=0, log_every=2, callbacks=[tfs.callbacks.TableMetrics(4, log_dir)])  # fmt: skip
+        log_dir, checkpoints = (os.path.join(self.get_temp_dir(), d) for d in ("logs", "ckpt"))
+        for max_steps in (5, STEPS):  # stopped inside an epoch of 2 steps, then resumed there by a new model
+            model, fixed, dynamic = make_model(strategy)
+            history = tfs.fit(model, lambda context=None: dataset(data).repeat(), epochs=STEPS // 2,
+                              steps_per_epoch=2, max_steps=max_steps, verbose=0, checkpoint_dir=checkpoints,
+                              callbacks=[tfs.callbacks.TableMetrics(2, log_dir)])  # fmt: skip
         self.assertTrue(all("/job:ps" in v.device for v in dynamic.held_variables))
         want = expected(fixed, dynamic, data, 1)
         for name, value in want.items():
-            self.assertAllClose(history.history[name], [value], msg=name)
+            self.assertAllClose(history.history[name][-1], value, msg=name)
+        # Each report at the step it was read at, the resumed run's included (the coordinator's exact count).
         found = events(log_dir)
-        self.assertEqual([step for step, _ in found[f"tables/{dynamic.name}/rows"]], [4, 8])
+        self.assertEqual([step for step, _ in found[f"tables/{dynamic.name}/rows"]], [2, 4, 6, 8])

@@ -316,6 +316,7 @@ class Loop:
             samples += sum(n for _, n in results)
             logs = results[-1][0]
             rate = samples / max(time.perf_counter() - start, 1e-9)
+            self.sync_step()  # the callbacks read the exact step count (`steps_done`)
             callbacks.on_train_batch_end(step - 1, logs)
             if bar is not None and not last:
                 bar.update(step, [*logs.items(), ("samples/s", rate)], finalize=False)
