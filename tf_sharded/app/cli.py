@@ -342,7 +342,7 @@ def train(args) -> int:
     from tf_sharded.app import inputs, restart
 
     inputs.check_writable(args.checkpoint_dir)
-    inputs.check_writable(inputs.log_dir(args), "--logdir")
+    inputs.check_writable(args.logdir, "--logdir")  # the default, in --checkpoint_dir, is checked with it
     # `workers`: input pipelines (each parameter-server worker reads its own; else one stream).
     strategy, description, workers, cluster = _strategy(args)
     if strategy is None and description == "tables":

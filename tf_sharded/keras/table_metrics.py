@@ -29,7 +29,6 @@ coordinator).
 from __future__ import annotations
 
 import os
-import uuid
 from typing import Dict, List, Optional
 
 import keras
@@ -85,23 +84,23 @@ def table_report(table, optimizer=None) -> Dict[str, object]:
     }
 
 
-def _writable(log_dir: str) -> str:
-    """`log_dir`, made if missing; refused in one line where it cannot be written."""
-    if not isinstance(log_dir, (str, os.PathLike)) or not str(log_dir):
+def _writable(log_dir) -> str:
+    """`log_dir` as a path, refused in one line where it cannot be written: a file, or under one, or a directory
+    this process may not write to. Nothing is written here (the writer makes the directory when training
+    begins), so a run refused before training leaves it as it was. Remote paths (`gs://`, ...) are not checked."""
+    if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
         raise ValueError(f"Argument `log_dir` must be a directory path. Received: log_dir={log_dir!r}")
     path = os.fspath(log_dir)
-    try:
-        tf.io.gfile.makedirs(path)
-        # Named for this process: every worker of a job checks the same directory at once.
-        probe = os.path.join(path, f".tf_sharded_write_check_{os.getpid()}_{uuid.uuid4().hex}")
-        with tf.io.gfile.GFile(probe, "w") as f:
-            f.write("")
-        tf.io.gfile.remove(probe)
-    except (OSError, tf.errors.OpError) as e:
-        reason = getattr(e, "strerror", None) or getattr(e, "message", None) or str(e)
+    if "://" in path:
+        return path
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        what = "a file" if not os.path.isdir(existing) else "not writable"
         raise ValueError(
-            f"Argument `log_dir` must be a directory that can be written. Received: {path!r} ({reason})"
-        ) from None
+            f"Argument `log_dir` must be a directory that can be written. Received: {path!r} ({existing} is {what})"
+        )
     return path
 
 
