@@ -64,13 +64,15 @@ def ps_strategy(num_workers: int = 2, num_ps: int = 2, **kwargs):
     return tfs.cluster.local_cluster(num_workers=num_workers, num_ps=num_ps).strategy(**kwargs)
 
 
-def run_multi_worker(script: str, num_workers: int = 2, timeout: int = 300, ps=()) -> list:
+def run_multi_worker(script: str, num_workers: int = 2, timeout: int = 900, ps=()) -> list:
     """Runs `script` (Python source) in `num_workers` processes forming a MultiWorkerMirroredStrategy cluster.
 
     Each process gets its own `TF_CONFIG` (and `TASK`, its index), whose
     cluster also names `ps` (addresses) as its `ps` job if given. Returns
     `(returncode, stdout, stderr)` per worker; every worker is killed if one
-    outlives `timeout`.
+    outlives `timeout`. The default is about eight times what the slowest
+    cluster test takes alone here: process tests run beside each other and
+    beside the main suite, on machines that may be several times slower.
     """
     import json
     import os

@@ -14,7 +14,7 @@ import tf_sharded as tfs
 from tests.harness.strategies import TableServers, run_multi_worker
 from tests.harness.subprocs import ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=70)]  # table servers and worker processes
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=70), pytest.mark.timeout(1000)]  # table servers and worker processes
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +183,7 @@ print("ONE WORKER OK", flush=True)
 def test_one_worker_equals_training_on_one_device(servers):
     from tests.harness.subprocs import run_python
 
-    proc = run_python(["-c", ONE_WORKER], timeout=300, env={"SERVERS": json.dumps(servers)})
+    proc = run_python(["-c", ONE_WORKER], timeout=900, env={"SERVERS": json.dumps(servers)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "ONE WORKER OK" in proc.stdout and "conformance ran 4 combinations" in proc.stdout, proc.stdout
 
@@ -361,7 +361,7 @@ print("ONE WORKER DYNAMIC OK", flush=True)
 def test_dynamic_tables_on_one_worker_equal_training_on_one_device(servers):
     from tests.harness.subprocs import run_python
 
-    proc = run_python(["-c", ONE_WORKER_DYNAMIC], timeout=300, env={"SERVERS": json.dumps(servers)})
+    proc = run_python(["-c", ONE_WORKER_DYNAMIC], timeout=900, env={"SERVERS": json.dumps(servers)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "ONE WORKER DYNAMIC OK" in proc.stdout, proc.stdout
 

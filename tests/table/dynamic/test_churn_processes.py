@@ -11,7 +11,7 @@ import tensorflow as tf
 from tests.harness.strategies import TableServers, run_multi_worker
 from tests.harness.subprocs import run_python
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=55)]  # worker processes and table servers
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=55), pytest.mark.timeout(1000)]  # worker processes and table servers
 
 CHURN = """
 import functools, os
@@ -52,7 +52,7 @@ HYBRID = CHURN % {
 
 class ChurnAcrossProcessesTest(tf.test.TestCase):
     def test_a_table_sharded_over_two_workers_takes_fifty_times_its_capacity(self):
-        outputs = run_multi_worker(SHARDED, num_workers=2, timeout=420)
+        outputs = run_multi_worker(SHARDED, num_workers=2)
         for rc, out, err in outputs:
             self.assertEqual(rc, 0, msg=out + err[-4000:])
             self.assertIn("CHURN OK", out)
@@ -61,7 +61,7 @@ class ChurnAcrossProcessesTest(tf.test.TestCase):
     def test_tables_on_two_table_servers_take_fifty_times_their_capacity(self):
         servers = TableServers(2)
         try:
-            proc = run_python(["-c", HYBRID], timeout=420, env={"SERVERS": json.dumps(servers.addresses)})
+            proc = run_python(["-c", HYBRID], timeout=900, env={"SERVERS": json.dumps(servers.addresses)})
         finally:
             servers.stop()
         self.assertEqual(proc.returncode, 0, msg=proc.stdout[-3000:] + proc.stderr[-5000:])

@@ -16,7 +16,7 @@ import tensorflow as tf
 import tf_sharded as tfs
 from tests.harness.strategies import run_multi_worker, uid
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=200)]  # clusters of worker processes
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=200), pytest.mark.timeout(1000)]  # clusters of worker processes
 
 WORKER = """
 import functools, os
@@ -329,7 +329,7 @@ print("MWMS LOCAL REPLICAS DYNAMIC OK", flush=True)
 class DynamicMultiWorkerTest(tf.test.TestCase):
     def test_tables_sharded_over_two_workers_match_references(self):
         workdir = tempfile.mkdtemp()
-        outputs = run_multi_worker(SHARDED_WORKER.replace("sys.argv[1]", repr(workdir)), num_workers=2, timeout=360)
+        outputs = run_multi_worker(SHARDED_WORKER.replace("sys.argv[1]", repr(workdir)), num_workers=2)
         for rc, out, err in outputs:
             self.assertEqual(rc, 0, msg=out + err[-4000:])
             self.assertIn("MWMS SHARDED DYNAMIC OK", out)
@@ -345,7 +345,7 @@ class DynamicMultiWorkerTest(tf.test.TestCase):
         self.assertAllClose(table.lookup(tf.constant(saved["keys"]), training=False), saved["values"], atol=0)
 
     def test_two_replicas_on_each_of_two_workers_share_its_copy_and_match_references(self):
-        outputs = run_multi_worker(LOCAL_REPLICAS_WORKER % tempfile.mkdtemp(), num_workers=2, timeout=360)
+        outputs = run_multi_worker(LOCAL_REPLICAS_WORKER % tempfile.mkdtemp(), num_workers=2)
         for rc, out, err in outputs:
             self.assertEqual(rc, 0, msg=out + err[-4000:])
             self.assertIn("MWMS LOCAL REPLICAS DYNAMIC OK", out)
@@ -358,7 +358,7 @@ class DynamicMultiWorkerTest(tf.test.TestCase):
         self.assertEqual({sum(held)}, total)  # each key on one worker only
 
     def test_two_workers_agree_and_match_references(self):
-        outputs = run_multi_worker(WORKER, num_workers=2, timeout=360)
+        outputs = run_multi_worker(WORKER, num_workers=2)
         for rc, out, err in outputs:
             self.assertEqual(rc, 0, msg=out + err[-4000:])
             self.assertIn("MWMS DYNAMIC OK", out)
