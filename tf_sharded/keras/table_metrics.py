@@ -155,6 +155,12 @@ class TableMetrics(keras.callbacks.Callback):
             for metric in ("rows", "bytes", "shard_load")
         }
 
+    @property
+    def steps_between_reports(self) -> int:
+        """`tfs.fit`'s own loop calls the batch callbacks at least at these steps (elsewhere every
+        `log_every` steps): so each report comes at its step."""
+        return self.every
+
     # -------------------------------------------------------------- callbacks --
 
     def on_train_begin(self, logs=None):

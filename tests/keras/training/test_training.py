@@ -146,8 +146,8 @@ class FitTest(tf.test.TestCase):
         self.assertEqual(tf.train.latest_checkpoint(directory), os.path.join(directory, "ckpt-14"))
 
     def test_a_run_resumed_inside_an_epoch_ends_where_the_whole_run_ends(self):
-        # Stopped at step 4 of an epoch of 6 (as a killed run would be), then rerun for 2 epochs: Keras runs
-        # the resumed epoch whole from its start, tfs.fit stops it at step 12, as an uninterrupted run.
+        # Stopped at step 4 of an epoch of 6 (as a killed run would be), then rerun for 2 epochs: the rerun
+        # finishes the epoch and stops at step 12, as an uninterrupted run (the stream positioned by its caller).
         directory = os.path.join(self.get_temp_dir(), "inside")
         stream = data().repeat()
         first, twin = model_and_twin()
@@ -157,6 +157,38 @@ class FitTest(tf.test.TestCase):
         self.assertEqual((tfs.training.steps_done(again), history.initial_step), (12, 4))
         twin.fit(stream, epochs=1, steps_per_epoch=12, verbose=0, shuffle=False)
         self.assertAllClose(ours_table(again), table_of(twin), atol=1e-6)
+
+    def test_a_rerun_reads_a_finite_dataset_on_from_the_batch_its_checkpoint_stopped_at(self):
+        # A first run under Keras's model.fit stopped part way (max_steps, as a killed run would be), then rerun
+        # with the same Dataset: it goes on from the batch and epoch where it stopped, and ends equal to Keras's
+        # uninterrupted model.fit. Epochs of the whole Dataset (6 batches), and epochs of 4 steps, in which
+        # Keras reads on through the Dataset, ends an epoch early where it runs out, and starts it over.
+        for per_epoch, stop_at, steps, epochs_left in ((None, 8, 18, 2), (4, 6, 10, 1), (4, 9, 10, 1)):
+            with self.subTest(steps_per_epoch=per_epoch, stopped_at=stop_at):
+                directory = os.path.join(self.get_temp_dir(), f"finite_{per_epoch}_{stop_at}")
+                first, twin = model_and_twin()
+                tfs.fit(first, data(), epochs=3, steps_per_epoch=per_epoch, max_steps=stop_at,
+                        checkpoint_dir=directory, verbose=0)  # fmt: skip
+                self.assertEqual(tfs.training.steps_done(first), stop_at)
+                again, _ = model_and_twin()
+                history = tfs.fit(again, data(), epochs=3, steps_per_epoch=per_epoch, checkpoint_dir=directory,
+                                  verbose=0)  # fmt: skip
+                self.assertEqual((tfs.training.steps_done(again), history.initial_step), (steps, stop_at))
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # Keras warns when its input runs out inside an epoch
+                    twin.fit(data(), epochs=3, steps_per_epoch=per_epoch, verbose=0, shuffle=False)
+                self.assertEqual(int(twin.optimizer.iterations.numpy()), steps)
+                self.assertAllClose(ours_table(again), table_of(twin), atol=1e-6)
+                # The rerun's epochs: the one it resumed inside (or at the start of), and those after it.
+                self.assertLen(history.history["loss"], epochs_left)
+
+        # Without steps_per_epoch, a Dataset of unknown length cannot be positioned: a clear error, nothing run.
+        directory = os.path.join(self.get_temp_dir(), "finite_None_8")
+        unknown = data().filter(lambda x, y: True)
+        again, _ = model_and_twin()
+        with self.assertRaisesRegex(ValueError, "steps_per_epoch` is required to resume at the batch"):
+            tfs.fit(again, unknown, epochs=3, checkpoint_dir=directory, verbose=0)
+        self.assertEqual(int(again.optimizer.iterations.numpy()), 0)
 
     def test_max_steps_with_steps_per_execution_runs_exactly_that_many(self):
         # Keras would run whole groups of 4 (8 steps); tfs.fit's replica loop runs 4 + 2.
@@ -168,16 +200,20 @@ class FitTest(tf.test.TestCase):
         self.assertAllClose(ours_table(ours), table_of(twin), atol=1e-6)
 
     def test_replica_loop_epochs_read_on_through_the_dataset(self):
-        # tfs.fit's replica loop (steps_per_execution > 1 with max_steps), as Keras's model.fit with
-        # steps_per_epoch: an endless stream goes on from epoch to epoch, and a finite Dataset starts over
-        # when what is left of it cannot fill an epoch (6 batches, epochs of 4: batches 0-3, 0-3, 0-3).
-        for source, reference in ((data().repeat(), data().repeat().take(12)), (data(), data().take(4).repeat(3))):
+        # tfs.fit's replica loop (steps_per_execution > 1 with max_steps) reads as Keras's model.fit with
+        # steps_per_epoch: an endless stream goes on from epoch to epoch; a finite Dataset too, where an epoch
+        # ends early when it runs out and the next starts it over (6 batches, epochs of 4: 0-3, 4-5, 0-3).
+        for source, steps in ((data().repeat(), 12), (data(), 10)):
             ours, twin = model_and_twin()
             ours.compile(optimizer=tfs.optimizers.SGD(0.2), loss="mse", steps_per_execution=2)
-            tfs.fit(ours, source, epochs=3, steps_per_epoch=4, max_steps=100, verbose=0)
-            self.assertEqual(tfs.training.steps_done(ours), 12)
-            twin.fit(reference, epochs=1, verbose=0, shuffle=False)
+            history = tfs.fit(ours, source, epochs=3, steps_per_epoch=4, max_steps=100, verbose=0)
+            self.assertEqual(tfs.training.steps_done(ours), steps)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # Keras warns when its input runs out inside an epoch
+                keras_history = twin.fit(source, epochs=3, steps_per_epoch=4, verbose=0, shuffle=False)
+            self.assertEqual(int(twin.optimizer.iterations.numpy()), steps)
             self.assertAllClose(ours_table(ours), table_of(twin), atol=1e-6)
+            self.assertAllClose(history.history["loss"], keras_history.history["loss"], atol=1e-5)
 
     def test_layout_file_is_replaced_whole_or_not_at_all(self):
         directory = self.get_temp_dir()
@@ -292,13 +328,16 @@ class FitTest(tf.test.TestCase):
             model.compile(optimizer=tfs.optimizers.Adagrad(0.1), loss="mse")
             return model
 
+        ids = tf.data.Dataset.from_tensor_slices(([[1, 2], [3, 1], [2, 4], [4, 3]], tf.ones([4, 1]))).batch(2)
         tfs.fit(tagged(), tags, epochs=1, steps_per_epoch=2, checkpoint_dir=directory, verbose=0)
-        for model, difference in (
-            (tagged(dim=DIM + 1), f"(dynamic table 'tags'): rows of {DIM} in the checkpoint, {DIM + 1} in the model"),
-            (tagged(key_dtype="int64"), "(dynamic table 'tags'): string keys in the checkpoint, int64 in the model"),
-        ):
+        for model, inputs, difference in (
+            (tagged(dim=DIM + 1), tags,
+             f"(dynamic table 'tags'): rows of {DIM} in the checkpoint, {DIM + 1} in the model"),
+            (tagged(key_dtype="int64"), ids,
+             "(dynamic table 'tags'): string keys in the checkpoint, int64 in the model"),
+        ):  # fmt: skip
             with self.assertRaises(tfs.training.CheckpointMismatchError) as caught:
-                tfs.fit(model, tags, epochs=2, steps_per_epoch=2, checkpoint_dir=directory, verbose=0)
+                tfs.fit(model, inputs, epochs=2, steps_per_epoch=2, checkpoint_dir=directory, verbose=0)
             self.assertTrue(any(d.endswith(difference) for d in caught.exception.differences), caught.exception)
             self.assertEqual(int(model.get_layer("tags").table.size()), 0)  # no key restored
             self.assertEqual(tfs.training.steps_done(model), 0)

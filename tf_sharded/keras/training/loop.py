@@ -73,13 +73,19 @@ def _with_skip(fn: Callable, skip: int) -> Callable:
     return lambda context: fn(context).skip(skip)
 
 
-def pass_offset(epoch: int, per_epoch: int, size: int) -> int:
-    """Where `epoch` starts in a Dataset of `size` batches: after the epochs before it, unless too few batches
-    are left for `per_epoch` steps, in which case the Dataset starts over."""
-    offset = 0
-    for _ in range(epoch):
-        offset = (0 if offset + per_epoch > size else offset) + per_epoch
-    return 0 if offset + per_epoch > size else offset
+def epoch_plan(epochs: int, per_epoch: int, size: int) -> list:
+    """`(first batch, steps)` of each epoch, read as Keras's `model.fit` reads a Dataset of `size` batches with
+    `per_epoch` steps an epoch: an epoch reads on where the last one stopped, ends early when the Dataset runs
+    out, and the next one starts it over. `size` 0 (an endless Dataset, or a stream its caller positions):
+    every epoch runs `per_epoch` steps, and its first batch is not used."""
+    plan, offset = [], 0
+    for _ in range(epochs):
+        if size and offset >= size:
+            offset = 0
+        steps = min(per_epoch, size - offset) if size else per_epoch
+        plan.append((offset, steps))
+        offset += steps
+    return plan
 
 
 class Runner:
@@ -131,8 +137,12 @@ class Runner:
         """A step's logs as the launch returns them."""
         return logs
 
-    def new_epoch(self, epoch: int, step_in_epoch: int, per_epoch: int):
-        """Positions the input for `epoch` from its step `step_in_epoch` (not 0 in a resumed run)."""
+    # Batches of a finite Dataset read once per epoch (`per_epoch`), else 0.
+    size = 0
+
+    def new_epoch(self, batch: int):
+        """Positions a finite Dataset read per epoch at `batch` (an epoch's first batch plus the steps of it
+        already done, not 0 in a resumed run)."""
 
     def launch(self, count: int = 1):
         """Starts `count` steps (one scheduled function, traced once per distinct count)."""
@@ -191,14 +201,14 @@ class ReplicaRunner(Runner):
     def __init__(self, strategy, dataset, step_fn, position: int = 0):
         super().__init__(strategy, step_fn, unrolled=family_of(strategy).mirrors_tables)
         self.replicas = strategy.num_replicas_in_sync
-        self._dataset, self._size, self._consumed = dataset, 0, 0
+        self._dataset, self._consumed = dataset, 0
         # A finite Dataset is read once per epoch, like model.fit; a dataset function should repeat.
         self.per_epoch = isinstance(dataset, tf.data.Dataset)
         if self.per_epoch:
             self.distributed = strategy.experimental_distribute_dataset(dataset)
             # A finite Dataset resumes where its epoch stopped (`new_epoch`); an endless one (or one of
             # unknown length) is a stream its caller positions.
-            self._size = max(int(dataset.cardinality()), 0)
+            self.size = max(int(dataset.cardinality()), 0)
         else:
             self.distributed = strategy.distribute_datasets_from_function(_with_skip(dataset, position))
         self.iterator = iter(self.distributed)
@@ -207,17 +217,13 @@ class ReplicaRunner(Runner):
         # The first replica's logs (its batch size stands for every replica's): plain tensors.
         return tf.nest.map_structure(lambda v: self.strategy.experimental_local_results(v)[0], logs)
 
-    def new_epoch(self, epoch: int, step_in_epoch: int, per_epoch: int):
-        """As in Keras's `model.fit` with `steps_per_epoch`, an epoch goes on where the last one stopped: an
-        endless stream (or one of unknown length) is never restarted, and a finite Dataset starts over only
-        when what is left of it cannot fill the epoch (`pass_offset`)."""
-        if not self.per_epoch or not self._size:
+    def new_epoch(self, batch: int):
+        if not self.per_epoch or not self.size:
             return
-        wanted = pass_offset(epoch, per_epoch, self._size) + step_in_epoch
-        if wanted != self._consumed:
-            skipped = self._dataset.skip(wanted) if wanted else self._dataset
+        if batch != self._consumed:
+            skipped = self._dataset.skip(batch) if batch else self._dataset
             self.iterator = iter(self.strategy.experimental_distribute_dataset(skipped))
-            self._consumed = wanted
+            self._consumed = batch
 
     def launch(self, count: int = 1):
         self._consumed += count
@@ -249,6 +255,9 @@ class Loop:
         self.first_step = 0 if checkpoints.manager is not None else self.global_step
         self.restarts, self.recoveries = 0, []
         self.runner = runner_for(strategy, dataset, make_step(), self.global_step - self.first_step)
+        self.plan = epoch_plan(settings.epochs, settings.steps_per_epoch, self.runner.size)
+        # The step each epoch starts at (and, last, the run's total).
+        self.epoch_starts = [sum(steps for _, steps in self.plan[:e]) for e in range(len(self.plan) + 1)]
         self.last_save = time.monotonic()
         self._awaiting_first = None
         if checkpoints.manager is not None and checkpoints.started_from is None:
@@ -260,19 +269,19 @@ class Loop:
     def _more(self) -> bool:
         """Whether steps remain: the epochs not all done, and `max_steps` (the model's own count) not reached."""
         max_steps = self.s.max_steps
-        done = self.position() >= self.s.epochs * self.s.steps_per_epoch
+        done = self.position() >= self.epoch_starts[-1]
         return not done and (max_steps is None or self.global_step < max_steps)
 
     def run(self, callbacks, history) -> None:
-        epochs, per_epoch = self.s.epochs, self.s.steps_per_epoch
+        epochs, total = self.s.epochs, self.epoch_starts[-1]
         callbacks.on_train_begin()
         logs = {}
         if not self._more() and self.s.verbose:
-            epochs_done = self.position() >= epochs * per_epoch
-            covered = f"{epochs} epoch(s) of {per_epoch} steps" if epochs_done else f"max_steps={self.s.max_steps}"
+            epochs_done = self.position() >= total
+            covered = f"{epochs} epoch(s), {total} steps" if epochs_done else f"max_steps={self.s.max_steps}"
             print(f"checkpoint at step {self.global_step} already covers {covered}")
         while self._more():
-            epoch = self.position() // per_epoch
+            epoch = max(e for e in range(epochs) if self.epoch_starts[e] <= self.position())
             try:
                 logs = self._epoch(epoch, callbacks)
             except Exception as error:  # noqa: BLE001 - a ps failure, in a step or a save, is recovered from
@@ -284,16 +293,20 @@ class Loop:
         history.recoveries = self.recoveries
 
     def _epoch(self, epoch, callbacks) -> dict:
-        per_epoch, verbose = self.s.steps_per_epoch, self.s.verbose
+        verbose = self.s.verbose
         self.model.reset_metrics()
-        step = self.position() - epoch * per_epoch
+        first_batch, steps = self.plan[epoch]
+        step = self.position() - self.epoch_starts[epoch]
         # The epoch's last step: its end, or earlier where `max_steps` comes first.
         max_steps = self.s.max_steps
-        end = per_epoch if max_steps is None else min(per_epoch, step + max_steps - self.global_step)
-        self.runner.new_epoch(epoch, step, per_epoch)
+        end = steps if max_steps is None else min(steps, step + max_steps - self.global_step)
+        self.runner.new_epoch(first_batch + step)
         callbacks.on_epoch_begin(epoch)
         bar = keras.utils.Progbar(end, verbose=verbose) if verbose else None
         launched, samples, start = [], 0, time.perf_counter()
+        # Callbacks that report every N steps of the model's count (`steps_between_reports`, as TableMetrics)
+        # get their batch callback at those steps, whatever `log_every` is.
+        reports = [r for r in (getattr(c, "steps_between_reports", None) for c in callbacks.callbacks) if r]
         while step < end:
             count = min(self.s.per_execution, end - step)
             callbacks.on_train_batch_begin(step)
@@ -301,9 +314,11 @@ class Loop:
             last = step == end
             try:
                 launched.append((self.runner.launch(count), count))
-                due = self._checkpoint_due(self.global_step + sum(n for _, n in launched), count)
+                launched_to = self.global_step + sum(n for _, n in launched)
+                due = self._checkpoint_due(launched_to, count)
                 every = self.s.log_every
                 collect = step // every > (step - count) // every or last or due or self._awaiting_first is not None
+                collect = collect or any(launched_to // r > (launched_to - count) // r for r in reports)
                 results = self.runner.results(launched) if collect else None
             except Exception:
                 self.global_step += self.runner.completed(launched)  # the launches that completed count

@@ -101,8 +101,8 @@ def fit(
       checkpoint_dir: if set, the model, optimizer and step are checkpointed
         there at the start, at every epoch end, every `checkpoint_every` steps
         and every `checkpoint_secs` seconds, and a rerun restores the latest
-        checkpoint and continues from its step (its own loop also from that
-        input position, see below). Under `MultiWorkerMirroredStrategy`
+        checkpoint and continues from its step and input position (see
+        below). Under `MultiWorkerMirroredStrategy`
         every worker passes the same directory and saves, but only the
         chief's checkpoint lands there (the others write to a scratch
         directory inside it, removed after each save).
@@ -136,12 +136,16 @@ def fit(
 
     Steps are counted exactly: a step counts once, when it completes (also
     when the coordinator runs it again after a worker failure), and a step
-    that fails counts nowhere, `optimizer.iterations` included. In its own
-    loop (parameter servers, multi-worker mirrored), a resumed or recovered
-    run also resumes the input: a dataset function is called with `skip=`
-    (the batches its pipeline already consumed: per worker under parameter
-    servers, `steps / workers`) when it takes that argument, and otherwise
-    its first batches are dropped; a finite Dataset resumes mid-epoch.
+    that fails counts nowhere, `optimizer.iterations` included. A resumed or
+    recovered run also resumes the input: a dataset function is called with
+    `skip=` (the batches its pipeline already consumed: per worker under
+    parameter servers, `steps / workers`) when it takes that argument, and
+    otherwise its first batches are dropped; a finite Dataset resumes at the
+    batch, and in the epoch, where the uninterrupted run would be; an endless
+    Dataset is a stream its caller positions. Where a first run trains with
+    Keras's `model.fit` (default and mirrored strategies), a rerun that finds
+    a checkpoint runs `tfs.fit`'s own replica loop, which does this: it
+    needs `steps_per_epoch` unless the Dataset's length is known.
 
     Returns:
       The `keras.callbacks.History` of the run. Its `initial_step` is the
@@ -179,7 +183,7 @@ def fit(
         _check_saves_together(model)
     strategy = evaluation.strategy_of(model)
     settings.validation = evaluation.validation(model, strategy, validation_data, validation_steps)
-    loop, data = _fit_loop_kind(strategy, dataset, settings)
+    loop, data = _fit_loop_kind(model, strategy, dataset, settings)
     if loop == FitLoop.KERAS:
         return _keras_fit(model, data, settings.epochs, settings.steps_per_epoch, callbacks, checkpoint_dir,
                           settings.checkpoint_every, checkpoint_secs, verbose, validation_data, validation_steps,
@@ -187,10 +191,13 @@ def fit(
     if settings.steps_per_epoch is None and isinstance(dataset, tf.data.Dataset) and loop == FitLoop.REPLICAS:
         settings.steps_per_epoch = int(dataset.cardinality()) if int(dataset.cardinality()) > 0 else None
     if settings.steps_per_epoch is None:
+        keras_loop = family_of(strategy).fit_loop(strategy, 1) == FitLoop.KERAS
+        resuming = keras_loop and checkpoint_dir and tf.train.latest_checkpoint(checkpoint_dir)
+        why = f"to resume at the batch {checkpoint_dir!r} stopped at" if resuming else f"under {type(strategy).__name__}"
         raise ValueError(
-            f"Argument `steps_per_epoch` is required under {type(strategy).__name__} unless the dataset is a "
-            "tf.data.Dataset of known, finite length (parameter-server workers read their own, usually "
-            "repeated, datasets). Received: steps_per_epoch=None"
+            f"Argument `steps_per_epoch` is required {why} unless the dataset is a tf.data.Dataset of known, "
+            "finite length (for example `dataset.apply(tf.data.experimental.assert_cardinality(n))`). "
+            "Received: steps_per_epoch=None"
         )
     return _fit_loop(model, strategy, dataset, callbacks, settings)
 
@@ -210,7 +217,7 @@ def _check_model_and_dataset(model, dataset) -> None:
         )
 
 
-def _fit_loop_kind(strategy, dataset, settings: FitSettings):
+def _fit_loop_kind(model, strategy, dataset, settings: FitSettings):
     """(the loop `tfs.fit` runs, the dataset Keras's `model.fit` reads or None)."""
     family = family_of(strategy)
     loop = family.fit_loop(strategy, settings.per_execution)
@@ -219,7 +226,17 @@ def _fit_loop_kind(strategy, dataset, settings: FitSettings):
         loop = FitLoop.REPLICAS  # Keras 3 fails on ragged or string inputs there: the replica loop runs them
     if loop == FitLoop.KERAS and settings.max_steps is not None and settings.per_execution > 1:
         loop = FitLoop.REPLICAS  # Keras runs whole groups of steps_per_execution steps: it could pass max_steps
+    if loop == FitLoop.KERAS and settings.checkpoint_dir and _continues(model, settings.checkpoint_dir):
+        # model.fit would read its input from the start (and a resumed epoch whole), where the replica loop
+        # reads on from the batch the step count stopped at, as the uninterrupted run did.
+        loop = FitLoop.REPLICAS
     return loop, data
+
+
+def _continues(model, checkpoint_dir: str) -> bool:
+    """Whether a run with checkpoints in `checkpoint_dir` continues one: a checkpoint is there to restore, or
+    the model has trained steps already (which the directory's first checkpoint will hold)."""
+    return bool(tf.train.latest_checkpoint(checkpoint_dir)) or int(model.optimizer.iterations.numpy()) > 0
 
 
 class _StopAt(keras.callbacks.Callback):
@@ -245,16 +262,11 @@ def _keras_fit(model, data, epochs, steps_per_epoch, callbacks, checkpoint_dir, 
     """`model.fit` with tfs.fit's checkpoints, resume and `max_steps`."""
     checkpoints = Checkpoints(model, checkpoint_dir) if checkpoint_dir else None
     callbacks = list(callbacks or [])
-    start = int(model.optimizer.iterations.numpy())
-    initial_epoch, limit = 0, max_steps
+    # A run that continues another with checkpoints runs the replica loop (`_continues`): here a run with
+    # checkpoints starts at step 0, and one without trains its epochs whole, as model.fit does.
+    start, limit = int(model.optimizer.iterations.numpy()), max_steps
     if checkpoints is not None:
         callbacks.append(PeriodicCheckpoint(checkpoints, checkpoint_every, checkpoint_secs))
-        if steps_per_epoch:
-            initial_epoch = min(start // steps_per_epoch, epochs)
-            if start % steps_per_epoch:
-                # Resumed inside an epoch, which Keras runs whole: as in tfs.fit's own loop, the run ends where
-                # the uninterrupted one does.
-                limit = min(limit or epochs * steps_per_epoch, epochs * steps_per_epoch)
     if limit is not None:
         if start >= limit:
             if verbose:
@@ -272,7 +284,6 @@ def _keras_fit(model, data, epochs, steps_per_epoch, callbacks, checkpoint_dir, 
     history = model.fit(
         data,
         epochs=epochs,
-        initial_epoch=initial_epoch,
         steps_per_epoch=steps_per_epoch,
         callbacks=callbacks,
         verbose=verbose,
