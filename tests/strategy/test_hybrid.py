@@ -14,7 +14,8 @@ import tf_sharded as tfs
 from tests.harness.strategies import TableServers, run_multi_worker
 from tests.harness.subprocs import ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=70), pytest.mark.timeout(1000)]  # table servers and worker processes
+# Table servers and worker processes.
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=70), pytest.mark.timeout(1000)]
 
 
 @pytest.fixture(scope="module")

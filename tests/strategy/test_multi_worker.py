@@ -5,7 +5,8 @@ import tensorflow as tf
 
 from tests.harness.strategies import run_multi_worker
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=55), pytest.mark.timeout(1000)]  # clusters of worker processes
+# Clusters of worker processes.
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=55), pytest.mark.timeout(1000)]
 
 WORKER = """
 import json, os, sys

@@ -11,7 +11,8 @@ import tensorflow as tf
 from tests.harness.strategies import TableServers, run_multi_worker
 from tests.harness.subprocs import run_python
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=55), pytest.mark.timeout(1000)]  # worker processes and table servers
+# Worker processes and table servers.
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=55), pytest.mark.timeout(1000)]
 
 CHURN = """
 import functools, os

@@ -16,7 +16,8 @@ import tensorflow as tf
 import tf_sharded as tfs
 from tests.harness.strategies import run_multi_worker, uid
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=200), pytest.mark.timeout(1000)]  # clusters of worker processes
+# Clusters of worker processes.
+pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=200), pytest.mark.timeout(1000)]
 
 WORKER = """
 import functools, os

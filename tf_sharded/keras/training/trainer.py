@@ -193,7 +193,9 @@ def fit(
     if settings.steps_per_epoch is None:
         keras_loop = family_of(strategy).fit_loop(strategy, 1) == FitLoop.KERAS
         resuming = keras_loop and checkpoint_dir and tf.train.latest_checkpoint(checkpoint_dir)
-        why = f"to resume at the batch {checkpoint_dir!r} stopped at" if resuming else f"under {type(strategy).__name__}"
+        why = f"under {type(strategy).__name__}"
+        if resuming:
+            why = f"to resume at the batch {checkpoint_dir!r} stopped at"
         raise ValueError(
             f"Argument `steps_per_epoch` is required {why} unless the dataset is a tf.data.Dataset of known, "
             "finite length (for example `dataset.apply(tf.data.experimental.assert_cardinality(n))`). "
