@@ -2,7 +2,10 @@
 event files (read with TensorBoard's own reader), each checked against counts computed here from the same input
 and the tables' layouts."""
 
+import json
 import os
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -12,6 +15,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 import tf_sharded as tfs
 from tests.harness.strategies import mirrored, ps_strategy
+from tests.harness.subprocs import network, run_python
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -76,6 +80,30 @@ def events(log_dir) -> dict:
     }
 
 
+# Run in the tests' network namespace, where the TensorBoard server listens: waits for it, then prints the
+# scalar series of each tag asked for, as its HTTP API returns them ([[wall time, step, value], ...]).
+QUERY = """
+import json, sys, time, urllib.parse, urllib.request
+base, tags = sys.argv[1], sys.argv[2:]
+deadline = time.monotonic() + 120
+while True:
+    try:
+        runs = json.load(urllib.request.urlopen(base + "/data/plugin/scalars/tags", timeout=5))
+        if runs:
+            break
+    except OSError:
+        pass
+    if time.monotonic() > deadline:
+        sys.exit("tensorboard did not answer in 120 s")
+    time.sleep(0.5)
+out = {"tags": runs, "series": {}, "histograms": json.load(urllib.request.urlopen(base + "/data/plugin/histograms/tags"))}
+for tag in tags:
+    query = urllib.parse.urlencode({"run": ".", "tag": tag})
+    out["series"][tag] = json.load(urllib.request.urlopen(base + "/data/plugin/scalars/scalars?" + query))
+print(json.dumps(out))
+"""
+
+
 class TableMetricsTest(tf.test.TestCase):
     def test_default_strategy_reports_counts_to_logs_and_tensorboard_and_a_resumed_run_continues_its_curves(self):
         data = batches()
@@ -105,6 +133,36 @@ class TableMetricsTest(tf.test.TestCase):
             self.assertEqual(buckets[:, 2].sum(), dynamic.num_shards)
             self.assertLessEqual(buckets[0, 0], per_shard.min())
             self.assertGreaterEqual(buckets[-1, 1], per_shard.max())
+
+    def test_a_tensorboard_server_serves_each_tables_series(self):
+        # A real `tensorboard --logdir` on a loopback port of the tests' network namespace, asked through its
+        # HTTP API (the scalars plugin's), as the dashboard asks it.
+        import portpicker
+
+        data = batches()
+        log_dir = os.path.join(self.get_temp_dir(), "served")
+        model, fixed, dynamic = make_model(tf.distribute.get_strategy())
+        tfs.fit(model, dataset(data), steps_per_epoch=STEPS, verbose=0,
+                callbacks=[tfs.callbacks.TableMetrics(2, log_dir)])  # fmt: skip
+        want = {step: expected(fixed, dynamic, data, step) for step in (2, 4, 6, 8)}
+        port = portpicker.pick_unused_port()
+        server = subprocess.Popen(
+            [sys.executable, "-m", "tensorboard.main", "--logdir", log_dir, "--host", "127.0.0.1", "--port", str(port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=network(),
+        )  # fmt: skip
+        try:
+            proc = run_python(["-c", QUERY, f"http://127.0.0.1:{port}", *want[2]], timeout=180)
+        finally:
+            server.kill()
+            _, err = server.communicate(timeout=30)
+        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:] + err.decode()[-2000:])
+        served = json.loads(proc.stdout.strip().splitlines()[-1])
+        self.assertEqual(sorted(served["tags"]["."]), sorted(want[2]))
+        for tag in want[2]:
+            self.assertEqual([step for _, step, _ in served["series"][tag]], [2, 4, 6, 8], tag)
+            for _, step, value in served["series"][tag]:
+                self.assertAllClose(value, want[step][tag], rtol=1e-6, msg=f"{tag} at step {step}")
+        self.assertEqual(sorted(served["histograms"]["."]), [f"tables/{t.name}/shard_rows" for t in (dynamic, fixed)])
 
     def test_keras_model_fit_reports_under_mirrored_with_the_fixed_table_sharded_over_the_replicas(self):
         data = batches(1)
