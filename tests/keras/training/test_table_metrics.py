@@ -96,7 +96,8 @@ while True:
     if time.monotonic() > deadline:
         sys.exit("tensorboard did not answer in 120 s")
     time.sleep(0.5)
-out = {"tags": runs, "series": {}, "histograms": json.load(urllib.request.urlopen(base + "/data/plugin/histograms/tags"))}
+histograms = json.load(urllib.request.urlopen(base + "/data/plugin/histograms/tags"))
+out = {"tags": runs, "series": {}, "histograms": histograms}
 for tag in tags:
     query = urllib.parse.urlencode({"run": ".", "tag": tag})
     out["series"][tag] = json.load(urllib.request.urlopen(base + "/data/plugin/scalars/scalars?" + query))
