@@ -71,7 +71,7 @@ class ApplicationTest(tf.test.TestCase):
         # Tables sharded over the replicas: 2 CPU replicas; the one worker of a multi-worker run without TF_CONFIG.
         sharded = {
             "mirrored": ["--cpu_replicas", "2", "--placement", "sharded"],
-            "multi_worker": ["--placement", "sharded"],
+            "multi_worker": ["--placement", "sharded", "--notable_metrics"],  # and no TensorBoard summaries
             "hybrid": ["--num_ps", "1"],  # and 2 workers, the second started by the first
         }
         commands = [
@@ -92,6 +92,8 @@ class ApplicationTest(tf.test.TestCase):
                 self.assertIn("mirrored (2 replicas on CPU devices)", line)
             self.assertIn("4 steps", line)
             self.metrics_are_those_of_the_saved_model(proc, model, ckpt)
+            # The table metrics' summaries go to <checkpoint_dir>/logs, unless --notable_metrics.
+            self.assertEqual(os.path.isdir(os.path.join(ckpt, "logs")), strategy != "multi_worker", strategy)
 
     def metrics_are_those_of_the_saved_model(self, proc, model_name, ckpt):
         """The printed AUC and log-loss, recomputed here from the checkpoint on the same held-out batches."""

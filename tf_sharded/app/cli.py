@@ -123,6 +123,13 @@ def define_flags(values: flags.FlagValues) -> None:
     flags.DEFINE_integer(
         "metrics_every", 100, "Steps between two reports of the tables' metrics.", lower_bound=1, flag_values=values
     )
+    flags.DEFINE_boolean(
+        "table_metrics",
+        True,
+        "Report the tables' metrics and write the TensorBoard summaries (tfs.callbacks.TableMetrics); "
+        "--notable_metrics trains without them.",
+        flag_values=values,
+    )
     flags.DEFINE_integer(
         "eval_steps", 20, "Held-out batches for the reported metrics.", lower_bound=1, flag_values=values
     )
@@ -430,7 +437,9 @@ def _train(args, strategy, description, workers) -> int:
         verbose=args.verbose,
         log_every=10,
         max_steps=args.steps,
-        callbacks=[tfs.callbacks.TableMetrics(args.metrics_every, inputs.log_dir(args), write_logs=True)],
+        callbacks=[tfs.callbacks.TableMetrics(args.metrics_every, inputs.log_dir(args), write_logs=True)]
+        if args.table_metrics
+        else [],
     )
     elapsed = time.perf_counter() - start
     trained = tfs.training.steps_done(model) - history.initial_step

@@ -16,6 +16,7 @@ BENCHMARKS = {
     "plan": ("tf_sharded.benchmarks.plan", "B11: tfs.plan's choices against the measured options, its constants"),
     "sharded": ("tf_sharded.benchmarks.sharded", "B12: tables sharded over the replicas vs mirrored copies"),
     "hybrid": ("tf_sharded.benchmarks.hybrid", "B13: hybrid training vs multi-worker mirrored and parameter servers"),
+    "metrics": ("tf_sharded.benchmarks.table_metrics", "B14: application samples/s with table metrics and without"),
 }
 # Benchmarks that pick their own cluster (or none): run once, whatever --mode says.
-SINGLE_RUN = ("exchange", "memory", "e2e", "recovery", "quantize", "mwprofile", "sharded", "hybrid")
+SINGLE_RUN = ("exchange", "memory", "e2e", "recovery", "quantize", "mwprofile", "sharded", "hybrid", "metrics")

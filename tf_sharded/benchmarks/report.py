@@ -93,7 +93,9 @@ How to read the ratios (each benchmark's module docstring, `tf_sharded/benchmark
   ids over the faster one's.
 * **B13** (`bench hybrid`): `hybrid / this` is hybrid training's samples/s over this strategy's (goal at
   least 1.3 against the multi-worker mirrored runs); AUC differences are hybrid's minus this run's (goal
-  within 0.005 of the synchronous runs, and at least 0 against the parameter servers')."""
+  within 0.005 of the synchronous runs, and at least 0 against the parameter servers').
+* **B14** (`bench metrics`): `with / without` is the median samples/s of the application's runs with
+  `TableMetrics` reporting every 100 steps over that of its runs without (goal at least 0.97)."""
 
 
 class ReportError(Exception):
@@ -563,6 +565,22 @@ def _hybrid(report: Dict) -> List[str]:
     )
 
 
+def _metrics(report: Dict) -> List[str]:
+    lines = _para(
+        f"The application (`python -m tf_sharded train`, DLRM, 26 tables), {report['steps']:,} steps, max vocabulary "
+        f"{report['max_vocab']:,}: with `TableMetrics` reporting every {report['every']} steps to a log directory, "
+        "and with `--notable_metrics`, the runs alternating:"
+    )
+    lines += _table(
+        "strategy | with (samples/s, each run) | without (each run) | with / without (medians)",
+        ([f"`{name}`", ", ".join(f"{v:,.0f}" for v in r["with_samples_per_s"]),
+          ", ".join(f"{v:,.0f}" for v in r["without_samples_per_s"]), f"{r['with_vs_without']:.3f}"]
+         for name, r in report["results"].items()),
+    )  # fmt: skip
+    met = "met" if report["goals"]["at_most_3_percent_slower"] else "**not met**"
+    return lines + _para(f"Goal: with / without at least 0.97 under every strategy: {met}.")
+
+
 def _dynamic_churn(report: Dict) -> List[str]:
     r = report["results"][0]
     lines = _para(
@@ -605,6 +623,7 @@ RENDERERS: Dict[str, Callable[[Dict], List[str]]] = {
     "plan": _plan,
     "sharded": _sharded,
     "hybrid": _hybrid,
+    "metrics": _metrics,
 }
 
 

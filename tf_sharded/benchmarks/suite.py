@@ -268,6 +268,20 @@ def _plot(name: str, reports: List[Dict], out: str) -> str:
         b.bar(range(len(runs)), [r["auc"] for r in runs.values()])
         b.set_xticks(range(len(runs)), names, fontsize=7)
         b.set(ylim=(0.5, 1.0), ylabel="held-out AUC")
+    elif name == "metrics":
+        fig, ax = plt.subplots(figsize=(6, 4))
+        results = reports[0]["results"]
+        for i, r in enumerate(results.values()):
+            sides = ((-0.2, "with_samples_per_s", "TableMetrics"), (0.2, "without_samples_per_s", "without"))
+            for offset, key, label in sides:
+                ax.scatter([i + offset] * len(r[key]), r[key], color="tab:orange" if offset < 0 else "tab:blue",
+                           label=label if i == 0 else None)  # fmt: skip
+            ax.annotate(f"{r['with_vs_without']:.3f}", (i, max(r["without_samples_per_s"] + r["with_samples_per_s"])),
+                        ha="center", xytext=(0, 6), textcoords="offset points")  # fmt: skip
+        ax.set_xticks(range(len(results)), list(results))
+        ax.set(ylabel="samples/s (each run)", ylim=(0, None),
+               title=f"B14: metrics every {reports[0]['every']} steps (with / without)")  # fmt: skip
+        ax.legend(fontsize=8, loc="lower right")
     elif name == "quantize":
         fig, (a, b) = plt.subplots(1, 2, figsize=(9, 4))
         rows = reports[0]["results"]
