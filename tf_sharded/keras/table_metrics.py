@@ -135,7 +135,7 @@ class TableMetrics(keras.callbacks.Callback):
         self.every = positive_int("every", every)
         self.log_dir = None if log_dir is None else _writable(log_dir)
         self.write_logs = bool(write_logs)
-        self._writer = self._write = None
+        self._writer = None
         self._step = self._reported = 0
         self._latest: Dict[str, float] = {}
 
@@ -188,7 +188,7 @@ class TableMetrics(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         if self._writer is not None:
             self._writer.close()
-            self._writer = self._write = None
+            self._writer = None
 
     def _report(self, logs) -> None:
         reports = self.read()
@@ -197,31 +197,28 @@ class TableMetrics(keras.callbacks.Callback):
             logs.update(self._latest)
         if self._writer is None:
             return
-        shards = {f"{PREFIX}/{name}/shard_rows": report["shard_rows"] for name, report in reports.items()}
-        histograms = {tag: tf.constant(rows, tf.float64) for tag, rows in shards.items()}
-        scalars = {name: tf.constant(value, tf.float32) for name, value in self._latest.items()}
-        self._summaries()(tf.constant(self._step, tf.int64), scalars, histograms)
+        self._write_summaries(reports)
         if self.write_logs and logs:
             self._write_logs("train", logs)
         self._writer.flush()
 
-    def _summaries(self):
-        """One function writing a report's summaries (a table's tags and shard counts stay the same from report
-        to report, so it is traced once): one dispatch per report, where eager summary ops took one each, a
-        histogram several milliseconds."""
-        if self._write is None:
-            writer = self._writer
+    def _write_summaries(self, reports) -> None:
+        """The report's scalars and shard histograms as one serialized `Summary`, written by one op: eager
+        summary ops took one dispatch each (a histogram several milliseconds), and a traced function is
+        instantiated across the cluster under parameter servers. The protos are TensorBoard's own, built by
+        its summary functions (`tf.summary` needs the `tensorboard` package too)."""
+        from tensorboard.compat.proto import summary_pb2
+        from tensorboard.plugins.histogram.summary_v2 import histogram_pb
+        from tensorboard.plugins.scalar.summary_v2 import scalar_pb
 
-            @tf.function
-            def write(step, scalars, histograms):
-                with writer.as_default(step=step):
-                    for name, value in scalars.items():
-                        tf.summary.scalar(name, value)
-                    for name, value in histograms.items():
-                        tf.summary.histogram(name, value)
-
-            self._write = write
-        return self._write
+        summary = summary_pb2.Summary()
+        for name, value in self._latest.items():
+            summary.value.extend(scalar_pb(name, np.float32(value)).value)
+        for name, report in reports.items():
+            rows = np.asarray(report["shard_rows"], np.float64)
+            summary.value.extend(histogram_pb(f"{PREFIX}/{name}/shard_rows", rows).value)
+        with self._writer.as_default(step=self._step):
+            tf.summary.experimental.write_raw_pb(summary.SerializeToString())
 
     def _write_logs(self, group: str, logs) -> None:
         """The numbers of Keras `logs` (not the tables' own entries) as `group/<name>` at the current step."""
