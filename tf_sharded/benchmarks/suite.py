@@ -279,7 +279,8 @@ def _plot(name: str, reports: List[Dict], out: str) -> str:
             ax.annotate(f"{r['with_vs_without']:.3f}", (i, max(r["without_samples_per_s"] + r["with_samples_per_s"])),
                         ha="center", xytext=(0, 6), textcoords="offset points")  # fmt: skip
         ax.set_xticks(range(len(results)), list(results))
-        ax.set(ylabel="samples/s (each run)", ylim=(0, None),
+        top = max(max(r["with_samples_per_s"] + r["without_samples_per_s"]) for r in results.values())
+        ax.set(ylabel="samples/s (each run)", ylim=(0, 1.15 * top),
                title=f"B14: metrics every {reports[0]['every']} steps (with / without)")  # fmt: skip
         ax.legend(fontsize=8, loc="lower right")
     elif name == "quantize":
