@@ -9,8 +9,9 @@ from tests.harness.strategies import run_multi_worker
 pytestmark = [pytest.mark.slow, pytest.mark.processes(cost=55), pytest.mark.timeout(1000)]
 
 WORKER = """
-import json, os, sys
+import glob, json, os, sys, tempfile
 import numpy as np, tensorflow as tf, keras
+from tensorboard.backend.event_processing import event_accumulator
 import tf_sharded as tfs
 from tests.harness.steps import squared_norm_step
 
@@ -60,8 +61,20 @@ with strategy.scope():
     model, emb = fit_model()
 table0 = emb.embeddings.numpy()
 data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
-history = tfs.fit(model, data, epochs=2, verbose=0, validation_data=data)
+# Each worker reports the table's metrics to its logs; only the chief writes summaries (here each worker is
+# given a directory of its own, to tell who wrote).
+log_dir = tempfile.mkdtemp()
+history = tfs.fit(model, data, epochs=2, verbose=0, validation_data=data,
+                  callbacks=[tfs.callbacks.TableMetrics(2, log_dir)])  # fmt: skip
 assert len(history.history["val_loss"]) == 2, history.history
+assert history.history[f"tables/{emb.embeddings.name}/rows"] == [rows, rows], history.history
+written = glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))
+steps = []
+if written:
+    events = event_accumulator.EventAccumulator(log_dir, size_guidance={event_accumulator.TENSORS: 0})
+    events.Reload()
+    steps = [e.step for e in events.Tensors(f"tables/{emb.embeddings.name}/rows")]
+print(f"worker {os.environ['TASK']} summary files {len(written)} at steps {steps}", flush=True)
 single, single_emb = fit_model(table0)
 single.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
 err = float(np.abs(emb.embeddings.numpy() - single_emb.embeddings.numpy()).max())
@@ -251,6 +264,9 @@ class MultiWorkerMirroredTest(tf.test.TestCase):
             self.assertIn("MWMS OK", out)
             self.assertIn("auto/host", out)
             self.assertIn("tfs.fit max error", out)
+        chief, other = (out for _, out, _ in outputs)
+        self.assertIn("worker 0 summary files 1 at steps [2, 4, 6, 8]", chief)
+        self.assertIn("worker 1 summary files 0 at steps []", other)
 
     def test_tables_sharded_over_two_workers_match_one_device(self):
         outputs = run_multi_worker(SHARDED_WORKER % (self.get_temp_dir(), 1), num_workers=2)
