@@ -527,8 +527,31 @@ def inspect_checkpoint(path: str) -> int:
         table = name.rsplit("/", 1)[-1].removeprefix("tables_")
         print(f"{name:70s} {keys:>10,} live keys x {dim:<4d} {key_dtype:8s} {size / 2**20:10.2f} MiB  dynamic table"
               f"; {_describe_bounds(bounds.get(table, {}))}")  # fmt: skip
+        print(f"    {_describe_counters(reader, name + '/.ATTRIBUTES/', shapes)}")
     print(f"{len(rows)} variables, {len(dynamic)} dynamic tables, {total / 2**20:.1f} MiB")
     return 0
+
+
+def _describe_counters(reader, prefix: str, shapes: dict) -> str:
+    """What a dynamic table's checkpoint holds of the counters its policies read: the table's step, each live
+    key's hits (its occurrences in training batches since it got a row) and last-seen step, and the admission
+    sketch (occurrences of keys not yet admitted, per counter)."""
+    step = int(reader.get_tensor(prefix + "step")) if prefix + "step" in shapes else None
+    hits = reader.get_tensor(prefix + "hits") if prefix + "hits" in shapes else None
+    seen = reader.get_tensor(prefix + "seen") if prefix + "seen" in shapes else None
+    said = [f"step {step:,}" if step is not None else "step not saved"]
+    if hits is not None and hits.size:
+        said.append(f"{int(hits.sum()):,} hits ({hits.mean():.1f} per live key)")
+    if seen is not None and seen.size and step is not None:
+        window = max(step // 10, 1)
+        recent = int((seen > step - window).sum())
+        said.append(f"{recent:,} keys seen in the last {window:,} steps, the least recent at step {int(seen.min()):,}")
+    if prefix + "sketch" in shapes:
+        sketch = reader.get_tensor(prefix + "sketch")
+        depth, width = sketch.shape
+        said.append(f"admission sketch {depth} x {width:,}, {int((sketch > 0).sum()):,} counters in use, "
+                    f"the fullest at {int(sketch.max()):,}")  # fmt: skip
+    return "; ".join(said)
 
 
 def _saved_bounds(directory: str) -> dict:
