@@ -42,8 +42,8 @@ def expected(batches) -> dict:
 def test_inspect_reports_the_step_hits_recency_and_admission_sketch_a_checkpoint_holds(tmp_path):
     batches = key_batches()
     keys = keras.Input((2,), dtype="int64")
-    table = tfs.layers.DynamicEmbedding(4, combiner="sum", seed=0, name="clicks",
-                                        admission=tfs.policies.MinCountAdmission(MIN_COUNT, sketch_width=4096))  # fmt: skip
+    admission = tfs.policies.MinCountAdmission(MIN_COUNT, sketch_width=4096)
+    table = tfs.layers.DynamicEmbedding(4, combiner="sum", seed=0, name="clicks", admission=admission)
     model = keras.Model(keys, keras.layers.Dense(1)(table(keys)))
     model.compile(optimizer=tfs.optimizers.Adagrad(0.1), loss="mse")
     data = tf.data.Dataset.from_tensor_slices((np.stack(batches), np.ones([STEPS, BATCH, 1], np.float32)))
