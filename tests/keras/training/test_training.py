@@ -163,15 +163,18 @@ class FitTest(tf.test.TestCase):
         # with the same Dataset: it goes on from the batch and epoch where it stopped, and ends equal to Keras's
         # uninterrupted model.fit. Epochs of the whole Dataset (6 batches), and epochs of 4 steps, in which
         # Keras reads on through the Dataset, ends an epoch early where it runs out, and starts it over.
-        for per_epoch, stop_at, steps, epochs_left in ((None, 8, 18, 2), (4, 6, 10, 1), (4, 9, 10, 1)):
-            with self.subTest(steps_per_epoch=per_epoch, stopped_at=stop_at):
-                directory = os.path.join(self.get_temp_dir(), f"finite_{per_epoch}_{stop_at}")
+        # The input as a Dataset, and as a function returning it (Keras reads the function's Dataset).
+        cases = [(None, 8, 18, 2, False), (4, 6, 10, 1, False), (4, 9, 10, 1, False), (None, 8, 18, 2, True)]
+        for per_epoch, stop_at, steps, epochs_left, function in cases:
+            with self.subTest(steps_per_epoch=per_epoch, stopped_at=stop_at, function=function):
+                directory = os.path.join(self.get_temp_dir(), f"finite_{per_epoch}_{stop_at}_{function}")
+                source = (lambda context: data()) if function else data()
                 first, twin = model_and_twin()
-                tfs.fit(first, data(), epochs=3, steps_per_epoch=per_epoch, max_steps=stop_at,
+                tfs.fit(first, source, epochs=3, steps_per_epoch=per_epoch, max_steps=stop_at,
                         checkpoint_dir=directory, verbose=0)  # fmt: skip
                 self.assertEqual(tfs.training.steps_done(first), stop_at)
                 again, _ = model_and_twin()
-                history = tfs.fit(again, data(), epochs=3, steps_per_epoch=per_epoch, checkpoint_dir=directory,
+                history = tfs.fit(again, source, epochs=3, steps_per_epoch=per_epoch, checkpoint_dir=directory,
                                   verbose=0)  # fmt: skip
                 self.assertEqual((tfs.training.steps_done(again), history.initial_step), (steps, stop_at))
                 with warnings.catch_warnings():
@@ -182,13 +185,28 @@ class FitTest(tf.test.TestCase):
                 # The rerun's epochs: the one it resumed inside (or at the start of), and those after it.
                 self.assertLen(history.history["loss"], epochs_left)
 
+        # The same model trained on by a second call (a callback of the first left Keras's stop flag set).
+        same, twin = model_and_twin()
+        directory = os.path.join(self.get_temp_dir(), "same_model")
+        tfs.fit(same, data(), epochs=3, max_steps=8, checkpoint_dir=directory, verbose=0)
+        history = tfs.fit(same, data(), epochs=3, checkpoint_dir=directory, verbose=0)
+        self.assertEqual((tfs.training.steps_done(same), history.initial_step), (18, 8))
+        twin.fit(data(), epochs=3, verbose=0, shuffle=False)
+        self.assertAllClose(ours_table(same), table_of(twin), atol=1e-6)
+
         # Without steps_per_epoch, a Dataset of unknown length cannot be positioned: a clear error, nothing run.
-        directory = os.path.join(self.get_temp_dir(), "finite_None_8")
-        unknown = data().filter(lambda x, y: True)
+        directory = os.path.join(self.get_temp_dir(), "unknown_length")
+        first, _ = model_and_twin()
+        tfs.fit(first, data().repeat(), epochs=3, steps_per_epoch=6, max_steps=8, checkpoint_dir=directory, verbose=0)
         again, _ = model_and_twin()
-        with self.assertRaisesRegex(ValueError, "steps_per_epoch` is required to resume at the batch"):
-            tfs.fit(again, unknown, epochs=3, checkpoint_dir=directory, verbose=0)
+        with self.assertRaisesRegex(ValueError, "steps_per_epoch` is required to resume from .* of unknown length"):
+            tfs.fit(again, data().filter(lambda x, y: True), epochs=3, checkpoint_dir=directory, verbose=0)
         self.assertEqual(int(again.optimizer.iterations.numpy()), 0)
+        # With it, model.fit resumes in the checkpoint's epoch, on a stream its caller positions.
+        unknown = data().repeat().filter(lambda x, y: True).skip(8)
+        history = tfs.fit(again, unknown, epochs=3, steps_per_epoch=6, checkpoint_dir=directory, verbose=0)
+        self.assertEqual((tfs.training.steps_done(again), history.initial_step), (18, 8))
+        self.assertAllClose(ours_table(again), table_of(twin), atol=1e-6)
 
     def test_max_steps_with_steps_per_execution_runs_exactly_that_many(self):
         # Keras would run whole groups of 4 (8 steps); tfs.fit's replica loop runs 4 + 2.
@@ -279,7 +297,8 @@ class FitTest(tf.test.TestCase):
                 variant(optimizer=tfs.optimizers.Adagrad(0.2)),
                 "optimizer/table_slots_0_accumulator (table 'emb/accumulator'): in the model, not in the checkpoint",
             ),
-            # tfs.fit's own loop (it builds the optimizer before it restores), not Keras's model.fit.
+            # The cases above run Keras's model.fit (an endless stream: a rerun resumes it there); this one
+            # tfs.fit's own loop (it builds the optimizer before it restores).
             "another layer, tfs.fit's loop": (
                 variant(hidden=True, per_execution=2),
                 "optimizer/_trainable_variables/0 (variable 'hidden/kernel'): shape [4, 1] in the checkpoint, "
@@ -289,7 +308,8 @@ class FitTest(tf.test.TestCase):
         for case, (model, difference) in cases.items():
             before = [w.numpy().copy() for w in model.weights]
             with self.assertRaises(tfs.training.CheckpointMismatchError, msg=case) as caught:
-                tfs.fit(model, data(), epochs=3, steps_per_epoch=6, max_steps=18, checkpoint_dir=directory, verbose=0)
+                tfs.fit(model, data().repeat(), epochs=3, steps_per_epoch=6, max_steps=18, checkpoint_dir=directory,
+                        verbose=0)  # fmt: skip
             self.assertIsInstance(caught.exception, ValueError)
             self.assertEqual(caught.exception.path, latest)
             self.assertIn(difference, caught.exception.differences, case)

@@ -274,6 +274,7 @@ class Loop:
 
     def run(self, callbacks, history) -> None:
         epochs, total = self.s.epochs, self.epoch_starts[-1]
+        self.model.stop_training = False  # as in model.fit: a flag an earlier run's callback left is not this run's
         callbacks.on_train_begin()
         logs = {}
         if not self._more() and self.s.verbose:
@@ -337,6 +338,8 @@ class Loop:
                 bar.update(step, [*logs.items(), ("samples/s", rate)], finalize=False)
             if due:
                 self.save()
+            if getattr(self.model, "stop_training", False):
+                break  # a callback stopped training: this epoch ends here, as in model.fit
         logs = {name: float(value) for name, value in self.model.get_metrics_result().items()}
         logs["samples_per_second"] = samples / max(time.perf_counter() - start, 1e-9)
         if self.s.validation is not None:

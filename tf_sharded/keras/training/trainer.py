@@ -140,12 +140,16 @@ def fit(
     recovered run also resumes the input: a dataset function is called with
     `skip=` (the batches its pipeline already consumed: per worker under
     parameter servers, `steps / workers`) when it takes that argument, and
-    otherwise its first batches are dropped; a finite Dataset resumes at the
-    batch, and in the epoch, where the uninterrupted run would be; an endless
-    Dataset is a stream its caller positions. Where a first run trains with
-    Keras's `model.fit` (default and mirrored strategies), a rerun that finds
-    a checkpoint runs `tfs.fit`'s own replica loop, which does this: it
-    needs `steps_per_epoch` unless the Dataset's length is known.
+    otherwise its first batches are dropped; a Dataset of known length
+    resumes at the batch, and in the epoch, where the uninterrupted run
+    would be; an endless Dataset (or one of unknown length) is a stream its
+    caller positions. Where a first run trains with Keras's `model.fit`
+    (default and mirrored strategies), a rerun that finds a checkpoint runs
+    `tfs.fit`'s own replica loop where it can position the input this way (a
+    Dataset of known length, or a function of an endless one with
+    `steps_per_epoch`; with `steps_per_execution` 1), else `model.fit` from
+    the checkpoint's epoch; a Dataset of unknown length then needs
+    `steps_per_epoch`.
 
     Returns:
       The `keras.callbacks.History` of the run. Its `initial_step` is the
@@ -183,23 +187,18 @@ def fit(
         _check_saves_together(model)
     strategy = evaluation.strategy_of(model)
     settings.validation = evaluation.validation(model, strategy, validation_data, validation_steps)
-    loop, data = _fit_loop_kind(model, strategy, dataset, settings)
+    loop, dataset = _fit_loop_kind(model, strategy, dataset, settings)
     if loop == FitLoop.KERAS:
-        return _keras_fit(model, data, settings.epochs, settings.steps_per_epoch, callbacks, checkpoint_dir,
+        return _keras_fit(model, dataset, settings.epochs, settings.steps_per_epoch, callbacks, checkpoint_dir,
                           settings.checkpoint_every, checkpoint_secs, verbose, validation_data, validation_steps,
                           settings.max_steps)  # fmt: skip
     if settings.steps_per_epoch is None and isinstance(dataset, tf.data.Dataset) and loop == FitLoop.REPLICAS:
         settings.steps_per_epoch = int(dataset.cardinality()) if int(dataset.cardinality()) > 0 else None
     if settings.steps_per_epoch is None:
-        keras_loop = family_of(strategy).fit_loop(strategy, 1) == FitLoop.KERAS
-        resuming = keras_loop and checkpoint_dir and tf.train.latest_checkpoint(checkpoint_dir)
-        why = f"under {type(strategy).__name__}"
-        if resuming:
-            why = f"to resume at the batch {checkpoint_dir!r} stopped at"
         raise ValueError(
-            f"Argument `steps_per_epoch` is required {why} unless the dataset is a tf.data.Dataset of known, "
-            "finite length (for example `dataset.apply(tf.data.experimental.assert_cardinality(n))`). "
-            "Received: steps_per_epoch=None"
+            f"Argument `steps_per_epoch` is required under {type(strategy).__name__} unless the dataset is a "
+            "tf.data.Dataset of known, finite length (parameter-server workers read their own, usually "
+            "repeated, datasets). Received: steps_per_epoch=None"
         )
     return _fit_loop(model, strategy, dataset, callbacks, settings)
 
@@ -220,25 +219,56 @@ def _check_model_and_dataset(model, dataset) -> None:
 
 
 def _fit_loop_kind(model, strategy, dataset, settings: FitSettings):
-    """(the loop `tfs.fit` runs, the dataset Keras's `model.fit` reads or None)."""
+    """(the loop `tfs.fit` runs, its input: for Keras's `model.fit`, the Dataset it reads)."""
     family = family_of(strategy)
     loop = family.fit_loop(strategy, settings.per_execution)
-    data = evaluation.as_dataset(dataset) if loop == FitLoop.KERAS else None
-    if loop == FitLoop.KERAS and family.mirrors_tables and evaluation.keras_fails_on(data):
-        loop = FitLoop.REPLICAS  # Keras 3 fails on ragged or string inputs there: the replica loop runs them
-    if loop == FitLoop.KERAS and settings.max_steps is not None and settings.per_execution > 1:
-        loop = FitLoop.REPLICAS  # Keras runs whole groups of steps_per_execution steps: it could pass max_steps
-    if loop == FitLoop.KERAS and settings.checkpoint_dir and _continues(model, settings.checkpoint_dir):
+    if loop != FitLoop.KERAS:
+        return loop, dataset
+    data = evaluation.as_dataset(dataset)
+    if family.mirrors_tables and evaluation.keras_fails_on(data):
+        return FitLoop.REPLICAS, dataset  # Keras 3 fails on ragged or string inputs there: the replica loop runs them
+    if settings.max_steps is not None and settings.per_execution > 1:
+        return FitLoop.REPLICAS, dataset  # Keras runs whole groups of steps_per_execution steps: past max_steps
+    if settings.checkpoint_dir and settings.per_execution == 1 and _continues(model, settings.checkpoint_dir):
         # model.fit would read its input from the start (and a resumed epoch whole), where the replica loop
-        # reads on from the batch the step count stopped at, as the uninterrupted run did.
-        loop = FitLoop.REPLICAS
-    return loop, data
+        # reads on from the batch the uninterrupted run would be at, wherever it can position the input.
+        resumable = _resumable_input(dataset, data, settings.steps_per_epoch, settings.checkpoint_dir)
+        if resumable is not None:
+            return FitLoop.REPLICAS, resumable
+    return FitLoop.KERAS, data
 
 
 def _continues(model, checkpoint_dir: str) -> bool:
     """Whether a run with checkpoints in `checkpoint_dir` continues one: a checkpoint is there to restore, or
     the model has trained steps already (which the directory's first checkpoint will hold)."""
     return bool(tf.train.latest_checkpoint(checkpoint_dir)) or int(model.optimizer.iterations.numpy()) > 0
+
+
+def _resumable_input(dataset, data, steps_per_epoch, checkpoint_dir):
+    """The input of a rerun's replica loop, or None where model.fit resumes as well (from the epoch the
+    checkpoint is in, its input from the start: an endless Dataset, a stream its caller positions, or one of
+    unknown length with `steps_per_epoch`):
+
+    * a Dataset of known length (or a function's): positioned at each epoch as model.fit reads it;
+    * a function of an endless Dataset, with `steps_per_epoch`: called with the batches consumed to skip
+      (model.fit reads such a stream on from epoch to epoch).
+
+    A Dataset of unknown length without `steps_per_epoch` is refused: neither the epoch nor the batch the
+    checkpoint stopped at can be found (model.fit would train every epoch again).
+    """
+    size = int(data.cardinality())
+    if size > 0:
+        return data
+    if callable(dataset) and size == tf.data.INFINITE_CARDINALITY and steps_per_epoch:
+        return dataset
+    if size == tf.data.UNKNOWN_CARDINALITY and steps_per_epoch is None:
+        raise ValueError(
+            f"Argument `steps_per_epoch` is required to resume from {checkpoint_dir!r} on a dataset of unknown "
+            "length: without it neither the epoch nor the batch the checkpoint stopped at can be found (or "
+            "give the length: `dataset.apply(tf.data.experimental.assert_cardinality(n))`). Received: "
+            "steps_per_epoch=None"
+        )
+    return None
 
 
 class _StopAt(keras.callbacks.Callback):
@@ -261,14 +291,20 @@ class _StopAt(keras.callbacks.Callback):
 
 def _keras_fit(model, data, epochs, steps_per_epoch, callbacks, checkpoint_dir, checkpoint_every, checkpoint_secs,
                verbose, validation_data, validation_steps, max_steps) -> keras.callbacks.History:  # fmt: skip
-    """`model.fit` with tfs.fit's checkpoints, resume and `max_steps`."""
+    """`model.fit` with tfs.fit's checkpoints, resume (of an input the replica loop cannot position,
+    `_resumable_input`: from the epoch the checkpoint is in) and `max_steps`."""
     checkpoints = Checkpoints(model, checkpoint_dir) if checkpoint_dir else None
     callbacks = list(callbacks or [])
-    # A run that continues another with checkpoints runs the replica loop (`_continues`): here a run with
-    # checkpoints starts at step 0, and one without trains its epochs whole, as model.fit does.
-    start, limit = int(model.optimizer.iterations.numpy()), max_steps
+    start = int(model.optimizer.iterations.numpy())
+    initial_epoch, limit = 0, max_steps
     if checkpoints is not None:
         callbacks.append(PeriodicCheckpoint(checkpoints, checkpoint_every, checkpoint_secs))
+        if steps_per_epoch:
+            initial_epoch = min(start // steps_per_epoch, epochs)
+            if start % steps_per_epoch:
+                # Resumed inside an epoch, which Keras runs whole: as in tfs.fit's own loop, the run ends where
+                # the uninterrupted one does.
+                limit = min(limit or epochs * steps_per_epoch, epochs * steps_per_epoch)
     if limit is not None:
         if start >= limit:
             if verbose:
@@ -286,6 +322,7 @@ def _keras_fit(model, data, epochs, steps_per_epoch, callbacks, checkpoint_dir, 
     history = model.fit(
         data,
         epochs=epochs,
+        initial_epoch=initial_epoch,
         steps_per_epoch=steps_per_epoch,
         callbacks=callbacks,
         verbose=verbose,
