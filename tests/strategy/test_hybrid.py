@@ -332,8 +332,13 @@ from tf_sharded.table.dynamic.keys import shard_of_keys
 live = single_emb.table.export()[0]
 per_shard = np.bincount(shard_of_keys(live, emb.table.num_shards).numpy(), minlength=emb.table.num_shards)
 reported = {k.split("/")[-1]: v[-1] for k, v in history.history.items() if k.startswith(f"tables/{emb.table.name}/")}
+# The last report counts the second epoch's lookups (steps 5 to 8): the same ids again, every key present.
+looked = np.bincount(shard_of_keys(x.ravel(), emb.table.num_shards).numpy(), minlength=emb.table.num_shards)
 assert reported == {"rows": len(live), "bytes": len(live) * 4 * 4 * 2,
-                    "shard_load": per_shard.max() / per_shard.mean()}, reported
+                    "shard_load": per_shard.max() / per_shard.mean(), "admitted": 0, "rejected": 0,
+                    "evicted": 0, "hit_rate": 1.0, "lookup_load": looked.max() / looked.mean()}, reported
+first = {k.split("/")[-1]: v[0] for k, v in history.history.items() if k.startswith(f"tables/{emb.table.name}/")}
+assert first["admitted"] == len(live) and first["rejected"] == first["evicted"] == 0, first
 want = single.evaluate(x, y, batch_size=8, verbose=0)
 assert abs(tfs.evaluate(model, data) - want) < 1e-5 and abs(history.history["val_loss"][-1] - want) < 1e-5
 assert np.allclose(tfs.predict(model, data), single.predict(x, batch_size=8, verbose=0), atol=1e-5)

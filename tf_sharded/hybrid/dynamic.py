@@ -47,7 +47,7 @@ from tf_sharded.hybrid.table import (
 )
 from tf_sharded.table import registry
 from tf_sharded.table.dynamic.keys import shard_of_keys
-from tf_sharded.table.dynamic.pool import GROWTH
+from tf_sharded.table.dynamic.pool import EVENTS, GROWTH
 from tf_sharded.table.dynamic.slots import DynamicSlot
 from tf_sharded.table.dynamic.table import DYNAMIC, DynamicTable
 from tf_sharded.table.norms import clip_rows
@@ -128,17 +128,19 @@ class ServedDynamicTable(Served, DynamicTable):
             return self.servers.call_many(requests)
 
     def _exports(self, columns: Sequence[str], since_step: Optional[int]) -> list:
-        """Per shard: `(keys, rows, {column: values}, seen, hits, step, size, sketch or None, index buckets)`."""
+        """Per shard: `(keys, rows, {column: values}, seen, hits, step, size, sketch or None, index buckets,
+        events)`."""
         text = tf.constant(json.dumps({"columns": list(columns), "since_step": since_step}))
         spec = (calls.KEYS[self._kind], calls.FLAT, calls.INTS)
         out = []
         for keys, floats, ints in self._call_each("export", lambda s: [text], spec):
             n = int(keys.shape[0])
             parts = tf.split(tf.reshape(floats, [-1, self._dim]), [n] * (1 + len(columns)))
-            seen, hits, sketch = ints[:n], ints[n : 2 * n], ints[2 * n + 3 :]
+            counted = 2 * n + 3 + len(EVENTS)
+            seen, hits, sketch = ints[:n], ints[n : 2 * n], ints[counted:]
             step, size, buckets = ints[2 * n : 2 * n + 3].numpy()
             out.append((keys, parts[0], dict(zip(columns, parts[1:])), seen, hits, step, size,
-                        sketch if int(sketch.shape[0]) else None, buckets))  # fmt: skip
+                        sketch if int(sketch.shape[0]) else None, buckets, ints[2 * n + 3 : counted]))  # fmt: skip
         return out
 
     @property
@@ -152,6 +154,10 @@ class ServedDynamicTable(Served, DynamicTable):
     def shard_sizes(self) -> tf.Tensor:
         """Live keys of each shard (int64 vector), from its server."""
         return tf.constant([int(e[6]) for e in self._exports((), _COUNTERS_ONLY)], tf.int64)
+
+    def shard_events(self) -> tf.Tensor:
+        """Each shard's `EVENTS` counters (`[shards, len(EVENTS)]` int64), from its server."""
+        return tf.stack([e[9] for e in self._exports((), _COUNTERS_ONLY)])
 
     def index_buckets(self) -> tf.Tensor:
         return tf.constant(sum(int(e[8]) for e in self._exports((), _COUNTERS_ONLY)), tf.int64)

@@ -154,8 +154,8 @@ class _DynamicShard:
         _configure(self, spec, f"The {self.name} is", "a worker")
 
     def export(self, request: dict) -> tuple:
-        """`(keys, [rows | each column] flat, [seen | hits | step, live keys, index buckets | sketch])` of the
-        live keys (those seen after `request["since_step"]` if given)."""
+        """`(keys, [rows | each column] flat, [seen | hits | step, live keys, index buckets | events | sketch])`
+        of the live keys (those seen after `request["since_step"]` if given; `events`: the shard's `EVENTS`)."""
         columns = list(request["columns"])
         held = [c for c in columns if c in self.table.slot_columns]
         keys, values, extra = self.table.export_columns(held + ["seen", "hits"], request.get("since_step"))
@@ -163,7 +163,7 @@ class _DynamicShard:
         for column in columns:  # a column this shard does not have yet (no optimizer): its fill, zeros
             floats.append(tf.reshape(extra[column], [-1]) if column in extra else tf.zeros_like(floats[0]))
         counters = [self.table.step.read_value(), tf.cast(self.table.size(), tf.int64), self.table.index_buckets()]
-        ints = [extra["seen"], extra["hits"], tf.stack(counters)]
+        ints = [extra["seen"], extra["hits"], tf.stack(counters), self.table.shard_events()[0]]
         sketch = self.table.shards[0].admission_state
         if sketch is not None:
             ints.append(tf.reshape(tf.cast(sketch, tf.int64), [-1]))

@@ -11,14 +11,28 @@ adds to the logs:
 * `tables/<name>/shard_load`: the largest shard's rows over the mean
   shard's (1.0: even).
 
+A dynamic table adds what its training lookups did since the last report
+(the first report: since training began):
+
+* `tables/<name>/admitted`, `.../rejected`, `.../evicted`: keys given a
+  row, absent keys turned away (an admission policy, a capacity bound), and
+  keys evicted;
+* `tables/<name>/hit_rate`: the looked-up ids whose key was present / the
+  ids looked up;
+* `tables/<name>/lookup_load`: the ids looked up by the busiest shard over
+  the mean shard's.
+
+The last two are left out of a report with no lookups since the one before.
+
 They are read from where the tables live (a dynamic table's shards count
-their keys on their devices, parameter servers or table servers): a few
-scalars per table and report, never an op on the step's path. The epoch's
-logs carry the last report too, so `History` holds them.
+their keys and these events on their devices, parameter servers or table
+servers, with one counter update per row pool and step): a few scalars per
+table and report, computed from those counters, never on the step's path.
+The epoch's logs carry the last report too, so `History` holds them.
 
 With `log_dir`, each report is also written with `tf.summary` at the
 optimizer's step (a resumed run continues its curves where it stopped), with
-each table's rows per shard as a histogram; with `write_logs`, the Keras
+each table's rows per shard (and a dynamic table's ids looked up per shard) as histograms; with `write_logs`, the Keras
 logs' numbers too (`train/<name>` at each report: the loss and metrics;
 `epoch/<name>` at each epoch's end: samples per second among them). Only
 the process that saves summaries for its strategy writes them
@@ -38,6 +52,7 @@ import tensorflow as tf
 from tf_sharded.errors import positive_int
 from tf_sharded.keras.training.trainer import steps_done
 from tf_sharded.table.batched import logical_tables
+from tf_sharded.table.dynamic.pool import EVENTS
 from tf_sharded.table.protocol import owner_of
 
 PREFIX = "tables"
@@ -69,19 +84,44 @@ def _slot_bytes_per_row(optimizer, table) -> int:
     return total
 
 
+def _balance(per_shard) -> float:
+    """The largest of `per_shard` over their mean (1.0: even, or all zero)."""
+    mean = float(np.mean(per_shard))
+    return float(np.max(per_shard)) / mean if mean else 1.0
+
+
 def table_report(table, optimizer=None) -> Dict[str, object]:
-    """`{"rows", "bytes", "shard_load", "shard_rows"}` of `table` now, read from where its shards live."""
+    """`{"rows", "bytes", "shard_load", "shard_rows", "events"}` of `table` now, read from where its shards live
+    (`events`: the kind's per-shard counters of its training lookups, `Kind.shard_events`, or None)."""
     shard_rows = table.kind.shard_rows(table)
     rows = int(sum(shard_rows))
     row_bytes = int(table.shape[-1]) * tf.as_dtype(table.dtype).size
     slot_bytes = _slot_bytes_per_row(optimizer, table) if optimizer is not None else 0
-    mean = rows / len(shard_rows)
     return {
         "rows": rows,
         "bytes": rows * (row_bytes + slot_bytes),
-        "shard_load": max(shard_rows) / mean if mean else 1.0,
+        "shard_load": _balance(shard_rows),
         "shard_rows": shard_rows,
+        "events": table.kind.shard_events(table),
     }
+
+
+def since(now, before):
+    """Per-shard counters `now` less those of the last report (`before`, None at the first): a counter below
+    its last value started again (its shard's task restarted) and counts from zero."""
+    if before is None or np.shape(before) != np.shape(now):
+        return now
+    return np.where(now >= before, now - before, now)
+
+
+def event_metrics(per_shard) -> Dict[str, float]:
+    """The logged figures of a table's counters since the last report (`[shards, EVENTS]`)."""
+    lookups, hits, admitted, rejected, evicted = (per_shard[:, i] for i in range(len(EVENTS)))
+    out = {"admitted": float(admitted.sum()), "rejected": float(rejected.sum()), "evicted": float(evicted.sum())}
+    if lookups.sum() > 0:
+        out["hit_rate"] = float(hits.sum()) / float(lookups.sum())
+        out["lookup_load"] = _balance(lookups)
+    return out
 
 
 def _writable(log_dir) -> str:
@@ -138,22 +178,31 @@ class TableMetrics(keras.callbacks.Callback):
         self._writer = None
         self._step = self._reported = 0
         self._latest: Dict[str, float] = {}
+        self._events: Dict[str, np.ndarray] = {}  # each table's counters at the last report
 
     # ---------------------------------------------------------------- reading --
 
     def read(self) -> Dict[str, Dict[str, object]]:
-        """`{table name: table_report(...)}` for every table of the model, read now."""
+        """`{table name: table_report(...)}` for every table of the model, read now; a table with counters gets
+        `"since"`, its counters less those of the last `read` (which this one becomes)."""
         optimizer = getattr(self.model, "optimizer", None)
-        return {table.name: table_report(table, optimizer) for table in model_tables(self.model)}
+        reports = {table.name: table_report(table, optimizer) for table in model_tables(self.model)}
+        for name, report in reports.items():
+            if report["events"] is not None:
+                report["since"] = since(report["events"], self._events.get(name))
+                self._events[name] = report["events"]
+        return reports
 
     @staticmethod
     def scalars(reports: Dict[str, Dict[str, object]]) -> Dict[str, float]:
         """The reports as log entries: `tables/<name>/<metric>` -> float."""
-        return {
-            f"{PREFIX}/{name}/{metric}": float(report[metric])
-            for name, report in reports.items()
-            for metric in ("rows", "bytes", "shard_load")
-        }
+        out = {}
+        for name, report in reports.items():
+            figures = {metric: float(report[metric]) for metric in ("rows", "bytes", "shard_load")}
+            if report.get("since") is not None:
+                figures.update(event_metrics(report["since"]))
+            out.update((f"{PREFIX}/{name}/{metric}", value) for metric, value in figures.items())
+        return out
 
     @property
     def steps_between_reports(self) -> int:
@@ -166,6 +215,9 @@ class TableMetrics(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._step = steps_done(self.model)
         self._reported = self._step // self.every
+        # The first report counts the events since training began (a restored table's counters start at zero).
+        self._events = {}
+        self.read()
         if self.log_dir is not None and self.model.distribute_strategy.extended.should_save_summary:
             self._writer = tf.summary.create_file_writer(self.log_dir)
 
@@ -217,6 +269,9 @@ class TableMetrics(keras.callbacks.Callback):
         for name, report in reports.items():
             rows = np.asarray(report["shard_rows"], np.float64)
             summary.value.extend(histogram_pb(f"{PREFIX}/{name}/shard_rows", rows).value)
+            if report.get("since") is not None:
+                lookups = np.asarray(report["since"][:, EVENTS.index("lookups")], np.float64)
+                summary.value.extend(histogram_pb(f"{PREFIX}/{name}/shard_lookups", lookups).value)
         with self._writer.as_default(step=self._step):
             tf.summary.experimental.write_raw_pb(summary.SerializeToString())
 

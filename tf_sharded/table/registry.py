@@ -103,6 +103,12 @@ class Kind:
         layout = getattr(table, "layout", None)
         return [int(n) for n in layout.shard_sizes] if layout is not None else [int(table.shape[0])]
 
+    def shard_events(self, table) -> Optional[Any]:
+        """Each shard's counters of what training lookups did (`[shards, 5]` int64: ids looked up, ids whose
+        key was present, keys admitted, rejected, evicted), totals read from where the shards live; None for
+        a kind that keeps none (fixed rows: every id has its row)."""
+        return None
+
 
 class PlacementType:
     """Where a table's rows live and how ids, rows and gradients travel to them.

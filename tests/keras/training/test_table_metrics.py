@@ -20,6 +20,8 @@ from tests.harness.subprocs import network, run_python
 pytestmark = pytest.mark.timeout(300)
 
 DIM, ROWS, STEPS, BATCH = 4, 100, 8, 4
+EVERY = 2  # steps between reports
+EVENT_METRICS = ("admitted", "rejected", "evicted", "hit_rate", "lookup_load")  # a dynamic table's
 ROW_BYTES = DIM * 4  # float32
 SLOTS = 1  # Adagrad's accumulator
 
@@ -54,12 +56,25 @@ def make_model(strategy, placement=None):
     return model, fixed.embeddings, dynamic.table
 
 
-def expected(fixed, dynamic, data, steps: int) -> dict:
+def expected(fixed, dynamic, data, steps: int, since: int = None, replicas: int = 1, first: int = 0) -> dict:
     """The metrics after `steps` steps of `data`, counted here: the fixed table's rows and layout, the distinct
-    keys met so far and the shard each belongs to."""
+    keys met so far and the shard each belongs to; and what the dynamic table's lookups did in the steps after
+    step `since` (default: the report before, `EVERY` steps back), each step's batch split over `replicas`
+    whose lookups reach the table one after another, replica `first` first."""
     keys = np.unique(np.concatenate([x["keys"].ravel() for x, _ in data[:steps]]))
     per_shard = np.bincount(dynamic.shard_of(keys).numpy(), minlength=dynamic.num_shards)
     sizes = np.asarray(fixed.layout.shard_sizes)
+    since = max(steps - EVERY, 0) if since is None else since
+    present = set(np.concatenate([x["keys"].ravel() for x, _ in data[:since]] + [np.zeros(0, np.int64)]).tolist())
+    looked, hits, new = np.zeros(dynamic.num_shards), 0, 0
+    for x, _ in data[since:steps]:
+        parts = np.array_split(x["keys"], replicas)
+        for part in parts[first:] + parts[:first]:
+            ids = part.ravel()
+            looked += np.bincount(dynamic.shard_of(ids).numpy(), minlength=dynamic.num_shards)
+            hits += sum(k in present for k in ids.tolist())
+            new += len(set(ids.tolist()) - present)
+            present.update(ids.tolist())
     return {
         f"tables/{fixed.name}/rows": ROWS,
         f"tables/{fixed.name}/bytes": ROWS * ROW_BYTES * (1 + SLOTS),
@@ -67,6 +82,11 @@ def expected(fixed, dynamic, data, steps: int) -> dict:
         f"tables/{dynamic.name}/rows": len(keys),
         f"tables/{dynamic.name}/bytes": len(keys) * ROW_BYTES * (1 + SLOTS),
         f"tables/{dynamic.name}/shard_load": per_shard.max() / per_shard.mean(),
+        f"tables/{dynamic.name}/admitted": new,
+        f"tables/{dynamic.name}/rejected": 0,
+        f"tables/{dynamic.name}/evicted": 0,
+        f"tables/{dynamic.name}/hit_rate": hits / looked.sum(),
+        f"tables/{dynamic.name}/lookup_load": looked.max() / looked.mean(),
     }
 
 
@@ -163,7 +183,8 @@ class TableMetricsTest(tf.test.TestCase):
             self.assertEqual([step for _, step, _ in served["series"][tag]], [2, 4, 6, 8], tag)
             for _, step, value in served["series"][tag]:
                 self.assertAllClose(value, want[step][tag], rtol=1e-6, msg=f"{tag} at step {step}")
-        self.assertEqual(sorted(served["histograms"]["."]), [f"tables/{t.name}/shard_rows" for t in (dynamic, fixed)])
+        shards = [f"tables/{dynamic.name}/shard_lookups", f"tables/{dynamic.name}/shard_rows"]
+        self.assertEqual(sorted(served["histograms"]["."]), shards + [f"tables/{fixed.name}/shard_rows"])
 
     def test_keras_model_fit_reports_under_mirrored_with_the_fixed_table_sharded_over_the_replicas(self):
         data = batches(1)
@@ -172,9 +193,18 @@ class TableMetricsTest(tf.test.TestCase):
         self.assertEqual(fixed.num_shards, strategy.num_replicas_in_sync)
         callback = tfs.callbacks.TableMetrics(every=4)
         history = model.fit(dataset(data), epochs=1, verbose=0, shuffle=False, callbacks=[callback])
-        want = expected(fixed, dynamic, data, STEPS)
+        replicas = strategy.num_replicas_in_sync
+        want = expected(fixed, dynamic, data, STEPS, since=4, replicas=replicas)
+        del want[f"tables/{dynamic.name}/hit_rate"]
         for name, value in want.items():
             self.assertAllClose(history.history[name], [value], msg=name)
+        # The replicas share the worker's copy: a key new in a step that several replicas meet is a hit for
+        # those whose lookups reach it after the first one's, in whichever order they come in each step (in
+        # these steps no such key occurs: the bounds meet).
+        hits = [[expected(fixed, dynamic, data, s, s - 1, replicas, first)[f"tables/{dynamic.name}/hit_rate"]
+                 for first in range(replicas)] for s in range(5, STEPS + 1)]  # fmt: skip
+        low, high = (sum(f(h) for h in hits) / len(hits) for f in (min, max))
+        self.assertBetween(history.history[f"tables/{dynamic.name}/hit_rate"][0], low - 1e-9, high + 1e-9)
 
     def test_bad_arguments_are_refused_in_one_line_naming_them(self):
         for every in (0, -3, 2.5, "10", True):
@@ -202,7 +232,11 @@ class ParameterServerTableMetricsTest(tf.test.TestCase):
                               steps_per_epoch=2, max_steps=max_steps, verbose=0, checkpoint_dir=checkpoints,
                               callbacks=[tfs.callbacks.TableMetrics(2, log_dir)])  # fmt: skip
         self.assertTrue(all("/job:ps" in v.device for v in dynamic.held_variables))
+        # The last report's events: steps 7 and 8, every key already present.
         want = expected(fixed, dynamic, data, 1)
+        last = expected(fixed, dynamic, data, STEPS, since=STEPS - 2)
+        want.update({f"tables/{dynamic.name}/{m}": last[f"tables/{dynamic.name}/{m}"] for m in EVENT_METRICS})
+        self.assertEqual((want[f"tables/{dynamic.name}/hit_rate"], want[f"tables/{dynamic.name}/admitted"]), (1, 0))
         for name, value in want.items():
             self.assertAllClose(history.history[name][-1], value, msg=name)
         # Each report at the step it was read at, the resumed run's included (the coordinator's exact count).

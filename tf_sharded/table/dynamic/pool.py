@@ -51,6 +51,10 @@ MIN_GROWTH_ROWS = 64
 # A pool grows by a tenth: at most that share of its rows is spare (B7's memory bound leaves 30% for the
 # spare rows and the index together), for about ten row copies per key ever inserted (docs/benchmarks.md, B7).
 GROWTH = 1.1
+# What each member of a pool counts as it trains, one int64 each (`RowPool.events`): the ids its training lookups
+# looked up, those whose key was already present, the keys given a row, the absent keys turned away (admission or
+# a capacity bound), and the keys evicted. Only ever added to; readers take differences.
+EVENTS = ("lookups", "hits", "admitted", "rejected", "evicted")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq=False: it holds a variable, compared by identity
@@ -156,9 +160,22 @@ class RowPool:
             self.stale = new(tf.zeros([0], tf.int64), "stale")
             self.stale_count = new(tf.constant(0, tf.int64), "stale_count")
             self.column_count = new(tf.constant(0, tf.int64), "column_count")
+            self.events = new(tf.zeros([0, len(EVENTS)], tf.int64), "events")
         self.device = self.rows.device
         self.lock = device_lock(self.device)
         self._reserved = None
+
+    def enlist(self, member) -> int:
+        """Adds `member` (a shard drawing rows from this pool) and a row of `EVENTS` counters for it; returns
+        its slot (its row there, and its index's slot)."""
+        self.members.append(member)
+        with tf.init_scope(), tf.device(self.device):
+            self.events.assign(tf.concat([self.events.read_value(), tf.zeros([1, len(EVENTS)], tf.int64)], 0))
+        return len(self.members) - 1
+
+    def count_events(self, slots: Sequence[int], counts) -> tf.Tensor:
+        """Adds `counts` (`[len(slots), len(EVENTS)]` int64) to the members' counters at `slots`: one op."""
+        return self.events.scatter_nd_add(tf.constant([[s] for s in slots], tf.int64), counts)
 
     def reserved_keys(self):
         """The table of its int64 shards' reserved keys (`dynamic.index.reserved_table`), made with the first."""
@@ -325,6 +342,9 @@ class RowPool:
                     steps.append(tf.fill(tf.shape(held[-1]), p.step))
                     counts.append(tf.gather_nd(p.counts, present))
                 done = self._mark_and_expire(parts, tf.concat(held, 0), tf.concat(steps, 0), tf.concat(counts, 0))
+                events = [self._events_of(p.counts, f, r, tf.size(k, out_type=tf.int64))
+                          for p, f, r, k in zip(parts, found, rows, new_keys)]  # fmt: skip
+                done.append(self.count_events([p.member.slot for p in parts], tf.stack(events)))
             with tf.control_dependencies(done):
                 return [tf.identity(r) for r in rows]
 
@@ -355,13 +375,32 @@ class RowPool:
             writes.append(insert_many(indexes, new_keys, new_rows, added))
         with tf.control_dependencies(writes):
             rows = tf.tensor_scatter_nd_update(found, positions, new_rows)
-            marked = [rows, tf.repeat(Insert.steps(parts), sizes), tf.concat([p.counts for p in parts], 0)]
+            counts = tf.concat([p.counts for p in parts], 0)
+            marked = [rows, tf.repeat(Insert.steps(parts), sizes), counts]
             if room:  # a capacity bound left some keys without a row (-1): only the held are marked
                 held = tf.where(rows >= 0)[:, 0]
                 marked = [tf.gather(t, held) for t in marked]
             done = self._mark_and_expire(parts, *marked)
+            events = self._events_of(counts, found, rows, tf.cast(added, tf.int64), tf.repeat(tf.range(m), sizes), m)
+            done.append(self.count_events([p.member.slot for p in parts], events))
         with tf.control_dependencies(done):
             return tf.split(rows, sizes, num=m)
+
+    @staticmethod
+    def _events_of(counts, found, rows, admitted, part_of=None, parts: int = 1) -> tf.Tensor:
+        """`EVENTS` of an insert (per part where `part_of` gives each key's part): the occurrences `counts` of the
+        keys looked up, those of keys `found` before it, the `admitted` keys, the absent keys met in the batch
+        and left without a row (-1 in `rows`), and no evictions (counted where they run)."""
+        hit = tf.where(found >= 0, counts, tf.zeros_like(counts))
+        turned_away = tf.cast(tf.logical_and(rows < 0, counts > 0), tf.int64)
+        met = tf.stack([counts, hit, turned_away], 1)
+        if part_of is None:
+            looked, found_, rejected = tf.unstack(tf.reduce_sum(met, 0))
+            zero = tf.constant(0, tf.int64)
+            return tf.stack([looked, found_, admitted, rejected, zero])
+        summed = tf.math.unsorted_segment_sum(met, part_of, parts)
+        zeros = tf.zeros([parts, 1], tf.int64)
+        return tf.concat([summed[:, :2], admitted[:, None], summed[:, 2:], zeros], 1)
 
     @staticmethod
     def _make_room(parts: Sequence[Insert], found, sizes) -> Tuple[tf.Tensor, list]:
@@ -544,6 +583,7 @@ class RowPool:
             scalars = [self.capacity, self.count, self.free_count, self.stale_count, *self._column_capacity.values()]
             empty += [(v, tf.constant(0, tf.int64)) for v in scalars]
             empty += [(self.column_count, tf.constant(len(self.columns), tf.int64))]
+            empty += [(self.events, tf.zeros([len(self.members), len(EVENTS)], tf.int64))]
             lost = [(v, value) for v, value in empty if not bool(v.is_initialized())]
             for variable, value in lost:
                 variable.assign(value, read_value=False)

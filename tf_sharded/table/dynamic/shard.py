@@ -33,7 +33,7 @@ import tensorflow as tf
 from tf_sharded import _compat
 from tf_sharded.table.dynamic.index import KeyIndex
 from tf_sharded.table.dynamic.lock import settled
-from tf_sharded.table.dynamic.pool import GROWTH, Insert, RowPool, capacity_room
+from tf_sharded.table.dynamic.pool import EVENTS, GROWTH, Insert, RowPool, capacity_room
 
 
 class DynamicShard:
@@ -64,10 +64,10 @@ class DynamicShard:
         if pool is None:
             pool = RowPool(name, shard, device, dim, dtype, trainable, growth, max_rows, max_keys)
         self.pool = pool
-        pool.members.append(self)
+        self.slot = pool.enlist(self)
         with tf.init_scope(), tf.device(pool.device):
             reserved = None if key_dtype == tf.string else pool.reserved_keys()
-            self.index = KeyIndex(key_dtype, f"{name}_index_{shard}", reserved, slot=len(pool.members) - 1)
+            self.index = KeyIndex(key_dtype, f"{name}_index_{shard}", reserved, slot=self.slot)
         self.admission_state = admission.make_state(self) if admission is not None else None
 
     rows = property(lambda self: self.pool.rows)
@@ -147,7 +147,11 @@ class DynamicShard:
         keys, rows = self._live()
         chosen = tf.scatter_nd(victims[:, None], tf.ones_like(victims, tf.bool), self.pool.capacity_shape())
         gone = tf.gather(keys, tf.where(tf.gather(chosen, rows))[:, 0])
-        return settled([self.index.remove(gone), self.pool.free_rows(victims)])
+        evicted = tf.tensor_scatter_nd_update(
+            tf.zeros([1, len(EVENTS)], tf.int64), [[0, EVENTS.index("evicted")]], tf.size(gone, out_type=tf.int64)[None]
+        )
+        counted = self.pool.count_events([self.slot], evicted)
+        return settled([self.index.remove(gone), self.pool.free_rows(victims), counted])
 
     def dense_shape(self) -> tf.Tensor:
         """`[capacity, dim]` (int64): the pool's shape, for its gradients."""
@@ -230,6 +234,11 @@ class DynamicShard:
     def size(self) -> tf.Tensor:
         with tf.device(self.device):
             return self.index.size()
+
+    def events(self) -> tf.Tensor:
+        """This shard's `EVENTS` counters so far (int64 vector), read on its device."""
+        with tf.device(self.device):
+            return tf.reshape(self.pool.events.read_value(), [-1, len(EVENTS)])[self.slot]
 
     def buckets(self) -> Optional[tf.Tensor]:
         """The index's bucket count (`KeyIndex.buckets`), None for string keys."""

@@ -38,7 +38,7 @@ from tf_sharded.table.dynamic.keys import (
 )
 from tf_sharded.table.dynamic.lock import locked_together
 from tf_sharded.table.dynamic.packed import Request, expand, resolve, single
-from tf_sharded.table.dynamic.pool import GROWTH, Insert
+from tf_sharded.table.dynamic.pool import EVENTS, GROWTH, Insert
 from tf_sharded.table.dynamic.serving import ExportedDynamicTable
 from tf_sharded.table.dynamic.shard import DynamicShard
 from tf_sharded.table.dynamic.slots import DynamicSlot
@@ -81,6 +81,9 @@ class _DynamicKind(registry.Kind):
 
     def shard_rows(self, table) -> List[int]:
         return [int(n) for n in np.asarray(table.shard_sizes())]
+
+    def shard_events(self, table) -> np.ndarray:
+        return np.asarray(table.shard_events(), np.int64)
 
 
 DYNAMIC = registry.register_kind(
@@ -401,6 +404,14 @@ class DynamicTable(registry.TableClass, _compat.Trackable):
         worker's shards are summed over the collectives)."""
         sizes = [tf.constant(0, tf.int64) if is_remote(s) else tf.cast(s.size(), tf.int64) for s in self._shards]
         here = tf.stack(sizes)
+        return sum_over_workers(self._strategy, here) if self.sharded_over_workers else here
+
+    def shard_events(self) -> tf.Tensor:
+        """Each shard's counters of what its training lookups did (`[shards, len(EVENTS)]` int64, columns as
+        `tf_sharded.table.dynamic.pool.EVENTS`: ids looked up, ids found, keys admitted, rejected, evicted),
+        totals since the shard was made (or its task restarted). Sharded over workers, every worker must call it."""
+        zeros = tf.zeros([len(EVENTS)], tf.int64)
+        here = tf.stack([zeros if is_remote(s) else s.events() for s in self._shards])
         return sum_over_workers(self._strategy, here) if self.sharded_over_workers else here
 
     def index_buckets(self) -> tf.Tensor:
