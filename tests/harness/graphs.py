@@ -44,9 +44,13 @@ def handle_uses(graph, variables) -> tuple:
 
 def whole_table_reads(concrete_fn, rows):
     """Ops that touch a shard handle other than by rows, or produce >= `rows` rows."""
+    from tf_sharded.table import tally
+
     problems = []
     graph = concrete_fn.graph
-    handles = {t.name for t in graph.internal_captures if t.dtype == tf.resource}
+    # The lookup tallies' counters (`tf_sharded.table.tally`) are not tables: the step adds to them.
+    counters = {id(v.handle) for v in tally.counter_variables()}
+    handles = {inner.name for outer, inner in graph.captures if inner.dtype == tf.resource and id(outer) not in counters}
     for op in graph.get_operations():
         for t in op.inputs:
             if t.name in handles and op.type not in ROW_OPS:

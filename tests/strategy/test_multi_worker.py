@@ -68,6 +68,24 @@ history = tfs.fit(model, data, epochs=2, verbose=0, validation_data=data,
                   callbacks=[tfs.callbacks.TableMetrics(2, log_dir)])  # fmt: skip
 assert len(history.history["val_loss"]) == 2, history.history
 assert history.history[f"tables/{emb.embeddings.name}/rows"] == [rows, rows], history.history
+# The load of the last report (steps 7 and 8, the epoch's last two batches), summed over the workers: each
+# worker's replica reads its half of a global batch, one distinct-id count per shard.
+read = np.zeros(emb.embeddings.num_shards)
+for batch in (x[16:24], x[24:32]):
+    for half in (batch[:4], batch[4:]):
+        owners = emb.embeddings.layout.route(tf.constant(np.unique(half), tf.int64))[0].numpy()
+        read += np.bincount(owners, minlength=emb.embeddings.num_shards)
+load = history.history[f"tables/{emb.embeddings.name}/lookup_load"][-1]
+assert abs(load - read.max() / read.mean()) < 1e-9, (load, read)
+# What this worker counted itself over the 8 steps: its replica's half of each global batch.
+from tf_sharded.table.tally import shard_counts
+
+mine = np.zeros(emb.embeddings.num_shards)
+for start in range(0, 32, 8):
+    half = x[start + 4 * int(os.environ["TASK"]) :][:4]
+    owners = emb.embeddings.layout.route(tf.constant(np.unique(half), tf.int64))[0].numpy()
+    mine += 2 * np.bincount(owners, minlength=emb.embeddings.num_shards)  # two epochs
+assert (shard_counts(emb.embeddings) == mine).all(), (shard_counts(emb.embeddings), mine)
 written = glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))
 steps = []
 if written:

@@ -127,5 +127,5 @@ def rows_over_workers(tables, uniq, starts, owners, shift, placed, max_norm, bou
 registry.register_lookup(
     registry.WORKERS,
     FIXED,
-    lambda pairs, max_norm, training: lookup_by_row_shape(pairs, max_norm, remote_rows=rows_over_workers),
+    lambda pairs, max_norm, training: lookup_by_row_shape(pairs, max_norm, rows_over_workers, training),
 )

@@ -178,18 +178,19 @@ class Embedding(keras.layers.Layer):
         """`lora_alpha / lora_rank * a_rows @ lora_embeddings_b` for rows of `lora_embeddings_a`."""
         return self._lora_scale * tf.einsum("...r,rd->...d", a_rows, self.lora_embeddings_b)
 
-    def call(self, inputs):
-        who = f"Layer '{self.name}'"
+    def call(self, inputs, training=None):
+        # `training=False` (evaluate, predict): the lookups are not counted in the tables' tallies.
+        who, counted = f"Layer '{self.name}'", training is not False
         if tf.as_dtype(inputs.dtype).is_floating:
             inputs = tf.cast(inputs, tf.int32)  # as Keras: float ids (keras.Input's default dtype) are cast
         if self.combiner is not None:
             ids = padded_to_ragged(inputs, self.combiner, self.mask_zero, who)
-            return self._rows(ids, self.combiner)
+            return self._rows(ids, self.combiner, counted)
         if isinstance(inputs, tf.SparseTensor):
             inputs = tf.sparse.to_dense(inputs)  # as Keras: a dense result, an absent entry looked up as id 0
         if isinstance(inputs, tf.RaggedTensor):  # as Keras: one row per id, ragged as the ids
-            return inputs.with_flat_values(self._rows(inputs.flat_values))
-        return self._rows(inputs)
+            return inputs.with_flat_values(self._rows(inputs.flat_values, None, counted))
+        return self._rows(inputs, None, counted)
 
     @property
     def _table(self) -> Optional[ShardedVariable]:
@@ -206,13 +207,13 @@ class Embedding(keras.layers.Layer):
         # Keras's own code and tests read as its variable's value: the whole table, read. Nothing here reads it.
         return self._table.read_value()
 
-    def _rows(self, ids, combiner=None):
+    def _rows(self, ids, combiner=None, training: bool = True):
         if self.quantization_mode is not None:
             return self._quantized_rows(ids, combiner)
         tables = [self._table] + ([self.lora_embeddings_a] if self.lora_enabled else [])
         # With LoRA, the table's rows and lora_embeddings_a's rows in one batched lookup; the combiners are
         # linear, so a bag's LoRA term is its combined A-rows times B.
-        rows = lookup_features([FeatureLookup(t, ids, combiner, arg="inputs") for t in tables])
+        rows = lookup_features([FeatureLookup(t, ids, combiner, arg="inputs") for t in tables], training=training)
         out = rows[0]
         if self.lora_enabled:
             out = out + self._lora_term(rows[1])
@@ -359,10 +360,10 @@ class Embedding(keras.layers.Layer):
         return built_under.scope()
 
     def _int8_call(self, inputs, training=None):
-        return self.call(inputs)
+        return self.call(inputs, training)
 
     def _int4_call(self, inputs, training=None):
-        return self.call(inputs)
+        return self.call(inputs, training)
 
     def _table_weights(self, table):
         """The layer's Keras variables that are `table`'s shards."""
@@ -402,7 +403,7 @@ class Embedding(keras.layers.Layer):
             return (input_shape[0], self.output_dim)
         return tuple(input_shape) + (self.output_dim,)
 
-    def compute_output_spec(self, inputs):
+    def compute_output_spec(self, inputs, training=None):
         ragged = bool(getattr(inputs, "ragged", False)) and self.combiner is None
         return keras.KerasTensor(self.compute_output_shape(inputs.shape), dtype=self.compute_dtype, ragged=ragged)
 

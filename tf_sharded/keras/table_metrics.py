@@ -11,29 +11,36 @@ adds to the logs:
 * `tables/<name>/shard_load`: the largest shard's rows over the mean
   shard's (1.0: even).
 
-A dynamic table adds what its training lookups did since the last report
-(the first report: since training began):
+Each table also reports, since the last report (the first: since training
+began), `tables/<name>/lookup_load`: what the busiest shard's training
+lookups asked of it over the mean shard's (a dynamic table's ids; a fixed
+table's distinct ids per step, the rows it read and updates). A dynamic
+table adds:
 
 * `tables/<name>/admitted`, `.../rejected`, `.../evicted`: keys given a
   row, absent keys turned away (an admission policy, a capacity bound), and
   keys evicted;
 * `tables/<name>/hit_rate`: the looked-up ids whose key was present / the
-  ids looked up;
-* `tables/<name>/lookup_load`: the ids looked up by the busiest shard over
-  the mean shard's.
+  ids looked up.
 
-The last two are left out of a report with no lookups since the one before.
+`lookup_load` and `hit_rate` are left out of a report with no lookups since
+the one before (and the load of tables on table servers, whose fixed
+tables' lookups are not counted).
 
-They are read from where the tables live (a dynamic table's shards count
+They are read from where the tables live: a dynamic table's shards count
 their keys and these events on their devices, parameter servers or table
-servers, with one counter update per row pool and step): a few scalars per
-table and report, computed from those counters, never on the step's path.
-The epoch's logs carry the last report too, so `History` holds them.
+servers, with one counter update per row pool and step; a fixed table's
+training lookups add each shard's distinct ids to a counter on the lookup
+group's first device, one op per group and step (`tf_sharded.table.tally`),
+summed over the workers of a MultiWorkerMirroredStrategy at the report. A
+report reads a few scalars per table and computes the figures from them,
+never on the step's path. The epoch's logs carry the last report too, so
+`History` holds them.
 
 With `log_dir`, each report is also written with `tf.summary` at the
 optimizer's step (a resumed run continues its curves where it stopped), with
-each table's rows per shard (and a dynamic table's ids looked up per shard) as histograms; with `write_logs`, the Keras
-logs' numbers too (`train/<name>` at each report: the loss and metrics;
+each table's rows and lookups per shard as histograms; with `write_logs`,
+the Keras logs' numbers too (`train/<name>` at each report: the loss and metrics;
 `epoch/<name>` at each epoch's end: samples per second among them). Only
 the process that saves summaries for its strategy writes them
 (`should_save_summary`: the chief; under parameter servers, the
@@ -49,11 +56,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_sharded._compat import cluster_workers
 from tf_sharded.errors import positive_int
 from tf_sharded.keras.training.trainer import steps_done
 from tf_sharded.table.batched import logical_tables
 from tf_sharded.table.dynamic.pool import EVENTS
 from tf_sharded.table.protocol import owner_of
+from tf_sharded.table.remote import sum_over_workers
 
 PREFIX = "tables"
 
@@ -103,7 +112,16 @@ def table_report(table, optimizer=None) -> Dict[str, object]:
         "shard_load": _balance(shard_rows),
         "shard_rows": shard_rows,
         "events": table.kind.shard_events(table),
+        "lookups": table.kind.shard_lookups(table),
     }
+
+
+def _over_workers(strategy, counts):
+    """`counts` summed over the workers of a MultiWorkerMirroredStrategy (each counted its own replicas'
+    lookups; every worker reads its tables in the same order), else as they are."""
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or len(cluster_workers(strategy)[1]) < 2:
+        return counts
+    return np.asarray(sum_over_workers(strategy, tf.constant(counts, tf.int64)))
 
 
 def since(now, before):
@@ -115,13 +133,25 @@ def since(now, before):
 
 
 def event_metrics(per_shard) -> Dict[str, float]:
-    """The logged figures of a table's counters since the last report (`[shards, EVENTS]`)."""
+    """The logged figures of a dynamic table's counters since the last report (`[shards, EVENTS]`)."""
     lookups, hits, admitted, rejected, evicted = (per_shard[:, i] for i in range(len(EVENTS)))
     out = {"admitted": float(admitted.sum()), "rejected": float(rejected.sum()), "evicted": float(evicted.sum())}
     if lookups.sum() > 0:
         out["hit_rate"] = float(hits.sum()) / float(lookups.sum())
         out["lookup_load"] = _balance(lookups)
     return out
+
+
+def shard_lookups(report) -> Optional[np.ndarray]:
+    """Per shard, what its training lookups since the last report asked of it (a dynamic table's ids, a fixed
+    table's distinct ids per step), or None where nothing was counted."""
+    if report.get("since") is not None:
+        looked = report["since"][:, EVENTS.index("lookups")]
+    elif report.get("lookups_since") is not None:
+        looked = report["lookups_since"]
+    else:
+        return None
+    return looked if looked.sum() > 0 else None
 
 
 def _writable(log_dir) -> str:
@@ -186,11 +216,16 @@ class TableMetrics(keras.callbacks.Callback):
         """`{table name: table_report(...)}` for every table of the model, read now; a table with counters gets
         `"since"`, its counters less those of the last `read` (which this one becomes)."""
         optimizer = getattr(self.model, "optimizer", None)
+        strategy = self.model.distribute_strategy
         reports = {table.name: table_report(table, optimizer) for table in model_tables(self.model)}
         for name, report in reports.items():
             if report["events"] is not None:
                 report["since"] = since(report["events"], self._events.get(name))
                 self._events[name] = report["events"]
+            if report["lookups"] is not None:
+                report["lookups"] = _over_workers(strategy, report["lookups"])
+                report["lookups_since"] = since(report["lookups"], self._events.get(name))
+                self._events[name] = report["lookups"]
         return reports
 
     @staticmethod
@@ -201,6 +236,9 @@ class TableMetrics(keras.callbacks.Callback):
             figures = {metric: float(report[metric]) for metric in ("rows", "bytes", "shard_load")}
             if report.get("since") is not None:
                 figures.update(event_metrics(report["since"]))
+            looked = shard_lookups(report)
+            if looked is not None:
+                figures["lookup_load"] = _balance(looked)
             out.update((f"{PREFIX}/{name}/{metric}", value) for metric, value in figures.items())
         return out
 
@@ -269,9 +307,9 @@ class TableMetrics(keras.callbacks.Callback):
         for name, report in reports.items():
             rows = np.asarray(report["shard_rows"], np.float64)
             summary.value.extend(histogram_pb(f"{PREFIX}/{name}/shard_rows", rows).value)
-            if report.get("since") is not None:
-                lookups = np.asarray(report["since"][:, EVENTS.index("lookups")], np.float64)
-                summary.value.extend(histogram_pb(f"{PREFIX}/{name}/shard_lookups", lookups).value)
+            looked = shard_lookups(report)
+            if looked is not None:
+                summary.value.extend(histogram_pb(f"{PREFIX}/{name}/shard_lookups", looked.astype(np.float64)).value)
         with self._writer.as_default(step=self._step):
             tf.summary.experimental.write_raw_pb(summary.SerializeToString())
 

@@ -21,8 +21,10 @@ from tf_sharded.config import Combiner
 from tf_sharded.table import registry
 from tf_sharded.table.batched import storage_of
 from tf_sharded.table.norms import clip_rows
+from tf_sharded.table.remote import is_remote
 from tf_sharded.table.segment import physical
 from tf_sharded.table.sharded_variable import FIXED, gather_rows
+from tf_sharded.table.tally import key_of, tally_on
 
 _SUBSTITUTES = threading.local()
 
@@ -80,7 +82,7 @@ def device_rows(variables, local, slot):
     return tf.dynamic_stitch(where, [gather_rows(v, piece) for v, piece in zip(variables, pieces)])
 
 
-def lookup_group(members, max_norm, remote_rows=None):
+def lookup_group(members, max_norm, remote_rows=None, training: bool = False):
     """Rows for `(table, flat ids)` pairs whose tables share dtype and row shape, as one id space.
 
     Each table's ids become shard-major keys (`Layout.keys`) offset by the
@@ -90,7 +92,8 @@ def lookup_group(members, max_norm, remote_rows=None):
     looked up once. The gradient reaches every shard as `IndexedSlices` of
     distinct local rows (`_assemble`). Where other workers hold the shards,
     `remote_rows` reads the group's rows across them instead
-    (`exchange.workers.rows_over_workers`).
+    (`exchange.workers.rows_over_workers`). A `training` lookup adds each
+    shard's distinct ids to the tallies (`table.tally`).
     """
     tables = list({id(t): t for t, _ in members}.values())  # first-appearance order
     bases, starts, shards, owners, total = {}, [], [], [], 0
@@ -114,16 +117,23 @@ def lookup_group(members, max_norm, remote_rows=None):
     storage = list({id(v): v for v, _ in placed}.values())
     _note_storage_lookups(tables, counts)
     shift = [start - offset for start, (_, offset) in zip(starts, placed)]  # key - shift = row in its variable
+    if len(shards) == 1:
+        shard = tf.zeros_like(uniq, tf.int32)
+    else:
+        shard = tf.searchsorted(tf.constant(starts[1:], tf.int64), uniq, side="right", out_type=tf.int32)
+    devices = list(dict.fromkeys(v.device for v in storage))
+    if training:  # each shard's distinct ids, counted once for the group on a device of this process's
+        n = len(shards)
+        held = [v.device for v in storage if not is_remote(v)]
+        tally_on(held[0]).add([key_of(t, i) for t in tables for i in range(t.num_shards)],
+                              tf.math.bincount(shard, minlength=n, maxlength=n, dtype=tf.int64))  # fmt: skip
     if remote_rows is not None:
         rows = remote_rows(tables, uniq, starts, owners, shift, placed, max_norm, keys.shape[0])
         return _split(rows, idx, members)
     if len(shards) == 1:
-        shard = tf.zeros_like(uniq, tf.int32)
         local = uniq - shift[0] if shift[0] else uniq
     else:
-        shard = tf.searchsorted(tf.constant(starts[1:], tf.int64), uniq, side="right", out_type=tf.int32)
         local = uniq - tf.gather(tf.constant(shift, tf.int64), shard)
-    devices = list(dict.fromkeys(v.device for v in storage))
     on_device = [[] for _ in devices]
     where = {}  # id(variable) -> (its device, its position among that device's variables)
     for v in storage:
@@ -204,21 +214,23 @@ def lookup_many(pairs, max_norm: Optional[float] = None, training: bool = True) 
     return results
 
 
-def lookup_by_row_shape(pairs, max_norm: Optional[float], remote_rows=None) -> list:
+def lookup_by_row_shape(pairs, max_norm: Optional[float], remote_rows=None, training: bool = False) -> list:
     """Rows for fixed-row tables, looked up as one id space per dtype and row shape (`lookup_group`)."""
     results = [None] * len(pairs)
     groups = {}
     for i, (table, _) in enumerate(pairs):
         groups.setdefault((table.dtype, tuple(table.shape[1:].as_list())), []).append(i)
     for members in groups.values():
-        for i, rows in zip(members, lookup_group([pairs[i] for i in members], max_norm, remote_rows)):
+        for i, rows in zip(members, lookup_group([pairs[i] for i in members], max_norm, remote_rows, training)):
             results[i] = rows
     return results
 
 
 # Fixed-row tables on this process's devices, whatever their placement there (sharded over workers is the
 # exchange's route: `tfs.exchange.workers`).
-registry.register_lookup(None, FIXED, lambda pairs, max_norm, training: lookup_by_row_shape(pairs, max_norm))
+registry.register_lookup(
+    None, FIXED, lambda pairs, max_norm, training: lookup_by_row_shape(pairs, max_norm, training=training)
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -103,6 +103,14 @@ class Kind:
         layout = getattr(table, "layout", None)
         return [int(n) for n in layout.shard_sizes] if layout is not None else [int(table.shape[0])]
 
+    def shard_lookups(self, table) -> Optional[Any]:
+        """The distinct ids each shard of `table` served in training lookups so far, counted by this
+        process's steps (`table.tally`; int64 `[shards]`), or None for a kind that counts its lookups in
+        `shard_events`."""
+        from tf_sharded.table.tally import shard_counts
+
+        return shard_counts(table)
+
     def shard_events(self, table) -> Optional[Any]:
         """Each shard's counters of what training lookups did (`[shards, 5]` int64: ids looked up, ids whose
         key was present, keys admitted, rejected, evicted), totals read from where the shards live; None for

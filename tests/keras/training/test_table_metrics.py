@@ -67,6 +67,7 @@ def expected(fixed, dynamic, data, steps: int, since: int = None, replicas: int 
     since = max(steps - EVERY, 0) if since is None else since
     present = set(np.concatenate([x["keys"].ravel() for x, _ in data[:since]] + [np.zeros(0, np.int64)]).tolist())
     looked, hits, new = np.zeros(dynamic.num_shards), 0, 0
+    read = np.zeros(fixed.num_shards)  # the fixed table's distinct ids per shard, replica and step
     for x, _ in data[since:steps]:
         parts = np.array_split(x["keys"], replicas)
         for part in parts[first:] + parts[:first]:
@@ -75,10 +76,14 @@ def expected(fixed, dynamic, data, steps: int, since: int = None, replicas: int 
             hits += sum(k in present for k in ids.tolist())
             new += len(set(ids.tolist()) - present)
             present.update(ids.tolist())
+        for part in np.array_split(x["ids"], replicas):
+            owners = fixed.layout.route(tf.constant(np.unique(part), tf.int64))[0].numpy()
+            read += np.bincount(owners, minlength=fixed.num_shards)
     return {
         f"tables/{fixed.name}/rows": ROWS,
         f"tables/{fixed.name}/bytes": ROWS * ROW_BYTES * (1 + SLOTS),
         f"tables/{fixed.name}/shard_load": sizes.max() / sizes.mean(),
+        f"tables/{fixed.name}/lookup_load": read.max() / read.mean(),
         f"tables/{dynamic.name}/rows": len(keys),
         f"tables/{dynamic.name}/bytes": len(keys) * ROW_BYTES * (1 + SLOTS),
         f"tables/{dynamic.name}/shard_load": per_shard.max() / per_shard.mean(),
@@ -183,8 +188,8 @@ class TableMetricsTest(tf.test.TestCase):
             self.assertEqual([step for _, step, _ in served["series"][tag]], [2, 4, 6, 8], tag)
             for _, step, value in served["series"][tag]:
                 self.assertAllClose(value, want[step][tag], rtol=1e-6, msg=f"{tag} at step {step}")
-        shards = [f"tables/{dynamic.name}/shard_lookups", f"tables/{dynamic.name}/shard_rows"]
-        self.assertEqual(sorted(served["histograms"]["."]), shards + [f"tables/{fixed.name}/shard_rows"])
+        shards = [f"tables/{t.name}/shard_{what}" for t in (dynamic, fixed) for what in ("lookups", "rows")]
+        self.assertEqual(sorted(served["histograms"]["."]), shards)
 
     def test_keras_model_fit_reports_under_mirrored_with_the_fixed_table_sharded_over_the_replicas(self):
         data = batches(1)
@@ -236,6 +241,7 @@ class ParameterServerTableMetricsTest(tf.test.TestCase):
         want = expected(fixed, dynamic, data, 1)
         last = expected(fixed, dynamic, data, STEPS, since=STEPS - 2)
         want.update({f"tables/{dynamic.name}/{m}": last[f"tables/{dynamic.name}/{m}"] for m in EVENT_METRICS})
+        want[f"tables/{fixed.name}/lookup_load"] = last[f"tables/{fixed.name}/lookup_load"]
         self.assertEqual((want[f"tables/{dynamic.name}/hit_rate"], want[f"tables/{dynamic.name}/admitted"]), (1, 0))
         for name, value in want.items():
             self.assertAllClose(history.history[name][-1], value, msg=name)

@@ -31,7 +31,7 @@ from typing import Set, Tuple
 import tensorflow as tf
 
 from tf_sharded import _compat
-from tf_sharded.table import registry
+from tf_sharded.table import registry, tally
 
 _PS_TASK = re.compile(r"/job:ps/replica:0/task:(\d+)")
 
@@ -120,9 +120,10 @@ def reconnect(tasks: Set[int]) -> Tuple[Set[int], list]:
 def reset_dynamic(root) -> int:
     """Tables under `root` whose shards lost their task and that keep state besides variables (a dynamic table's
     keys): an empty table's state, which a restore can read and refill (it exports every shard before it
-    assigns), as each table's kind sets it. Returns how many variables were set."""
+    assigns), as each table's kind sets it; and the lookup tallies there, zeros (`table.tally`). Returns how
+    many variables were set."""
     found = tf.train.TrackableView(root).descendants()
-    return sum(t.kind.reset_lost(t) for t in found if registry.is_any_table(t))
+    return sum(t.kind.reset_lost(t) for t in found if registry.is_any_table(t)) + tally.reset_lost()
 
 
 def zero_unrestored(variables: list) -> None:

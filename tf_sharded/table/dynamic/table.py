@@ -85,6 +85,9 @@ class _DynamicKind(registry.Kind):
     def shard_events(self, table) -> np.ndarray:
         return np.asarray(table.shard_events(), np.int64)
 
+    def shard_lookups(self, table) -> None:
+        return None  # counted in `shard_events`
+
 
 DYNAMIC = registry.register_kind(
     _DynamicKind("dynamic", static_rows=False, vocabulary="dynamic", noun="dynamic table", deltas=True)

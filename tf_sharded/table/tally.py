@@ -1,0 +1,123 @@
+"""Tallies: int64 counters a training step adds to beside the lookups it runs, read by reports between steps.
+
+A fixed-row table's training lookup counts, per shard, the distinct ids it
+reads (the rows that shard serves, and whose gradient the exchange then
+moves). The counts of a whole lookup group are added by one op into one
+`Tally` variable on the group's first device (a parameter server, the
+replica's device, the local device): one slot per `(table, shard)`,
+registered when a step is traced. Dynamic tables keep their own counters
+beside their row pools (`dynamic.pool.EVENTS`).
+
+Counters only grow; a reader takes differences between two reads (a task
+that restarted starts its tally from zero again, `reset_lost`). They are
+not checkpointed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import Dict, List, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tf_sharded import _compat
+
+_LOCK = threading.Lock()
+_TALLIES: Dict[str, Tally] = {}
+_NUMBERS = itertools.count()
+_NUMBERED: Dict[int, tuple] = {}  # id(table) -> (weak reference to it, its number)
+
+
+class Tally:
+    """Counters on one device, one per registered key, in one variable that grows as keys register."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.slots: Dict[tuple, int] = {}
+        with tf.init_scope(), tf.device(device or None):
+            self.variable = _compat.plain_variable(
+                tf.zeros([0], tf.int64), "tfs_tally", False, shape=tf.TensorShape(None)
+            )
+
+    def slots_of(self, keys: Sequence[tuple]) -> List[int]:
+        """The slots of `keys`, registering new ones (the variable grows, keeping its counts)."""
+        with _LOCK:
+            new = [k for k in dict.fromkeys(keys) if k not in self.slots]
+            for key in new:
+                self.slots[key] = len(self.slots)
+        if new:
+            with tf.init_scope(), tf.device(self.variable.device):
+                grown = tf.concat([self.variable.read_value(), tf.zeros([len(new)], tf.int64)], 0)
+                self.variable.assign(grown, read_value=False)
+        return [self.slots[k] for k in keys]
+
+    def add(self, keys: Sequence[tuple], counts) -> tf.Tensor:
+        """Adds `counts` (int64, one per key) to the counters of `keys`: one op on the tally's device."""
+        slots = tf.constant([[s] for s in self.slots_of(keys)], tf.int64)
+        with tf.device(self.variable.device):
+            return self.variable.scatter_nd_add(slots, tf.cast(counts, tf.int64))
+
+    def read(self) -> np.ndarray:
+        return np.asarray(self.variable.read_value())
+
+    def reset_lost(self) -> int:
+        """After the tally's task restarted (its variable renewed, uninitialised): zeros. Returns 1 if set."""
+        if bool(self.variable.is_initialized()):
+            return 0
+        with tf.device(self.variable.device):
+            self.variable.assign(tf.zeros([len(self.slots)], tf.int64), read_value=False)
+        return 1
+
+
+def tally_on(device: str) -> Tally:
+    """The tally of `device` (made on first use)."""
+    with _LOCK:
+        tally = _TALLIES.get(device)
+    if tally is None:
+        made = Tally(device)
+        with _LOCK:
+            tally = _TALLIES.setdefault(device, made)
+    return tally
+
+
+def key_of(table, shard: int) -> tuple:
+    """A table shard's key in the tallies: a number the table is given once (names repeat across models,
+    and Python ids across objects' lifetimes: an id whose table is gone is given a new number)."""
+    with _LOCK:
+        entry = _NUMBERED.get(id(table))
+        if entry is None or entry[0]() is not table:
+            entry = (weakref.ref(table), next(_NUMBERS))
+            _NUMBERED[id(table)] = entry
+    return (entry[1], shard)
+
+
+def shard_counts(table) -> np.ndarray:
+    """The distinct ids each shard of `table` served in training lookups so far, summed over the tallies that
+    count them (several devices' under mirrored copies), int64 `[num_shards]`."""
+    out = np.zeros([table.num_shards], np.int64)
+    with _LOCK:
+        tallies = list(_TALLIES.values())
+    for tally in tallies:
+        wanted = [(i, tally.slots.get(key_of(table, i))) for i in range(table.num_shards)]
+        wanted = [(i, s) for i, s in wanted if s is not None]
+        if wanted:
+            values = tally.read()
+            for i, s in wanted:
+                out[i] += values[s] if s < len(values) else 0
+    return out
+
+
+def counter_variables() -> list:
+    """Every tally's variable (graph checks tell them from tables)."""
+    with _LOCK:
+        return [t.variable for t in _TALLIES.values()]
+
+
+def reset_lost() -> int:
+    """`Tally.reset_lost` of every tally; returns how many were set."""
+    with _LOCK:
+        tallies = list(_TALLIES.values())
+    return sum(t.reset_lost() for t in tallies)
