@@ -50,7 +50,7 @@ def whole_table_reads(concrete_fn, rows):
     graph = concrete_fn.graph
     # The lookup tallies' counters (`tf_sharded.table.tally`) are not tables: the step adds to them.
     counters = {id(v.handle) for v in tally.counter_variables()}
-    handles = {inner.name for outer, inner in graph.captures if inner.dtype == tf.resource and id(outer) not in counters}
+    handles = {i.name for o, i in graph.captures if i.dtype == tf.resource and id(o) not in counters}
     for op in graph.get_operations():
         for t in op.inputs:
             if t.name in handles and op.type not in ROW_OPS:
