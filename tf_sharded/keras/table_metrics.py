@@ -59,6 +59,7 @@ import tensorflow as tf
 from tf_sharded._compat import cluster_workers
 from tf_sharded.errors import positive_int
 from tf_sharded.keras.training.trainer import steps_done
+from tf_sharded.table import tally
 from tf_sharded.table.batched import logical_tables
 from tf_sharded.table.dynamic.pool import EVENTS
 from tf_sharded.table.protocol import owner_of
@@ -217,7 +218,8 @@ class TableMetrics(keras.callbacks.Callback):
         `"since"`, its counters less those of the last `read` (which this one becomes)."""
         optimizer = getattr(self.model, "optimizer", None)
         strategy = self.model.distribute_strategy
-        reports = {table.name: table_report(table, optimizer) for table in model_tables(self.model)}
+        with tally.reading():
+            reports = {table.name: table_report(table, optimizer) for table in model_tables(self.model)}
         for name, report in reports.items():
             if report["events"] is not None:
                 report["since"] = since(report["events"], self._events.get(name))

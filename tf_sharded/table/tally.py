@@ -15,6 +15,7 @@ not checkpointed.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import weakref
@@ -94,6 +95,30 @@ def key_of(table, shard: int) -> tuple:
     return (entry[1], shard)
 
 
+_READING = threading.local()
+
+
+@contextlib.contextmanager
+def reading():
+    """Inside the block (this thread), each tally is read once, at its first use: a report over many tables
+    reads each counter variable once, not once per table."""
+    saved = getattr(_READING, "values", None)
+    _READING.values = {} if saved is None else saved
+    try:
+        yield
+    finally:
+        _READING.values = saved
+
+
+def _values(tally: Tally) -> np.ndarray:
+    cache = getattr(_READING, "values", None)
+    if cache is None:
+        return tally.read()
+    if tally.device not in cache:
+        cache[tally.device] = tally.read()
+    return cache[tally.device]
+
+
 def shard_counts(table) -> np.ndarray:
     """The distinct ids each shard of `table` served in training lookups so far, summed over the tallies that
     count them (several devices' under mirrored copies), int64 `[num_shards]`."""
@@ -104,7 +129,7 @@ def shard_counts(table) -> np.ndarray:
         wanted = [(i, tally.slots.get(key_of(table, i))) for i in range(table.num_shards)]
         wanted = [(i, s) for i, s in wanted if s is not None]
         if wanted:
-            values = tally.read()
+            values = _values(tally)
             for i, s in wanted:
                 out[i] += values[s] if s < len(values) else 0
     return out
