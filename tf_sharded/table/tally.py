@@ -8,6 +8,11 @@ replica's device, the local device): one slot per `(table, shard)`,
 registered when a step is traced. Dynamic tables keep their own counters
 beside their row pools (`dynamic.pool.EVENTS`).
 
+The gradient exchange of mirrored and sharded tables counts, per table, the
+bytes each replica puts into it (`add_exchanged`, one op per replica and
+step on the replica's device): the gradient rows and their ids it sends to
+be gathered or summed, or the densified shard it all-reduces.
+
 Counters only grow; a reader takes differences between two reads (a task
 that restarted starts its tally from zero again, `reset_lost`). They are
 not checkpointed.
@@ -19,7 +24,7 @@ import contextlib
 import itertools
 import threading
 import weakref
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -57,9 +62,9 @@ class Tally:
 
     def add(self, keys: Sequence[tuple], counts) -> tf.Tensor:
         """Adds `counts` (int64, one per key) to the counters of `keys`: one op on the tally's device."""
-        slots = tf.constant([[s] for s in self.slots_of(keys)], tf.int64)
-        with tf.device(self.variable.device):
-            return self.variable.scatter_nd_add(slots, tf.cast(counts, tf.int64))
+        slots = tf.constant(self.slots_of(keys), tf.int64)
+        with tf.device(self.variable.device):  # scatter_add: an eager scatter_nd_add takes the unknown shape for []
+            return self.variable.scatter_add(tf.IndexedSlices(tf.cast(counts, tf.int64), slots))
 
     def read(self) -> np.ndarray:
         return np.asarray(self.variable.read_value())
@@ -133,6 +138,32 @@ def shard_counts(table) -> np.ndarray:
             for i, s in wanted:
                 out[i] += values[s] if s < len(values) else 0
     return out
+
+
+EXCHANGED = "exchanged"  # a table's key in the tallies for its exchange's bytes, beside its shards' numbers
+
+
+def add_exchanged(device: str, sent: Sequence[tuple]) -> tf.Tensor:
+    """Adds the bytes `sent` (`(table, int64 scalar)` pairs, a table listed once per shard) to each table's
+    exchange counter on `device` (the replica's): one op for all of them."""
+    totals: Dict[tuple, list] = {}
+    for table, nbytes in sent:
+        totals.setdefault(key_of(table, EXCHANGED), []).append(tf.cast(nbytes, tf.int64))
+    return tally_on(device).add(list(totals), tf.stack([tf.add_n(parts) for parts in totals.values()]))
+
+
+def exchanged_bytes(table) -> Optional[int]:
+    """The bytes the replicas of this process put into `table`'s gradient exchange so far, or None where its
+    exchange counts none (one replica, a placement without an exchange)."""
+    found, total = False, 0
+    with _LOCK:
+        tallies = list(_TALLIES.values())
+    for tally in tallies:
+        slot = tally.slots.get(key_of(table, EXCHANGED))
+        if slot is not None:
+            values = _values(tally)
+            found, total = True, total + (int(values[slot]) if slot < len(values) else 0)
+    return total if found else None
 
 
 def counter_variables() -> list:

@@ -9,8 +9,9 @@ import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
-from tests.harness.strategies import uid
+from tests.harness.strategies import ps_strategy, uid
 from tests.table.dynamic.test_dynamic import train_step
+from tf_sharded.table import tally
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -105,3 +106,21 @@ class DynamicEventsTest(tf.test.TestCase):
             self.assertEqual(got[EVICTED], len(live - after), msg=f"step {s}")
         self.assertEqual(got[REJECTED], 3)
         self.assertEqual(int(table.size()), 5)
+
+    @pytest.mark.ps_cluster
+    def test_eager_lookups_count_too_here_and_on_parameter_servers(self):
+        # Outside a function (a notebook's cell), under the default strategy and on parameter servers, whose
+        # counter variables have unknown shapes.
+        for strategy in (tf.distribute.get_strategy(), ps_strategy()):
+            with strategy.scope():
+                table = strategy.create_dynamic_table(uid("events_eager"), 4, partitions=2, seed=4,
+                                                      admission=tfs.policies.MinCountAdmission(2))  # fmt: skip
+                fixed = strategy.create_sharded_variable(uid("events_eager_fixed"), [20, 4], partitions=2)
+            model, total = Model(table, min_count=2), np.zeros([2, 5], np.int64)
+            for s, keys in enumerate(key_stream(3, 3), 1):
+                tfs.embedding_lookup(table, tf.constant(keys, tf.int64))
+                total += model.step(keys, s)
+                self.assertAllEqual(table.shard_events(), total, msg=f"{strategy} step {s}")
+            tfs.embedding_lookup(fixed, tf.constant([1, 2, 2, 13], tf.int64))
+            owners = fixed.layout.route(tf.constant([1, 2, 13], tf.int64))[0].numpy()
+            self.assertAllEqual(tally.shard_counts(fixed), np.bincount(owners, minlength=2))

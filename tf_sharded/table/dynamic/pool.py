@@ -175,7 +175,9 @@ class RowPool:
 
     def count_events(self, slots: Sequence[int], counts) -> tf.Tensor:
         """Adds `counts` (`[len(slots), len(EVENTS)]` int64) to the members' counters at `slots`: one op."""
-        return self.events.scatter_nd_add(tf.constant([[s] for s in slots], tf.int64), counts)
+        # scatter_add, not scatter_nd_add: the variable's shape is unknown, which an eager scatter_nd_add (a
+        # lookup outside a function on a parameter server) takes for a scalar.
+        return self.events.scatter_add(tf.IndexedSlices(counts, tf.constant(list(slots), tf.int64)))
 
     def reserved_keys(self):
         """The table of its int64 shards' reserved keys (`dynamic.index.reserved_table`), made with the first."""
