@@ -39,6 +39,20 @@ for mode, placement in (("allgather", "device"), ("dense", "device"), ("auto", "
         ref_optimizer.apply_gradients([(tape.gradient(loss, reference), reference)])
     err = float(np.abs(table.numpy() - reference.numpy()).max())
     assert err < 1e-5, (mode, err)
+    # The bytes this worker's replica put into the exchange: per step and shard, its distinct ids' rows and
+    # ids where the shard was gathered (the cost model's choice on the larger replica's count), else the
+    # densified shard.
+    want = 0
+    for batch in batches:
+        for shard in range(2):
+            counts = [int(np.sum(table.layout.route(tf.constant(np.unique(b), tf.int64))[0].numpy() == shard))
+                      for b in batch]
+            rows_here = table.layout.shard_sizes[shard]
+            gathered = mode == "allgather" or (mode == "auto" and tfs.exchange.choose(rows_here, 16, 2, max(counts))
+                                               == "allgather")
+            want += counts[int(os.environ["TASK"])] * (16 + 8) if gathered else rows_here * 16
+    from tf_sharded.table.tally import exchanged_bytes
+    assert exchanged_bytes(table) == want, (mode, exchanged_bytes(table), want)
     print(f"worker {os.environ['TASK']} {mode}/{placement} max error {err:.2e}", flush=True)
 
 # Keras 3's model.fit fails under MultiWorkerMirroredStrategy (keras-team/keras#20585); tfs.fit runs the
@@ -77,6 +91,16 @@ for batch in (x[16:24], x[24:32]):
         read += np.bincount(owners, minlength=emb.embeddings.num_shards)
 load = history.history[f"tables/{emb.embeddings.name}/lookup_load"][-1]
 assert abs(load - read.max() / read.mean()) < 1e-9, (load, read)
+# Its exchange's bytes per step over those two steps, summed over the workers (as in the loop above).
+sent = 0
+for batch in (x[16:24], x[24:32]):
+    for shard, rows_here in enumerate(emb.embeddings.layout.shard_sizes):
+        counts = [int(np.sum(emb.embeddings.layout.route(tf.constant(np.unique(h), tf.int64))[0].numpy() == shard))
+                  for h in (batch[:4], batch[4:])]
+        gathered = tfs.exchange.choose(rows_here, 16, 2, max(counts)) == "allgather"
+        sent += sum(c * (16 + 8) if gathered else rows_here * 16 for c in counts)
+moved = history.history[f"tables/{emb.embeddings.name}/exchange_bytes"][-1]
+assert abs(moved - sent / 2) < 1e-9, (moved, sent / 2)
 # What this worker counted itself over the 8 steps: its replica's half of each global batch.
 from tf_sharded.table.tally import shard_counts
 

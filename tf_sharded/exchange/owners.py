@@ -23,7 +23,9 @@ from typing import Dict, List, Tuple
 import tensorflow as tf
 
 from tf_sharded.config import Placement
-from tf_sharded.exchange.transports import hash_merge, offsets, split_by_offsets
+from tf_sharded.exchange.cost import row_bytes
+from tf_sharded.exchange.transports import hash_merge, offsets, sent_bytes, split_by_offsets
+from tf_sharded.table.batched import rows_per_member
 from tf_sharded.table.protocol import owner_of
 
 
@@ -40,7 +42,7 @@ def _as_slices(grad, rows: int) -> Tuple[tf.Tensor, tf.Tensor]:
     return tf.range(rows, dtype=tf.int64), tf.convert_to_tensor(grad)
 
 
-def reduce_to_owners(grads: List[Tuple[object, object, int]], ctx) -> List[tf.IndexedSlices]:
+def reduce_to_owners(grads: List[Tuple[object, object, int]], ctx) -> Tuple[List[tf.IndexedSlices], list]:
     """Sums each shard's gradient over the replicas on the shard's own device.
 
     Args:
@@ -51,7 +53,9 @@ def reduce_to_owners(grads: List[Tuple[object, object, int]], ctx) -> List[tf.In
 
     Returns:
       For each entry, the summed `IndexedSlices` (distinct rows, on the
-      shard's device), the same tensors on every replica.
+      shard's device), the same tensors on every replica; and the bytes this
+      replica sent, as `(table, int64 bytes)` per table whose rows they are
+      (a storage table's members, `batched.rows_per_member`).
     """
     groups: Dict[tuple, List[int]] = {}
     for k, (grad, table, shard) in enumerate(grads):
@@ -60,9 +64,12 @@ def reduce_to_owners(grads: List[Tuple[object, object, int]], ctx) -> List[tf.In
         groups.setdefault(key, []).append(k)
     keys = list(groups)
     bases = {key: offsets([grads[k][1].shard_rows(grads[k][2]) for k in groups[key]]) for key in keys}
-    payloads = []
+    payloads, sent = [], []
     for key in keys:
         parts = [_as_slices(grads[k][0], grads[k][1].shard_rows(grads[k][2])) for k in groups[key]]
+        for k, (rows, _) in zip(groups[key], parts):
+            per_row = row_bytes(grads[k][1])
+            sent.extend((table, sent_bytes(n, 0, per_row)) for table, n in rows_per_member(*grads[k][1:], rows))
         indices = tf.concat([rows + base for (rows, _), base in zip(parts, bases[key])], 0)
         payloads.append((indices, tf.concat([values for _, values in parts], 0)))
 
@@ -83,7 +90,7 @@ def reduce_to_owners(grads: List[Tuple[object, object, int]], ctx) -> List[tf.In
             table, shard = grads[k][1], grads[k][2]
             shape = tf.constant([table.shard_rows(shard)] + table.shape[1:].as_list(), tf.int64)
             out[k] = tf.IndexedSlices(values, indices, shape)
-    return out
+    return out, sent
 
 
 def from_local_owners(grads: List[Tuple[object, object]], ctx) -> list:

@@ -14,6 +14,7 @@ from typing import Callable, List, Optional, Tuple
 import tensorflow as tf
 
 from tf_sharded import trace
+from tf_sharded.exchange.cost import row_bytes
 from tf_sharded.exchange.owners import from_local_owners, reduce_to_owners, sharded_owner
 from tf_sharded.exchange.policy import trace_time_choice
 from tf_sharded.exchange.transports import (
@@ -24,8 +25,10 @@ from tf_sharded.exchange.transports import (
     in_process,
     local_slices,
     offsets,
+    sent_bytes,
     split_by_offsets,
 )
+from tf_sharded.table import tally
 from tf_sharded.table.protocol import owner_of
 from tf_sharded.table.registry import placement_of
 
@@ -41,18 +44,22 @@ def _trained_remotely(tag) -> bool:
     return placement is not None and placement.trained_remotely
 
 
-def exchange_as(grad, table, shard: int, ctx, choice: str):
-    """One shard's exchange once its trace-time `choice` is known."""
-    rows = table.shard_rows(shard)
+def exchange_as(grad, table, shard: int, ctx, choice: str) -> tuple:
+    """One shard's exchange once its trace-time `choice` is known: the summed gradient, and the bytes this
+    replica sent (`transports.sent_bytes`)."""
+    rows, per_row = table.shard_rows(shard), row_bytes(table)
     if choice == "dense":
-        return dense_exchange(grad, ctx, rows)
-    premerged = trace.single_lookup(table)
+        return dense_exchange(grad, ctx, rows), sent_bytes(0, rows, per_row, False)
+    indices, values = local_slices(grad, trace.single_lookup(table))
+    local = tf.IndexedSlices(values, indices, grad.dense_shape)
     if choice == "allgather":
-        return allgather_exchange(grad, ctx, premerged)[0]
-    return adaptive_exchange(grad, ctx, rows, premerged, decided="dense" if choice == "map" else None)[0]
+        return allgather_exchange(local, ctx, premerged=True)[0], sent_bytes(tf.size(indices), rows, per_row)
+    summed, gathered = adaptive_exchange(local, ctx, rows, True, decided="dense" if choice == "map" else None)
+    # In process the slices travel either way (the densified merge happens where they meet).
+    return summed, sent_bytes(tf.size(indices), rows, per_row, True if in_process(ctx) else gathered)
 
 
-def grouped_allgather(grads: List[Tuple[tf.IndexedSlices, int, bool]], ctx) -> List[tf.IndexedSlices]:
+def grouped_allgather(grads: List[Tuple[tf.IndexedSlices, int, bool]], ctx) -> Tuple[List[tf.IndexedSlices], list]:
     """All-gathers several shards' slices as one: one collective (or one in-process merge) for all of them.
 
     `grads`: `(gradient, shard rows, premerged)` of shards with the same
@@ -60,21 +67,19 @@ def grouped_allgather(grads: List[Tuple[tf.IndexedSlices, int, bool]], ctx) -> L
     the shards before it, so the ids never collide; the merged result is
     split back by those offsets. A step over 26 tables then issues one
     gather instead of 26 (each a shape exchange plus the data over the
-    network under `MultiWorkerMirroredStrategy`).
+    network under `MultiWorkerMirroredStrategy`). Also returns the bytes this replica sent for each shard.
     """
+    local = [local_slices(grad, premerged) for grad, _, premerged in grads]
+    sent = [sent_bytes(tf.size(i), rows, row_bytes(values)) for (i, values), (_, rows, _) in zip(local, grads)]
     if len(grads) == 1:
-        grad, _, premerged = grads[0]
-        return [allgather_exchange(grad, ctx, premerged)[0]]
+        (indices, values), (grad, _, _) = local[0], grads[0]
+        return [allgather_exchange(tf.IndexedSlices(values, indices, grad.dense_shape), ctx, premerged=True)[0]], sent
     bases = offsets([rows for _, rows, _ in grads])
-    indices, values = [], []
-    for (grad, _, premerged), base in zip(grads, bases):
-        local_indices, local_values = local_slices(grad, premerged)
-        indices.append(local_indices + base)
-        values.append(local_values)
-    joint = tf.IndexedSlices(tf.concat(values, 0), tf.concat(indices, 0))
+    indices = tf.concat([local_indices + base for (local_indices, _), base in zip(local, bases)], 0)
+    joint = tf.IndexedSlices(tf.concat([local_values for _, local_values in local], 0), indices)
     merged = allgather_exchange(joint, ctx, premerged=True)[0]
     parts = split_by_offsets(merged.indices, merged.values, bases)
-    return [tf.IndexedSlices(v, i, grad.dense_shape) for (grad, _, _), (i, v) in zip(grads, parts)]
+    return [tf.IndexedSlices(v, i, grad.dense_shape) for (grad, _, _), (i, v) in zip(grads, parts)], sent
 
 
 def all_reduce_gradients(
@@ -121,8 +126,10 @@ def all_reduce_gradients(
     if over_workers and len(ctx.strategy.extended.worker_devices) > 1:
         for (i, _), grad in zip(over_workers, from_local_owners([pairs[i] for i, _ in over_workers], ctx)):
             result[i] = (grad, pairs[i][1])
+    exchanged = []  # (table, bytes this replica sent for one of its shards)
     if sharded:
-        summed = reduce_to_owners([(pairs[i][0], table, shard) for i, (table, shard) in sharded], ctx)
+        summed, sent = reduce_to_owners([(pairs[i][0], table, shard) for i, (table, shard) in sharded], ctx)
+        exchanged.extend(sent)
         for (i, _), grad in zip(sharded, summed):
             result[i] = (grad, pairs[i][1])
     rest = [pairs[i] for i, _ in others]
@@ -154,13 +161,29 @@ def all_reduce_gradients(
         if groupable and row_shape.is_fully_defined() and table.shape[0] is not None:
             grouped.setdefault((choice, g.values.dtype, tuple(row_shape.as_list())), []).append((i, table, shard))
         else:
-            result[i] = (exchange_as(g, table, shard, ctx, choice), v)
+            summed, sent = exchange_as(g, table, shard, ctx, choice)
+            result[i] = (summed, v)
+            exchanged.append((table, sent))
     for (choice, _, _), members in grouped.items():
         grads = [(pairs[i][0], table.shard_rows(shard), trace.single_lookup(table)) for i, table, shard in members]
-        summed = grouped_allgather(grads, ctx) if choice == "allgather" else grouped_adaptive_exchange(grads, ctx)[0]
+        if choice == "allgather":
+            summed, sent = grouped_allgather(grads, ctx)
+        else:
+            summed, _, sent = grouped_adaptive_exchange(grads, ctx)
+            sent = tf.unstack(sent, num=len(members))
+        exchanged.extend((table, n) for (_, table, _), n in zip(members, sent))
         for (i, _, _), grad in zip(members, summed):
             result[i] = (grad, pairs[i][1])
+    if exchanged:
+        tally.add_exchanged(_replica_device(ctx), exchanged)
     return result
+
+
+def _replica_device(ctx) -> str:
+    """This replica's device (its counters live there)."""
+    devices = ctx.strategy.extended.worker_devices
+    replica = tf.get_static_value(ctx.replica_id_in_sync_group)
+    return devices[int(replica) % len(devices)] if replica is not None else devices[0]
 
 
 def _one_replica(pairs: List[tuple], fallback) -> List[tuple]:

@@ -176,7 +176,7 @@ def adaptive_exchange(
     """
     if in_process(ctx):
         return _adaptive_in_process(grad, ctx, rows, premerged, merge_factor, decided)
-    (summed,), use_gather = grouped_adaptive_exchange([(grad, rows, premerged)], ctx, merge_factor)
+    (summed,), use_gather, _ = grouped_adaptive_exchange([(grad, rows, premerged)], ctx, merge_factor)
     return summed, use_gather[0]
 
 
@@ -198,11 +198,12 @@ def split_by_offsets(indices: tf.Tensor, values: tf.Tensor, bases: List[int]) ->
 
 def grouped_adaptive_exchange(
     grads: List[Tuple[tf.IndexedSlices, int, bool]], ctx, merge_factor: Optional[float] = None
-) -> Tuple[List[tf.IndexedSlices], tf.Tensor]:
+) -> Tuple[List[tf.IndexedSlices], tf.Tensor, tf.Tensor]:
     """The per-step "auto" exchange of one or more shards (same dtype and row shape) in three collectives in all.
 
     `grads`: `(gradient, shard rows, premerged)`. Collective transport only.
-    Returns the summed slices and, per shard, whether it gathered. Each shard
+    Returns the summed slices and, per shard, whether it gathered and the
+    bytes this replica sent for it (`sent_bytes`). Each shard
     decides on the largest replica's distinct count (the cost model), but
     the rendezvous are shared: one all-gather of every shard's count, one
     all-gather of the rows of the shards that gather (each shard's rows
@@ -257,4 +258,13 @@ def grouped_adaptive_exchange(
 
         indices, values = tf.cond(use_gather[i], lambda a=sparse_indices, b=sparse_values: (a, b), dense_result)
         out.append(tf.IndexedSlices(values, indices, grad.dense_shape))
-    return out, use_gather
+    sent = sent_bytes(tf.cast(counts, tf.int64), tf.constant(sizes, tf.int64), per_row, use_gather)
+    return out, use_gather, sent
+
+
+def sent_bytes(distinct, rows, per_row: int, gathered=True) -> tf.Tensor:
+    """Bytes a replica puts into one shard's exchange (int64, elementwise): its `distinct` gradient rows and
+    their ids where the shard is gathered (or merged in process), else the densified shard's `rows`. The
+    one-row markers and the shared counts are left out."""
+    sparse = tf.cast(distinct, tf.int64) * (per_row + ID_BYTES)
+    return tf.where(gathered, sparse, tf.cast(rows, tf.int64) * per_row)

@@ -23,6 +23,13 @@ table adds:
 * `tables/<name>/hit_rate`: the looked-up ids whose key was present / the
   ids looked up.
 
+A table whose gradient the replicas exchange (mirrored, or sharded over the
+replicas of one process) adds `tables/<name>/exchange_bytes`: the bytes the
+replicas put into its exchange per step since the last report, summed over
+them (the gradient rows and their ids each sends to be gathered or summed
+on the owner, or the densified shard it all-reduces; the one-row markers
+and shared counts left out).
+
 `lookup_load` and `hit_rate` are left out of a report with no lookups since
 the one before (and the load of tables on table servers, whose fixed
 tables' lookups are not counted).
@@ -114,6 +121,7 @@ def table_report(table, optimizer=None) -> Dict[str, object]:
         "shard_rows": shard_rows,
         "events": table.kind.shard_events(table),
         "lookups": table.kind.shard_lookups(table),
+        "exchanged": tally.exchanged_bytes(table),
     }
 
 
@@ -207,7 +215,7 @@ class TableMetrics(keras.callbacks.Callback):
         self.log_dir = None if log_dir is None else _writable(log_dir)
         self.write_logs = bool(write_logs)
         self._writer = None
-        self._step = self._reported = 0
+        self._step = self._reported = self._read_step = 0
         self._latest: Dict[str, float] = {}
         self._events: Dict[str, np.ndarray] = {}  # each table's counters at the last report
 
@@ -220,7 +228,15 @@ class TableMetrics(keras.callbacks.Callback):
         strategy = self.model.distribute_strategy
         with tally.reading():
             reports = {table.name: table_report(table, optimizer) for table in model_tables(self.model)}
+        step, self._read_step = self._read_step, steps_done(self.model)
+        steps = self._read_step - step
         for name, report in reports.items():
+            if report["exchanged"] is not None:
+                total = _over_workers(strategy, np.array([report["exchanged"]], np.int64))
+                moved = since(total, self._events.get((name, "exchanged")))
+                self._events[(name, "exchanged")] = total
+                if steps > 0:
+                    report["exchange_bytes"] = float(moved[0]) / steps
             if report["events"] is not None:
                 report["since"] = since(report["events"], self._events.get(name))
                 self._events[name] = report["events"]
@@ -235,7 +251,11 @@ class TableMetrics(keras.callbacks.Callback):
         """The reports as log entries: `tables/<name>/<metric>` -> float."""
         out = {}
         for name, report in reports.items():
-            figures = {metric: float(report[metric]) for metric in ("rows", "bytes", "shard_load")}
+            figures = {
+                metric: float(report[metric])
+                for metric in ("rows", "bytes", "shard_load", "exchange_bytes")
+                if metric in report
+            }
             if report.get("since") is not None:
                 figures.update(event_metrics(report["since"]))
             looked = shard_lookups(report)
@@ -257,6 +277,7 @@ class TableMetrics(keras.callbacks.Callback):
         self._reported = self._step // self.every
         # The first report counts the events since training began (a restored table's counters start at zero).
         self._events = {}
+        self._read_step = self._step
         self.read()
         if self.log_dir is not None and self.model.distribute_strategy.extended.should_save_summary:
             self._writer = tf.summary.create_file_writer(self.log_dir)

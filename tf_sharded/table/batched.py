@@ -52,6 +52,22 @@ def logical_tables(table) -> list:
     return [table] if members is None else list(members)
 
 
+def rows_per_member(table, shard: int, rows: tf.Tensor) -> List[tuple]:
+    """`(member table, int64 count of rows)` of `rows` (local rows of shard `shard` of `table`) per table whose
+    rows they are: a storage table's members holding a segment of that shard, else `table` itself."""
+    entry = _MEMBERS.get(table) if isinstance(table, ShardedVariable) else None
+    if entry is None:
+        return [(table, tf.size(rows, out_type=tf.int64))]
+    here = [(offset, member) for member, placed in entry for j, offset in placed if j == shard]
+    here.sort(key=lambda e: e[0])
+    if len(here) == 1:
+        return [(here[0][1], tf.size(rows, out_type=tf.int64))]
+    starts = tf.constant([offset for offset, _ in here[1:]], tf.int64)
+    which = tf.searchsorted(starts, tf.cast(rows, tf.int64), side="right", out_type=tf.int32)
+    counts = tf.math.bincount(which, minlength=len(here), maxlength=len(here), dtype=tf.int64)
+    return [(member, counts[k]) for k, (_, member) in enumerate(here)]
+
+
 def storage_of(table) -> Optional[ShardedVariable]:
     """The storage table holding `table`'s rows, or None for a table with its own variables."""
     return _STORAGE.get(table) if isinstance(table, ShardedVariable) else None

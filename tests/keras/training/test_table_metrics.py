@@ -68,6 +68,7 @@ def expected(fixed, dynamic, data, steps: int, since: int = None, replicas: int 
     present = set(np.concatenate([x["keys"].ravel() for x, _ in data[:since]] + [np.zeros(0, np.int64)]).tolist())
     looked, hits, new = np.zeros(dynamic.num_shards), 0, 0
     read = np.zeros(fixed.num_shards)  # the fixed table's distinct ids per shard, replica and step
+    sent = 0  # the bytes of the fixed table's gradient rows and ids the replicas exchange: each its distinct ids'
     for x, _ in data[since:steps]:
         parts = np.array_split(x["keys"], replicas)
         for part in parts[first:] + parts[:first]:
@@ -79,7 +80,9 @@ def expected(fixed, dynamic, data, steps: int, since: int = None, replicas: int 
         for part in np.array_split(x["ids"], replicas):
             owners = fixed.layout.route(tf.constant(np.unique(part), tf.int64))[0].numpy()
             read += np.bincount(owners, minlength=fixed.num_shards)
-    return {
+            sent += len(np.unique(part)) * (ROW_BYTES + 8)
+    exchange = {f"tables/{fixed.name}/exchange_bytes": sent / (steps - since)} if replicas > 1 else {}
+    return exchange | {
         f"tables/{fixed.name}/rows": ROWS,
         f"tables/{fixed.name}/bytes": ROWS * ROW_BYTES * (1 + SLOTS),
         f"tables/{fixed.name}/shard_load": sizes.max() / sizes.mean(),
@@ -210,6 +213,19 @@ class TableMetricsTest(tf.test.TestCase):
                  for first in range(replicas)] for s in range(5, STEPS + 1)]  # fmt: skip
         low, high = (sum(f(h) for h in hits) / len(hits) for f in (min, max))
         self.assertBetween(history.history[f"tables/{dynamic.name}/hit_rate"][0], low - 1e-9, high + 1e-9)
+
+    def test_mirrored_copies_report_the_bytes_their_exchange_moves_per_step(self):
+        data = batches(2)
+        strategy = mirrored()
+        model, fixed, dynamic = make_model(strategy)
+        history = model.fit(dataset(data), epochs=1, verbose=0, shuffle=False,
+                            callbacks=[tfs.callbacks.TableMetrics(every=3)])  # fmt: skip
+        replicas = strategy.num_replicas_in_sync
+        # The report at step 6 covers steps 4 to 6; the epoch's logs carry it.
+        name = f"tables/{fixed.name}/exchange_bytes"
+        want = expected(fixed, dynamic, data, 6, since=3, replicas=replicas)[name]
+        self.assertGreater(want, 0)
+        self.assertAllClose(history.history[name], [want])
 
     def test_bad_arguments_are_refused_in_one_line_naming_them(self):
         for every in (0, -3, 2.5, "10", True):
