@@ -80,6 +80,16 @@ for slot in ("momentum", "velocity"):  # the slots live on the servers
     assert err < 1e-6, (slot, err)
 assert int(opt.iterations.numpy()) == 4
 print("custom loop: tables, slots and dense equal the one-device reference", flush=True)
+# What the servers counted of each shard's training lookups: each step's distinct ids, by the layout.
+for table, columns in ((a, [0, 1]), (b, [2])):
+    want = np.zeros(table.num_shards, np.int64)
+    for s in range(4):
+        ids = np.random.RandomState(s).randint(0, rows, (8, 3))
+        ids[:, 1] = ids[:, 0] if s == 1 else ids[:, 1]
+        owners = table.layout.route(tf.constant(np.unique(ids[:, columns]), tf.int64))[0].numpy()
+        want += np.bincount(owners, minlength=table.num_shards)
+    got = table.kind.shard_lookups(table)
+    assert (got == want).all(), (table.name, got, want)
 
 # What a server refuses, from any client: each call fails with its reason and changes nothing.
 from tf_sharded.hybrid import calls
@@ -418,6 +428,13 @@ for s in range(4):
     train(tf.constant(batch(task, s)))
     print("dense", s, json.dumps([float(v) for v in w.numpy()[:, 0]]), flush=True)
 strategy.reduce("SUM", strategy.run(lambda: tf.constant(1.0)), axis=None)  # both workers' steps are done
+# The servers counted both workers' lookups of each shard: each step's distinct ids, by the layout.
+looked = np.zeros(table.num_shards, np.int64)
+for s in range(4):
+    for k in range(workers):
+        owners = table.layout.route(tf.constant(np.unique(batch(k, s)), tf.int64))[0].numpy()
+        looked += np.bincount(owners, minlength=table.num_shards)
+assert (table.shard_lookups() == looked).all(), (table.shard_lookups(), looked)
 expected = values.copy()
 for s in range(4):
     for k in range(workers):

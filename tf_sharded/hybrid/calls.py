@@ -35,6 +35,8 @@ CALLS = {
     "gather": ([SCALAR_INT, TEXT, ROWS], FLAT),  # shard, slot ("": the table), local rows
     "scatter": ([SCALAR_INT, TEXT, ROWS, FLAT], SCALAR_INT),
     "slots": ([SCALAR_INT], TEXT),  # JSON list of the shard's optimizer slot names
+    # shards -> the rows each shard's applies updated so far (its training lookups' distinct ids, every worker's)
+    "lookups": ([SHARDS], INTS),
 }
 for _kind, _keys in KEYS.items():
     CALLS.update(

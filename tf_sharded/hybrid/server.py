@@ -16,6 +16,9 @@ trains it, and answers these calls (`tf.distribute.experimental.rpc`):
 * `apply(shards, counts, rows, gradients, learning_rate, iterations)`: one
   optimizer step on each shard's rows with its part of the flat
   `gradients`, at the worker's learning rate and step;
+* `lookups(shards)`: per shard, the rows its applies updated so far (each
+  worker's step sends its lookups' distinct rows: what a fixed table's
+  lookup counters count elsewhere), summed over the workers;
 * `gather(shard, slot, rows)` / `scatter(shard, slot, rows, values)`: rows
   of a shard or of one of its optimizer slots, read or written outside the
   training step (checkpoints, exports, initial values given as arrays);
@@ -72,6 +75,7 @@ class _Shard:
                 local, part = chunk.compute()
                 self.initial.scatter_update(tf.IndexedSlices(part, local))
         self.arena, self.offset = None, 0
+        self.updated = 0  # rows its applies updated, every worker's
 
     @property
     def name(self) -> str:
@@ -315,7 +319,17 @@ class TableServer:
             raise ValueError(f"{unconfigured} have no optimizer on {self.address}: configure them first")
         _, apply = self._compiled(ids)
         with self._apply_lock:
-            return apply(counts, rows, gradients, learning_rate, iterations)
+            applied = apply(counts, rows, gradients, learning_rate, iterations)
+            for i, n in zip(ids, counts.numpy().tolist()):
+                self._shards[i].updated += n
+            return applied
+
+    def _lookups(self, shards):
+        with self._apply_lock:
+            found = [self._shards[i] for i in shards.numpy().tolist() if 0 <= i < len(self._shards)]
+            if len(found) < len(shards.numpy()):
+                raise ValueError(f"Shards {shards.numpy().tolist()} on {self.address}: it has {len(self._shards)}")
+            return tf.constant([getattr(s, "updated", 0) for s in found], tf.int64)
 
     def _rows(self, index, slot) -> tuple:
         """`(variable, first row, rows)` of shard `index` or of its optimizer slot `slot` in its arena."""
@@ -365,6 +379,7 @@ class TableServer:
             "gather": self._gather,
             "scatter": self._scatter,
             "slots": self._slot_names,
+            "lookups": self._lookups,
         }
         for kind in KEYS:  # one handler for either key dtype
             for call in ("lookup", "apply", "export", "assign", "set_column"):

@@ -299,6 +299,16 @@ class ServedTable(Served, registry.TableClass, _RowsOnServers):
     def shard_rows(self, shard: int) -> int:
         return self.layout.shard_sizes[shard]
 
+    def shard_lookups(self) -> np.ndarray:
+        """The distinct ids each shard served in training steps so far, every worker's (int64 `[shards]`): the
+        rows its server's applies updated, counted there."""
+        out = np.zeros([self.num_shards], np.int64)
+        for server in sorted(set(self.server_of)):
+            mine = [s for s in range(self.num_shards) if self.server_of[s] == server]
+            ids = np.array([self.ids[s] for s in mine], np.int64)
+            out[mine] = eager_call(self.servers, server, "lookups", [ids], calls.INTS).numpy()
+        return out
+
     def make_slot(self, name: str, fill: float) -> ServedSlot:
         """A view of the optimizer slot `name` that the servers keep beside the shards (`fill`: theirs)."""
         return ServedSlot(self, name.rsplit("/", 1)[-1], name)

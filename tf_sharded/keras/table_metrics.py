@@ -31,15 +31,15 @@ on the owner, or the densified shard it all-reduces; the one-row markers
 and shared counts left out).
 
 `lookup_load` and `hit_rate` are left out of a report with no lookups since
-the one before (and the load of tables on table servers, whose fixed
-tables' lookups are not counted).
+the one before.
 
 They are read from where the tables live: a dynamic table's shards count
 their keys and these events on their devices, parameter servers or table
 servers, with one counter update per row pool and step; a fixed table's
 training lookups add each shard's distinct ids to a counter on the lookup
 group's first device, one op per group and step (`tf_sharded.table.tally`),
-summed over the workers of a MultiWorkerMirroredStrategy at the report. A
+summed over the workers of a MultiWorkerMirroredStrategy at the report; a
+table server counts the rows its applies update, every worker's. A
 report reads a few scalars per table and computes the figures from them,
 never on the step's path. The epoch's logs carry the last report too, so
 `History` holds them.
@@ -70,6 +70,7 @@ from tf_sharded.table import tally
 from tf_sharded.table.batched import logical_tables
 from tf_sharded.table.dynamic.pool import EVENTS
 from tf_sharded.table.protocol import owner_of
+from tf_sharded.table.registry import placement_of
 from tf_sharded.table.remote import sum_over_workers
 
 PREFIX = "tables"
@@ -122,6 +123,8 @@ def table_report(table, optimizer=None) -> Dict[str, object]:
         "events": table.kind.shard_events(table),
         "lookups": table.kind.shard_lookups(table),
         "exchanged": tally.exchanged_bytes(table),
+        # Counted where the table lives, for every worker (table servers), not by each worker for its own.
+        "all_workers": bool(getattr(placement_of(table), "trained_remotely", False)),
     }
 
 
@@ -241,7 +244,8 @@ class TableMetrics(keras.callbacks.Callback):
                 report["since"] = since(report["events"], self._events.get(name))
                 self._events[name] = report["events"]
             if report["lookups"] is not None:
-                report["lookups"] = _over_workers(strategy, report["lookups"])
+                if not report["all_workers"]:
+                    report["lookups"] = _over_workers(strategy, report["lookups"])
                 report["lookups_since"] = since(report["lookups"], self._events.get(name))
                 self._events[name] = report["lookups"]
         return reports

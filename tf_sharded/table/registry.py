@@ -104,12 +104,13 @@ class Kind:
         return [int(n) for n in layout.shard_sizes] if layout is not None else [int(table.shape[0])]
 
     def shard_lookups(self, table) -> Optional[Any]:
-        """The distinct ids each shard of `table` served in training lookups so far, counted by this
-        process's steps (`table.tally`; int64 `[shards]`), or None for a kind that counts its lookups in
-        `shard_events`."""
+        """The distinct ids each shard of `table` served in training lookups so far (int64 `[shards]`), counted
+        by this process's steps (`table.tally`) or, for a table on table servers, by its servers for every
+        worker; None for a kind that counts its lookups in `shard_events`."""
         from tf_sharded.table.tally import shard_counts
 
-        return shard_counts(table)
+        counted = getattr(table, "shard_lookups", None)  # a table whose shards count their own (on table servers)
+        return counted() if counted is not None else shard_counts(table)
 
     def shard_events(self, table) -> Optional[Any]:
         """Each shard's counters of what training lookups did (`[shards, 5]` int64: ids looked up, ids whose
