@@ -50,6 +50,9 @@ PROCESS_GROUPS = 2
 PROCESS_GROUPS_NICENESS = 10
 # CPU seconds assumed for a file marked `processes` without a `cost`.
 DEFAULT_PROCESS_COST = 30
+# A run of in-process tests alone (none marked `processes`, as `make test-fast`) of at least this many tests
+# shares them with a second process, one core each.
+SPLIT_IN_PROCESS_FROM = 200
 
 
 @pytest.hookimpl(trylast=True)  # after -m / -k have deselected
@@ -83,6 +86,10 @@ def pytest_collection_modifyitems(session, config, items):
     group_of = _balanced_groups(waiting)
     groups = [(cluster, 0)] + [([item for item in waiting if group_of[item.path] == g], PROCESS_GROUPS_NICENESS)
                                for g in range(PROCESS_GROUPS)]  # fmt: skip
+    if not waiting and len(rest) >= SPLIT_IN_PROCESS_FROM:
+        # Without processes to wait on, one process keeps one core busy: every other test goes to a second one
+        # (a file's parametrized cases, often the costly ones, are spread over both).
+        groups.append((rest[1::2], 0))
     groups = [(group, nice) for group, nice in groups if group]
     if not groups or (len(groups) == 1 and len(groups[0][0]) == len(items)):
         return  # nothing else runs here: no need for a second process

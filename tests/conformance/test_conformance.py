@@ -210,8 +210,13 @@ SPECS = {spec.name: spec for spec in (DefaultSpec(), OneDeviceSpec(), MirroredSp
 PROCESS_SPECS = (MultiWorkerSpec, HybridSpec)
 KINDS = [k.name for k in registry.kinds()]
 PLACEMENTS = [p.name for p in registry.placements()]
+# A dynamic kind's case takes 4 to 18 s (its policies' steps, traced under the strategy): `make test` runs it.
+SLOW_KINDS = ("dynamic", "dynamic_string")
 MATRIX = [
-    pytest.param(s, a, p, marks=SPECS[s].marks, id=f"{s}-{a}-{p}") for s in SPECS for a in ADAPTERS for p in PLACEMENTS
+    pytest.param(s, a, p, marks=SPECS[s].marks + ((pytest.mark.slow,) if a in SLOW_KINDS else ()), id=f"{s}-{a}-{p}")
+    for s in SPECS
+    for a in ADAPTERS
+    for p in PLACEMENTS
 ]
 _MADE = {}  # (strategy, kind, placement) -> (option, layout) that made it, or the reason it is skipped
 

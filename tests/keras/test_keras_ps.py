@@ -135,6 +135,7 @@ class KerasParameterServerTest(tf.test.TestCase):
             embeddings = model.get_layer("emb").embeddings.numpy()
             self.assertAllClose(embeddings, ref_table, atol=1e-5, msg=f"with_step={with_step}")
 
+    @pytest.mark.slow  # over 4 s
     def test_lora_trains_its_factors_on_the_shards_and_matches_keras_lora(self):
         with self.strategy.scope():
             model, table0, a0, b0 = make_lora_model()
@@ -212,6 +213,7 @@ class KerasParameterServerTest(tf.test.TestCase):
         state = tf.train.get_checkpoint_state(ckpt_dir)
         self.assertEqual(state.all_model_checkpoint_paths, [os.path.join(ckpt_dir, f"ckpt-{n}") for n in (5, 6, 7)])
 
+    @pytest.mark.slow  # over 4 s
     def test_a_failing_step_counts_nowhere_and_applies_nothing(self):
         with self.strategy.scope():
             model = make_model()
@@ -241,6 +243,7 @@ class KerasParameterServerTest(tf.test.TestCase):
         ref_table, _ = single_device_reference(table0, done + 6)
         self.assertAllClose(emb.numpy(), ref_table, atol=1e-5)
 
+    @pytest.mark.slow  # over 4 s
     def test_steps_per_execution_runs_several_steps_per_dispatch(self):
         with self.strategy.scope():
             model = make_model(steps_per_execution=4)

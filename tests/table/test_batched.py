@@ -175,6 +175,7 @@ class BatchedStorageTest(tf.test.TestCase):
                 np.full(TABLES_SHAPE[k], 0.5 + len(k)),
             )
 
+    @pytest.mark.slow  # over 4 s
     def test_keras_files_and_export_see_each_table(self):
         with self.strategy.scope():
             inputs = {k: keras.Input((), dtype="int64", name=k) for k in TABLES}

@@ -52,6 +52,7 @@ class ParameterServerEvaluationTest(tf.test.TestCase):
         super().setUpClass()
         cls.strategy = ps_strategy()
 
+    @pytest.mark.slow  # over 4 s
     def test_evaluate_and_predict_equal_keras_on_one_device(self):
         want, predicted = reference()
         with self.strategy.scope():

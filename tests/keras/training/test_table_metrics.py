@@ -134,6 +134,7 @@ print(json.dumps(out))
 
 
 class TableMetricsTest(tf.test.TestCase):
+    @pytest.mark.slow  # over 4 s
     def test_default_strategy_reports_counts_to_logs_and_tensorboard_and_a_resumed_run_continues_its_curves(self):
         data = batches()
         strategy = tf.distribute.get_strategy()
@@ -163,6 +164,7 @@ class TableMetricsTest(tf.test.TestCase):
             self.assertLessEqual(buckets[0, 0], per_shard.min())
             self.assertGreaterEqual(buckets[-1, 1], per_shard.max())
 
+    @pytest.mark.slow  # over 4 s
     def test_a_tensorboard_server_serves_each_tables_series(self):
         # A real `tensorboard --logdir` on a loopback port of the tests' network namespace, asked through its
         # HTTP API (the scalars plugin's), as the dashboard asks it.
@@ -194,6 +196,7 @@ class TableMetricsTest(tf.test.TestCase):
         shards = [f"tables/{t.name}/shard_{what}" for t in (dynamic, fixed) for what in ("lookups", "rows")]
         self.assertEqual(sorted(served["histograms"]["."]), shards)
 
+    @pytest.mark.slow  # over 4 s
     def test_keras_model_fit_reports_under_mirrored_with_the_fixed_table_sharded_over_the_replicas(self):
         data = batches(1)
         strategy = mirrored()
@@ -214,6 +217,7 @@ class TableMetricsTest(tf.test.TestCase):
         low, high = (sum(f(h) for h in hits) / len(hits) for f in (min, max))
         self.assertBetween(history.history[f"tables/{dynamic.name}/hit_rate"][0], low - 1e-9, high + 1e-9)
 
+    @pytest.mark.slow  # over 4 s
     def test_mirrored_copies_report_the_bytes_their_exchange_moves_per_step(self):
         data = batches(2)
         strategy = mirrored()
@@ -242,6 +246,7 @@ class TableMetricsTest(tf.test.TestCase):
 
 @pytest.mark.ps_cluster
 class ParameterServerTableMetricsTest(tf.test.TestCase):
+    @pytest.mark.slow  # over 4 s
     def test_the_coordinator_reads_the_tables_on_the_parameter_servers(self):
         # Every step meets the same batch (the two workers take steps in any order): the counts after any step.
         data = batches(2)[:1] * STEPS

@@ -12,6 +12,7 @@ import warnings
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_sharded as tfs
@@ -158,6 +159,7 @@ class FitTest(tf.test.TestCase):
         twin.fit(stream, epochs=1, steps_per_epoch=12, verbose=0, shuffle=False)
         self.assertAllClose(ours_table(again), table_of(twin), atol=1e-6)
 
+    @pytest.mark.slow  # over 4 s
     def test_a_rerun_reads_a_finite_dataset_on_from_the_batch_its_checkpoint_stopped_at(self):
         # A first run under Keras's model.fit stopped part way (max_steps, as a killed run would be), then rerun
         # with the same Dataset: it goes on from the batch and epoch where it stopped, and ends equal to Keras's

@@ -44,6 +44,7 @@ class DynamicMirroredTest(tf.test.TestCase):
         model.fit(RAW_KEYS[IDS], LABELS, batch_size=len(IDS), epochs=steps, shuffle=False, verbose=0)
         assert_matches_dynamic_reference(self, model, steps)
 
+    @pytest.mark.slow  # over 4 s
     def test_a_collections_tables_share_one_host_pool_and_match_their_references(self):
         # The replicas share one host copy of each table, so a collection pools its int64 tables there (one
         # insert section a step for both); the pools' gradient is all-gathered once, as each table's was.

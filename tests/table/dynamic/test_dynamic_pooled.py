@@ -158,6 +158,7 @@ class PooledDynamicTablesTest(tf.test.TestCase):
     def assert_rows_accounted(self, layer) -> None:
         assert_rows_accounted(self, layer)
 
+    @pytest.mark.slow  # over 4 s
     def test_tables_share_a_pool_per_ps_and_each_trains_like_its_own_reference(self):
         layer, optimizer = self.collection()
         tables = layer.tables

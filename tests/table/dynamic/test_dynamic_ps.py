@@ -62,6 +62,7 @@ class DynamicParameterServerTest(tf.test.TestCase):
         run(times=6)
         return sends_per_call(run, 3)
 
+    @pytest.mark.slow  # over 4 s
     def test_a_steps_transfers_between_tasks_do_not_grow_with_its_tables(self):
         # Per ps: one tensor of keys, counts and table steps in, one of rows out, one of gradients in; the
         # optimizer reads its learning rate once per ps and nothing passes through the worker on its way back.
@@ -69,6 +70,7 @@ class DynamicParameterServerTest(tf.test.TestCase):
         self.assertEqual(two, six)
         self.assertLess(two, 40)
 
+    @pytest.mark.slow  # over 4 s
     def test_concurrent_inserts_from_two_workers_lose_and_duplicate_nothing(self):
         # Growing by 2% makes nearly every step copy the pools while the other worker's step writes rows.
         table = self.make(seed=4, key_dtype=tf.int64, growth=1.02)
