@@ -327,9 +327,10 @@ class TableServer:
     def _lookups(self, shards):
         with self._apply_lock:
             found = [self._shards[i] for i in shards.numpy().tolist() if 0 <= i < len(self._shards)]
-            if len(found) < len(shards.numpy()):
-                raise ValueError(f"Shards {shards.numpy().tolist()} on {self.address}: it has {len(self._shards)}")
-            return tf.constant([getattr(s, "updated", 0) for s in found], tf.int64)
+            if len(found) < len(shards.numpy()) or any(getattr(s, "dynamic", False) for s in found):
+                raise ValueError(f"Shards {shards.numpy().tolist()} on {self.address} are not all fixed-row shards "
+                                 f"(it has {len(self._shards)})")  # fmt: skip
+            return tf.constant([s.updated for s in found], tf.int64)
 
     def _rows(self, index, slot) -> tuple:
         """`(variable, first row, rows)` of shard `index` or of its optimizer slot `slot` in its arena."""

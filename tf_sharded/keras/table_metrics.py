@@ -24,7 +24,8 @@ table adds:
   ids looked up.
 
 A table whose gradient the replicas exchange (mirrored, or sharded over the
-replicas of one process) adds `tables/<name>/exchange_bytes`: the bytes the
+replicas of one process; not yet a dynamic table whose rows share pools with
+others) adds `tables/<name>/exchange_bytes`: the bytes the
 replicas put into its exchange per step since the last report, summed over
 them (the gradient rows and their ids each sends to be gathered or summed
 on the owner, or the densified shard it all-reduces; the one-row markers
@@ -136,6 +137,20 @@ def _over_workers(strategy, counts):
     return np.asarray(sum_over_workers(strategy, tf.constant(counts, tf.int64)))
 
 
+def _sum_own_counts(strategy, reports) -> None:
+    """Replaces, in `reports`, the counters each worker counted for its own replicas (fixed tables' lookups, the
+    exchange's bytes) by their sums over the workers, all in one all-reduce (`_over_workers`); a table server's
+    counts are every worker's already."""
+    own = [(name, key) for name, report in reports.items() for key in ("lookups", "exchanged")
+           if report[key] is not None and not (key == "lookups" and report["all_workers"])]  # fmt: skip
+    parts = [np.atleast_1d(np.asarray(reports[name][key], np.int64)) for name, key in own]
+    if not parts:
+        return
+    summed = np.asarray(_over_workers(strategy, np.concatenate(parts)))
+    for (name, key), part in zip(own, np.split(summed, np.cumsum([len(p) for p in parts])[:-1])):
+        reports[name][key] = part
+
+
 def since(now, before):
     """Per-shard counters `now` less those of the last report (`before`, None at the first): a counter below
     its last value started again (its shard's task restarted) and counts from zero."""
@@ -150,7 +165,6 @@ def event_metrics(per_shard) -> Dict[str, float]:
     out = {"admitted": float(admitted.sum()), "rejected": float(rejected.sum()), "evicted": float(evicted.sum())}
     if lookups.sum() > 0:
         out["hit_rate"] = float(hits.sum()) / float(lookups.sum())
-        out["lookup_load"] = _balance(lookups)
     return out
 
 
@@ -231,21 +245,19 @@ class TableMetrics(keras.callbacks.Callback):
         strategy = self.model.distribute_strategy
         with tally.reading():
             reports = {table.name: table_report(table, optimizer) for table in model_tables(self.model)}
+        _sum_own_counts(strategy, reports)
         step, self._read_step = self._read_step, steps_done(self.model)
         steps = self._read_step - step
         for name, report in reports.items():
             if report["exchanged"] is not None:
-                total = _over_workers(strategy, np.array([report["exchanged"]], np.int64))
-                moved = since(total, self._events.get((name, "exchanged")))
-                self._events[(name, "exchanged")] = total
+                moved = since(report["exchanged"], self._events.get((name, "exchanged")))
+                self._events[(name, "exchanged")] = report["exchanged"]
                 if steps > 0:
                     report["exchange_bytes"] = float(moved[0]) / steps
             if report["events"] is not None:
                 report["since"] = since(report["events"], self._events.get(name))
                 self._events[name] = report["events"]
             if report["lookups"] is not None:
-                if not report["all_workers"]:
-                    report["lookups"] = _over_workers(strategy, report["lookups"])
                 report["lookups_since"] = since(report["lookups"], self._events.get(name))
                 self._events[name] = report["lookups"]
         return reports
@@ -280,7 +292,7 @@ class TableMetrics(keras.callbacks.Callback):
         self._step = steps_done(self.model)
         self._reported = self._step // self.every
         # The first report counts the events since training began (a restored table's counters start at zero).
-        self._events = {}
+        self._events, self._latest = {}, {}
         self._read_step = self._step
         self.read()
         if self.log_dir is not None and self.model.distribute_strategy.extended.should_save_summary:

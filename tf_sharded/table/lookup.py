@@ -121,7 +121,6 @@ def lookup_group(members, max_norm, remote_rows=None, training: bool = False):
         shard = tf.zeros_like(uniq, tf.int32)
     else:
         shard = tf.searchsorted(tf.constant(starts[1:], tf.int64), uniq, side="right", out_type=tf.int32)
-    devices = list(dict.fromkeys(v.device for v in storage))
     if training:  # each shard's distinct ids, counted once for the group on a device of this process's
         n = len(shards)
         held = [v.device for v in storage if not is_remote(v)]
@@ -130,6 +129,7 @@ def lookup_group(members, max_norm, remote_rows=None, training: bool = False):
     if remote_rows is not None:
         rows = remote_rows(tables, uniq, starts, owners, shift, placed, max_norm, keys.shape[0])
         return _split(rows, idx, members)
+    devices = list(dict.fromkeys(v.device for v in storage))
     if len(shards) == 1:
         local = uniq - shift[0] if shift[0] else uniq
     else:
@@ -347,7 +347,8 @@ def embedding_lookup(
         `key_dtype` (int64 of any value, or strings).
       max_norm: if set, rows whose L2 norm exceeds it are scaled down to it.
       name: optional name scope.
-      training: dynamic tables only: insert absent keys (trainable tables).
+      training: a training lookup: dynamic tables insert absent keys (trainable tables), and every
+        table's lookup counters count it (`tf_sharded.table.tally`, `DynamicTable.shard_events`).
         With False, absent keys read their initial row and nothing is stored.
 
     Returns:
@@ -393,7 +394,7 @@ def embedding_lookup_sparse(
         L2 norm of the weights). Examples without ids get zeros.
       max_norm: optional row clipping, as in `embedding_lookup`.
       name: optional name scope.
-      training: dynamic tables only, as in `embedding_lookup`.
+      training: as in `embedding_lookup`.
 
     Returns:
       A `[batch] + row_shape` tensor.

@@ -43,22 +43,25 @@ class Tally:
     def __init__(self, device: str):
         self.device = device
         self.slots: Dict[tuple, int] = {}
+        self._growing = threading.Lock()
         with tf.init_scope(), tf.device(device or None):
             self.variable = _compat.plain_variable(
                 tf.zeros([0], tf.int64), "tfs_tally", False, shape=tf.TensorShape(None)
             )
 
     def slots_of(self, keys: Sequence[tuple]) -> List[int]:
-        """The slots of `keys`, registering new ones (the variable grows, keeping its counts)."""
-        with _LOCK:
+        """The slots of `keys`, registering new ones (the variable grows to one counter per slot, keeping its
+        counts; under one lock with the registration, so two threads tracing at once cannot leave it short)."""
+        with self._growing:
             new = [k for k in dict.fromkeys(keys) if k not in self.slots]
-            for key in new:
-                self.slots[key] = len(self.slots)
-        if new:
-            with tf.init_scope(), tf.device(self.variable.device):
-                grown = tf.concat([self.variable.read_value(), tf.zeros([len(new)], tf.int64)], 0)
-                self.variable.assign(grown, read_value=False)
-        return [self.slots[k] for k in keys]
+            if new:
+                with tf.init_scope(), tf.device(self.variable.device):
+                    grown = tf.concat([self.variable.read_value(), tf.zeros([len(new)], tf.int64)], 0)
+                    self.variable.assign(grown, read_value=False)
+                with _LOCK:
+                    for key in new:
+                        self.slots[key] = len(self.slots)
+            return [self.slots[k] for k in keys]
 
     def add(self, keys: Sequence[tuple], counts) -> tf.Tensor:
         """Adds `counts` (int64, one per key) to the counters of `keys`: one op on the tally's device."""
