@@ -58,11 +58,13 @@ coordinator).
 from __future__ import annotations
 
 import os
+import time
 from typing import Dict, Optional
 
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import summary_ops_v2
 
 from tf_sharded._compat import cluster_workers
 from tf_sharded.errors import positive_int
@@ -297,6 +299,21 @@ class TableMetrics(keras.callbacks.Callback):
         self.read()
         if self.log_dir is not None and self.model.distribute_strategy.extended.should_save_summary:
             self._writer = tf.summary.create_file_writer(self.log_dir)
+            self._mark_start()
+
+    def _mark_start(self) -> None:
+        """Marks where this run's curves start (a `SessionLog.START` event after the step it starts from): at a
+        run's second start and later, TensorBoard drops what an earlier run wrote from there on, such as the
+        reports of a run killed after its last checkpoint, so the curves go on with no step twice."""
+        from tensorboard.compat.proto import event_pb2
+
+        # TensorBoard drops the steps from the marked one on: the first this run can write (the resumed step's
+        # report is the earlier run's, kept).
+        event = event_pb2.Event(step=self._step + 1, wall_time=time.time())
+        event.session_log.status = event_pb2.SessionLog.START
+        with self._writer.as_default():
+            summary_ops_v2.import_event(tf.constant(event.SerializeToString()))
+        self._writer.flush()
 
     def on_train_batch_end(self, batch, logs=None):
         # The model's step count, exact under every loop: an epoch resumed part way, steps run several at a

@@ -6,12 +6,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.backend.event_processing import plugin_event_accumulator as event_accumulator
 
 import tf_sharded as tfs
 from tests.harness.strategies import mirrored, ps_strategy
@@ -146,7 +147,13 @@ class TableMetricsTest(tf.test.TestCase):
         want = expected(fixed, dynamic, data, 4)
         for name, value in want.items():
             self.assertAllClose(history.history[name], [value], msg=name)
-        # Resumed from the checkpoint at step 4 by a new model, on the batches that follow: the curves go on at 6.
+        # A run killed after its checkpoint at step 4 had written reports past it, as one killed at step 7 would.
+        with tf.summary.create_file_writer(log_dir).as_default():
+            for name in want:
+                tf.summary.scalar(name, -1.0, step=6)
+        time.sleep(1.1)  # event files are read in the order of their names, which begin with the second they began
+        # Resumed from the checkpoint at step 4 by a new model, on the batches that follow: the curves go on at 6,
+        # the killed run's report at 6 dropped by TensorBoard.
         model, fixed, dynamic = make_model(strategy)
         tfs.fit(model, dataset(data[4:]), epochs=2, steps_per_epoch=4, verbose=0,
                 checkpoint_dir=checkpoints, callbacks=[tfs.callbacks.TableMetrics(2, log_dir)])  # fmt: skip
