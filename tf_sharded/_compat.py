@@ -586,3 +586,11 @@ def renew_remote_state(obj) -> bool:
             return False
         obj._resource_handle = obj._create_resource()
         return False
+
+
+def write_summary_event(serialized: bytes) -> None:
+    """Writes a serialized `Event` proto (a `SessionLog` among them, which `tf.summary` has no function for) with
+    the default summary writer: TensorFlow's `import_event`."""
+    from tensorflow.python.ops import summary_ops_v2
+
+    summary_ops_v2.import_event(tf.constant(serialized))

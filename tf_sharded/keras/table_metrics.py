@@ -64,9 +64,8 @@ from typing import Dict, Optional
 import keras
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import summary_ops_v2
 
-from tf_sharded._compat import cluster_workers
+from tf_sharded._compat import cluster_workers, write_summary_event
 from tf_sharded.errors import positive_int
 from tf_sharded.keras.training.trainer import steps_done
 from tf_sharded.table import tally
@@ -312,7 +311,7 @@ class TableMetrics(keras.callbacks.Callback):
         event = event_pb2.Event(step=self._step + 1, wall_time=time.time())
         event.session_log.status = event_pb2.SessionLog.START
         with self._writer.as_default():
-            summary_ops_v2.import_event(tf.constant(event.SerializeToString()))
+            write_summary_event(event.SerializeToString())
         self._writer.flush()
 
     def on_train_batch_end(self, batch, logs=None):
