@@ -630,3 +630,18 @@ def test_increment_in_place_is_one_op_while_tracing():
 
     assert int(recorded().numpy()) == 8
     assert int(counter.numpy()) == 3
+
+
+@exercises("write_summary_event")
+def test_write_summary_event_writes_the_event_as_given(tmp_path):
+    from tensorboard.compat.proto import event_pb2
+
+    event = event_pb2.Event(step=7, wall_time=1.5)
+    event.session_log.status = event_pb2.SessionLog.START
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    with writer.as_default():
+        _compat.write_summary_event(event.SerializeToString())
+    writer.close()
+    (path,) = tmp_path.iterdir()
+    written = [e for e in tf.compat.v1.train.summary_iterator(str(path)) if e.HasField("session_log")]
+    assert [(e.step, e.session_log.status) for e in written] == [(7, event_pb2.SessionLog.START)]
